@@ -1,0 +1,1 @@
+"""Framework-independent core: runtime, engine, negotiation, settings and errors."""

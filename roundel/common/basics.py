@@ -1,0 +1,305 @@
+"""init/shutdown, this process's ranks, and process-set registration.
+
+``init()`` reads the identity and rendezvous address the launcher put in the
+environment (or, with no launcher, makes a job of one), connects the global
+Gloo communicator and starts the engine. Every framework adapter re-exports
+these functions.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import logging
+import os
+import socket
+import sys
+import threading
+from datetime import timedelta
+
+from roundel.common import identity as identity_env
+from roundel.common.errors import NotInitializedError, RoundelInternalError
+from roundel.common.identity import Identity
+from roundel.common.process_sets import ProcessSet, global_process_set
+from roundel.common.requests import OpKind, Request
+from roundel.common.settings import Settings
+
+log = logging.getLogger("roundel")
+
+
+class _Runtime:
+    """Everything one ``init()`` built; dropped by ``shutdown()``."""
+
+    def __init__(self, ident: Identity, settings: Settings, engine, client, server, prefix: str,
+                 advertise_host: str, process_sets: dict, secret: bytes):
+        self.identity = ident
+        self.settings = settings
+        self.engine = engine
+        self.client = client
+        self.server = server
+        self.prefix = prefix
+        self.advertise_host = advertise_host
+        self.process_sets = process_sets  # id -> (ranks, backend or None)
+        self.secret = secret
+        self.next_process_set_id = 1
+        self.barrier_count = 0
+
+
+_runtime: _Runtime | None = None
+_init_count = 0
+_lock = threading.RLock()
+_atexit_registered = False
+
+
+def _configure_logging(level: str) -> None:
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel({"trace": logging.DEBUG, "fatal": logging.CRITICAL}.get(level, level.upper()))
+
+
+def _local_address_towards(host: str, port: int) -> str:
+    """The address of this host's interface that routes to ``host`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def init(process_sets=None, comm=None) -> None:
+    """Join the job: connect to the other ranks and start the background engine.
+
+    ``process_sets`` is a list of ``ProcessSet`` to register at once (the same
+    list on every rank). Calling ``init()`` again while initialized does
+    nothing; after ``shutdown()`` it starts afresh. Raises ``SettingsError`` for
+    bad settings and ``RoundelInternalError`` when the other ranks cannot be reached.
+    """
+    global _runtime, _init_count, _atexit_registered
+    from roundel.runner.rendezvous import RendezvousClient, RendezvousServer, new_secret
+    from roundel.transport.gloo import GlooBackend
+    from roundel.transport.store_adapter import RendezvousStore
+    from roundel.common.engine import Engine
+
+    with _lock:
+        if _runtime is not None:
+            return
+        if comm is not None:
+            raise ValueError("init(comm=...) takes an MPI communicator, which needs roundel's MPI "
+                             "transport; start the job with roundelrun and leave comm unset")
+        settings = Settings.from_env()
+        _configure_logging(settings.log_level)
+        ident = Identity.from_env()
+        server = None
+        if ident is None:  # run directly with python: a job of one process
+            ident = Identity(0, 1, 0, 1, 0, 1, socket.gethostname())
+            secret = new_secret()
+            server = RendezvousServer(secret, "127.0.0.1", 0)
+            host, port = "127.0.0.1", server.start()
+        else:
+            env = os.environ
+            try:
+                host, port = env[identity_env.RENDEZVOUS_ADDR], int(env[identity_env.RENDEZVOUS_PORT])
+                secret = bytes.fromhex(env[identity_env.SECRET])
+            except (KeyError, ValueError) as exc:
+                raise RoundelInternalError(
+                    f"the rendezvous variables are missing or malformed ({exc}); start the script "
+                    "with roundelrun") from None
+        prefix = f"init{_init_count}/"
+        _init_count += 1
+        client = RendezvousClient(host, port, secret, connect_timeout=settings.start_timeout_s)
+        advertise = _local_address_towards(host, port)
+        try:
+            backend = GlooBackend(
+                RendezvousStore(client, prefix + "ps0/", timedelta(seconds=settings.start_timeout_s)),
+                ident.rank, ident.size, settings.collective_timeout_s, advertise)
+        except RuntimeError as exc:
+            client.close()
+            raise RoundelInternalError(
+                f"rank {ident.rank} could not connect to the other {ident.size - 1} rank(s) within "
+                f"{settings.start_timeout_s:g} s: {exc}") from exc
+        table = {0: (tuple(range(ident.size)), backend)}
+        engine = Engine(ident.rank, ident.size, settings, secret, client, prefix, advertise, table)
+        _runtime = _Runtime(ident, settings, engine, client, server, prefix, advertise, table, secret)
+        global_process_set._bind(0, range(ident.size), ident.rank)
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+    for process_set in process_sets or ():
+        add_process_set(process_set)
+
+
+def shutdown() -> None:
+    """Leave the job and stop the engine; ``init()`` may be called again afterwards."""
+    global _runtime
+    with _lock:
+        runtime, _runtime = _runtime, None
+        if runtime is None:
+            return
+        runtime.engine.shutdown()
+        for _, backend in runtime.process_sets.values():
+            if backend is not None:
+                backend.close()
+        runtime.client.close()
+        if runtime.server is not None:
+            runtime.server.stop()
+
+
+def runtime(what: str = "this operation") -> _Runtime:
+    """The live runtime; raises NotInitializedError before ``init()``."""
+    current = _runtime
+    if current is None:
+        raise NotInitializedError(what)
+    return current
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def rank() -> int:
+    """This process's rank in the job."""
+    return runtime("rank()").identity.rank
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return runtime("size()").identity.size
+
+
+def local_rank() -> int:
+    """This process's rank among those on its host."""
+    return runtime("local_rank()").identity.local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return runtime("local_size()").identity.local_size
+
+
+def cross_rank() -> int:
+    """Index of this host among the hosts that have a process with this local rank."""
+    return runtime("cross_rank()").identity.cross_rank
+
+
+def cross_size() -> int:
+    """Number of hosts that have a process with this local rank."""
+    return runtime("cross_size()").identity.cross_size
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of processes."""
+    ident = runtime("is_homogeneous()").identity
+    return ident.size % ident.local_size == 0 and ident.cross_size * ident.local_size == ident.size
+
+
+def gloo_built() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def gloo_enabled() -> bool:
+    return _runtime is not None
+
+
+def mpi_built() -> bool:
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch.distributed as dist
+    return dist.is_nccl_available()
+
+
+def cuda_built() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+    return torch.backends.cuda.is_built()
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def _process_set_barrier(rt: _Runtime, label: str, ranks: tuple) -> None:
+    """A global barrier that also checks every rank passed the same ``ranks``."""
+    rt.barrier_count += 1
+    request = Request(f"__process_set.{label}.{rt.barrier_count}", OpKind.BARRIER, 0, shape=tuple(ranks),
+                      cacheable=False)
+    rt.engine.submit(request, None, None).wait()
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Register a process set on every rank (a collective: all ranks must call it, in the same order).
+
+    Accepts a ``ProcessSet`` or a list of ranks; returns the registered ``ProcessSet``.
+    Raises ValueError for ranks outside the job or a set that is already registered.
+    """
+    from roundel.transport.gloo import GlooBackend
+    from roundel.transport.store_adapter import RendezvousStore
+
+    rt = runtime("add_process_set()")
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    ranks = tuple(process_set.ranks)
+    size_ = rt.identity.size
+    if not ranks or any(r < 0 or r >= size_ for r in ranks):
+        raise ValueError(f"process set ranks {list(ranks)} must be a non-empty list of ranks in 0..{size_ - 1}")
+    if process_set.process_set_id is not None:
+        raise ValueError(f"{process_set!r} is already registered")
+    if any(existing == ranks for existing, _ in rt.process_sets.values()):
+        raise ValueError(f"a process set with ranks {list(ranks)} is already registered")
+    with _lock:
+        set_id = rt.next_process_set_id
+        rt.next_process_set_id += 1
+        _process_set_barrier(rt, f"add{set_id}", ranks)
+        rt.engine.control(("add_process_set", set_id, ranks))
+        backend = None
+        me = rt.identity.rank
+        if me in ranks:
+            store = RendezvousStore(rt.client, f"{rt.prefix}ps{set_id}/",
+                                    timedelta(seconds=rt.settings.start_timeout_s))
+            backend = GlooBackend(store, ranks.index(me), len(ranks), rt.settings.collective_timeout_s,
+                                  rt.advertise_host)
+        rt.process_sets[set_id] = (ranks, backend)
+        _process_set_barrier(rt, f"added{set_id}", ())
+    process_set._bind(set_id, ranks, me)
+    return process_set
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set on every rank (a collective). Returns False if it was not registered."""
+    rt = runtime("remove_process_set()")
+    set_id = process_set.process_set_id
+    if set_id is None or set_id == 0 or set_id not in rt.process_sets:
+        return False
+    with _lock:
+        _process_set_barrier(rt, f"remove{set_id}", rt.process_sets[set_id][0])
+        rt.engine.control(("remove_process_set", set_id))
+        _, backend = rt.process_sets.pop(set_id)
+        if backend is not None:
+            backend.close()
+        _process_set_barrier(rt, f"removed{set_id}", ())
+    process_set._bind(None, None, None)
+    return True

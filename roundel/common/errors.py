@@ -1,0 +1,41 @@
+"""Exception types raised by roundel, under the names Horovod scripts catch."""
+
+
+class RoundelError(Exception):
+    """Base class of every error roundel raises on purpose."""
+
+
+class SettingsError(RoundelError, ValueError):
+    """A setting (environment variable or launcher flag) has a value roundel cannot use."""
+
+
+class NotInitializedError(RoundelError, ValueError):
+    """An operation was called before ``init()`` (or after ``shutdown()``)."""
+
+    def __init__(self, what: str = "this operation"):
+        super().__init__(
+            f"roundel has not been initialized; call hvd.init() before {what}."
+        )
+
+
+class RoundelInternalError(RoundelError, RuntimeError):
+    """The job's communication failed: a peer died, left, or the transport broke.
+
+    Elastic training catches this to roll back and re-form the job. Also
+    importable as ``HorovodInternalError``.
+    """
+
+
+class CollectiveMismatchError(RoundelError, ValueError):
+    """Ranks submitted incompatible requests under one name (shape, dtype, op, root...)."""
+
+
+class HostsUpdatedInterrupt(RoundelError):
+    """Raised at ``commit()``/``check_host_updates()`` when hosts were added or removed."""
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("the set of hosts changed")
+        self.skip_sync = skip_sync
+
+
+HorovodInternalError = RoundelInternalError

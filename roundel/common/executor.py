@@ -1,0 +1,317 @@
+"""Runs agreed batches on the transport, one at a time, in the order the coordinator chose.
+
+Each rank's executor receives the same sequence of batches (those of its
+process sets), packs fused entries into a reusable buffer, makes one backend
+call, unpacks, and completes the handles.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from typing import Callable
+
+import torch
+
+from roundel.common.adasum import adasum_tree
+from roundel.common.errors import CollectiveMismatchError, RoundelInternalError
+from roundel.common.handles import Handle
+from roundel.common.ops import ReduceOp
+from roundel.common.requests import Batch, OpKind, Request
+
+log = logging.getLogger("roundel")
+
+
+class Work:
+    """A rank's own part of one collective: its request, tensors and handle.
+
+    ``output`` is where the result goes (the input itself for in-place ops);
+    None lets the executor allocate it (allgather, alltoall, reducescatter).
+    """
+
+    __slots__ = ("request", "tensor", "output", "handle", "sent_bit")
+
+    def __init__(self, request: Request, tensor, output, handle: Handle):
+        self.request = request
+        self.tensor = tensor
+        self.output = output
+        self.handle = handle
+        self.sent_bit = None  # (cache version, bit) when submitted as a cache bit
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _scale(buffer, factor: float) -> None:
+    if factor == 1.0:
+        return
+    if buffer.dtype.is_floating_point or buffer.dtype.is_complex:
+        buffer.mul_(factor)
+    elif buffer.dtype != torch.bool:
+        buffer.copy_(buffer.double().mul_(factor).trunc_())
+
+
+class Executor:
+    """A thread that executes batches on the backends of this rank's process sets."""
+
+    def __init__(self, process_sets: dict, on_transport_failure: Callable[[RoundelInternalError], None],
+                 on_idle: Callable[[], None]):
+        self._process_sets = process_sets  # id -> (ranks tuple, backend or None)
+        self._on_transport_failure = on_transport_failure
+        self._on_idle = on_idle
+        self._outstanding = 0
+        self._count_lock = threading.Lock()
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._thread = threading.Thread(target=self._loop, name="roundel-executor", daemon=True)
+        self._thread.start()
+
+    def put(self, batch: Batch, works: list) -> None:
+        with self._count_lock:
+            self._outstanding += 1
+        self._queue.put((batch, works))
+
+    def idle(self) -> bool:
+        """True when no batch is queued or running."""
+        return self._outstanding == 0
+
+    def _finished_one(self) -> None:
+        with self._count_lock:
+            self._outstanding -= 1
+            idle = self._outstanding == 0
+        if idle:
+            self._on_idle()
+
+    def stop(self, timeout: float) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch, works = item
+            try:
+                self._execute(batch, works)
+            finally:
+                self._finished_one()
+
+    def _execute(self, batch: Batch, works: list) -> None:
+        if batch.error:
+            error_type = RoundelInternalError if batch.error_type == "internal" else CollectiveMismatchError
+            self._fail(works, error_type(batch.error))
+            return
+        try:
+            results = self._run(batch, works)
+        except RoundelInternalError as exc:
+            self._fail(works, exc)
+            self._on_transport_failure(exc)
+            return
+        except Exception as exc:  # a bug or an input the checks missed: fail these handles only
+            log.debug("batch failed", exc_info=True)
+            self._fail(works, exc)
+            return
+        for work, result in zip(works, results):
+            if work is not None:
+                work.handle.set_result(result)
+
+    @staticmethod
+    def _fail(works, exc) -> None:
+        for work in works:
+            if work is not None:
+                work.handle.set_error(exc)
+
+    # --------------------------------------------------------------- dispatch
+    def _run(self, batch: Batch, works: list) -> list:
+        ranks, backend = self._process_sets[batch.process_set_id]
+        kind = batch.kind
+        if kind == OpKind.BARRIER:
+            return [None] * len(works)
+        if kind == OpKind.JOIN:
+            return [batch.last_joined] * len(works)
+        call = {
+            OpKind.ALLREDUCE: self._allreduce,
+            OpKind.ALLGATHER: self._allgather,
+            OpKind.BROADCAST: self._broadcast,
+            OpKind.ALLTOALL: self._alltoall,
+            OpKind.REDUCESCATTER: self._reducescatter,
+        }[kind]
+        try:
+            return call(batch, works, backend, ranks)
+        except RuntimeError as exc:
+            if isinstance(exc, RoundelInternalError):
+                raise
+            names = ", ".join(f"'{e.name}'" for e in batch.entries[:4])
+            raise RoundelInternalError(
+                f"{kind.label} of {names} failed in the {backend.name} transport: {exc}. "
+                "A peer process has probably died or stopped; see the other ranks' output."
+            ) from exc
+
+    def _buffer(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        """A reusable fusion buffer (kept per dtype and device, grown on demand)."""
+        key = (dtype, device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buffer
+        return buffer[:numel]
+
+    @staticmethod
+    def _inputs(batch: Batch, works: list) -> list:
+        """Each entry's local tensor; ranks that joined contribute zeros."""
+        return [w.tensor if w is not None else
+                torch.zeros(e.request.shape, dtype=torch_dtype(e.request.dtype))
+                for w, e in zip(works, batch.entries)]
+
+    @staticmethod
+    def _outputs_in_place(works: list, inputs: list) -> list:
+        """The tensors that receive each entry's result (allocated when not given)."""
+        outputs = []
+        for work, tensor in zip(works, inputs):
+            if work is not None and work.output is not None:
+                outputs.append(work.output)
+            else:
+                outputs.append(torch.empty_like(tensor, memory_format=torch.contiguous_format))
+        return outputs
+
+    def _pack(self, tensors: list, dtype: torch.dtype) -> torch.Tensor:
+        total = sum(t.numel() for t in tensors)
+        buffer = self._buffer(dtype, tensors[0].device if tensors else torch.device("cpu"), total)
+        offset = 0
+        for tensor in tensors:
+            n = tensor.numel()
+            buffer[offset:offset + n].view(tensor.shape).copy_(tensor)
+            offset += n
+        return buffer
+
+    @staticmethod
+    def _unpack(buffer: torch.Tensor, outputs: list) -> None:
+        offset = 0
+        for output in outputs:
+            n = output.numel()
+            output.copy_(buffer[offset:offset + n].view(output.shape))
+            offset += n
+
+    # -------------------------------------------------------------- allreduce
+    def _allreduce(self, batch, works, backend, ranks):
+        request = batch.entries[0].request
+        op = ReduceOp(request.reduce_op)
+        post = request.postscale / (len(ranks) if op == ReduceOp.Average else 1)
+        inputs = self._inputs(batch, works)
+        outputs = self._outputs_in_place(works, inputs)
+        if op == ReduceOp.Adasum:
+            return self._adasum(inputs, outputs, request, backend, len(ranks))
+        if len(inputs) == 1 and outputs[0].is_contiguous():
+            buffer = outputs[0]
+            if buffer is not inputs[0]:
+                buffer.copy_(inputs[0])
+        else:
+            buffer = self._pack(inputs, torch_dtype(request.dtype))
+        _scale(buffer, request.prescale)
+        backend.allreduce(buffer, op)
+        _scale(buffer, post)
+        if buffer is not outputs[0]:
+            self._unpack(buffer, outputs)
+        return outputs
+
+    def _adasum(self, inputs, outputs, request, backend, n):
+        """Gather every rank's gradients, then combine each tensor with the Adasum tree."""
+        buffer = self._pack(inputs, torch_dtype(request.dtype))
+        _scale(buffer, request.prescale)
+        gathered = torch.empty(n * buffer.numel(), dtype=buffer.dtype, device=buffer.device)
+        backend.allgather(gathered, buffer)
+        per_rank = gathered.view(n, buffer.numel())
+        offset = 0
+        for output in outputs:
+            count = output.numel()
+            combined = adasum_tree([per_rank[r, offset:offset + count] for r in range(n)])
+            _scale(combined, request.postscale)
+            output.copy_(combined.view(output.shape))
+            offset += count
+        return outputs
+
+    # -------------------------------------------------------------- broadcast
+    def _broadcast(self, batch, works, backend, ranks):
+        request = batch.entries[0].request
+        inputs = self._inputs(batch, works)
+        outputs = self._outputs_in_place(works, inputs)
+        if len(inputs) == 1 and outputs[0].is_contiguous():
+            buffer = outputs[0]
+            if buffer is not inputs[0]:
+                buffer.copy_(inputs[0])
+        else:
+            buffer = self._pack(inputs, torch_dtype(request.dtype))
+        backend.broadcast(buffer, request.root_rank)
+        if buffer is not outputs[0]:
+            self._unpack(buffer, outputs)
+        return outputs
+
+    # -------------------------------------------------------------- allgather
+    def _allgather(self, batch, works, backend, ranks):
+        entries = batch.entries
+        dtype = torch_dtype(entries[0].request.dtype)
+        rows = [math.prod(e.request.shape[1:]) for e in entries]
+        counts = [sum(e.first_dims[r] * row for e, row in zip(entries, rows)) for r in range(len(ranks))]
+        width = max(counts) if counts else 0
+        mine = [w.tensor.reshape(-1) for w in works if w is not None]
+        send = self._pack(mine, dtype) if len(mine) != 1 else mine[0]
+        if send.numel() < width:
+            padded = torch.zeros(width, dtype=dtype, device=send.device)
+            padded[:send.numel()].copy_(send)
+            send = padded
+        received = torch.empty(width * len(ranks), dtype=dtype, device=send.device)
+        backend.allgather(received, send)
+        chunks = received.view(len(ranks), width) if width else received.view(len(ranks), 0)
+        outputs = []
+        offsets = [0] * len(ranks)
+        for entry, row in zip(entries, rows):
+            parts = []
+            for r in range(len(ranks)):
+                n = entry.first_dims[r] * row
+                parts.append(chunks[r, offsets[r]:offsets[r] + n])
+                offsets[r] += n
+            outputs.append(torch.cat(parts).view((sum(entry.first_dims),) + tuple(entry.request.shape[1:])))
+        return outputs
+
+    # --------------------------------------------------------------- alltoall
+    def _alltoall(self, batch, works, backend, ranks):
+        entry = batch.entries[0]
+        work = works[0]
+        request = entry.request
+        me = backend.rank
+        tail = tuple(request.shape[1:])
+        send_splits = list(entry.splits[me])
+        recv_splits = [entry.splits[j][me] for j in range(len(ranks))]
+        dtype = torch_dtype(request.dtype)
+        tensor = work.tensor.contiguous() if work is not None else torch.empty((0,) + tail, dtype=dtype)
+        output = torch.empty((sum(recv_splits),) + tail, dtype=dtype)
+        backend.alltoall(output, tensor, recv_splits, send_splits)
+        return [(output, torch.tensor(recv_splits, dtype=torch.int32))]
+
+    # ---------------------------------------------------------- reducescatter
+    def _reducescatter(self, batch, works, backend, ranks):
+        entry = batch.entries[0]
+        request = entry.request
+        op = ReduceOp(request.reduce_op)
+        n = len(ranks)
+        me = backend.rank
+        tensor = self._inputs(batch, works)[0]
+        first, tail = tensor.shape[0], tuple(tensor.shape[1:])
+        counts = [first // n + (1 if r < first % n else 0) for r in range(n)]
+        chunk = max(counts)
+        padded = torch.zeros((chunk * n,) + tail, dtype=tensor.dtype)
+        start = 0
+        for r, count in enumerate(counts):
+            padded[r * chunk:r * chunk + count].copy_(tensor[start:start + count])
+            start += count
+        _scale(padded, request.prescale)
+        output = torch.empty((chunk,) + tail, dtype=tensor.dtype)
+        backend.reducescatter(output, padded, op)
+        output = output[:counts[me]].clone() if counts[me] != chunk else output
+        _scale(output, request.postscale / (n if op == ReduceOp.Average else 1))
+        return [output]
+

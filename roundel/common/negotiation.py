@@ -1,0 +1,341 @@
+"""The coordinator's bookkeeping: which ranks submitted which names, and what runs next.
+
+Pure logic, no I/O: the engine on rank 0 feeds it requests as they arrive and
+asks it for the batches to send. A name becomes ready when every member of
+its process set (other than ranks that have joined) has submitted it; ready
+names are then checked for agreement and fused into batches in one order that
+every rank executes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from roundel.common.ops import ReduceOp
+from roundel.common.requests import Batch, Entry, OpKind, Request
+from roundel.common.response_cache import CoordinatorCache
+
+JOIN_NAME = "__join__"
+
+ITEMSIZE = {
+    "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16,
+}
+
+_FUSABLE = (OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST)
+
+
+class _Pending:
+    __slots__ = ("requests", "since", "duplicates", "warned")
+
+    def __init__(self, since: float):
+        self.requests: dict[int, Request] = {}
+        self.since = since
+        self.duplicates: set[int] = set()
+        self.warned = False
+
+
+def describe_ranks(values_by_rank: dict) -> str:
+    """'rank 0: a; ranks 1, 2: b' — ranks grouped by equal value."""
+    groups: dict = {}
+    for rank in sorted(values_by_rank):
+        groups.setdefault(repr(values_by_rank[rank]), []).append(rank)
+    parts = []
+    for value, ranks in groups.items():
+        label = "rank" if len(ranks) == 1 else "ranks"
+        parts.append(f"{label} {', '.join(map(str, ranks))}: {value}")
+    return "; ".join(parts)
+
+
+class Negotiator:
+    """Matches requests across ranks by name and plans the batches to execute."""
+
+    def __init__(self, size: int, cache_capacity: int):
+        self.size = size
+        self.process_sets: dict[int, tuple] = {0: tuple(range(size))}
+        self.cache = CoordinatorCache(cache_capacity)
+        self._pending: dict[tuple, _Pending] = {}
+        self._ready: list = []  # (Entry, joined) or (None, Batch) for failures
+        self._joined: list[int] = []
+        self._left: set[int] = set()
+        self._direct: list[tuple[tuple, Batch]] = []  # failures for some ranks only
+        self._evictions: list[tuple[int, tuple]] = []
+        self._agreed_requests: dict[tuple, dict] = {}  # every rank's request, for the cache
+
+    # ----------------------------------------------------------------- input
+    def add_process_set(self, process_set_id: int, ranks: Iterable[int]) -> None:
+        self.process_sets[process_set_id] = tuple(ranks)
+
+    def remove_process_set(self, process_set_id: int) -> None:
+        self.process_sets.pop(process_set_id, None)
+        self._evictions.extend(self.cache.drop_process_set(process_set_id))
+
+    def submit(self, rank: int, request: Request, now: float) -> None:
+        """Record ``rank``'s request; the name may become ready."""
+        key = (request.process_set_id, request.name)
+        members = self.process_sets.get(request.process_set_id)
+        problem = self._submission_problem(rank, request, members)
+        if problem:
+            self._fail_direct((rank,), request, problem, "internal" if self._left else "mismatch")
+            return
+        if request.kind == OpKind.JOIN:
+            self._join(rank, request, now)
+            return
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = _Pending(now)
+        if rank in pending.requests:
+            pending.duplicates.add(rank)
+        else:
+            pending.requests[rank] = request
+        self._check_ready(key)
+
+    def submit_bit(self, rank: int, bit: int, sender_version: int, now: float) -> bool:
+        """Record a cached submission; False if the bit is stale and the rank must resend."""
+        entry = self.cache.lookup(bit, sender_version)
+        if entry is None or rank not in entry[1]:
+            return False
+        self.submit(rank, entry[1][rank], now)
+        return True
+
+    def mark_duplicate(self, rank: int, process_set_id: int, name: str) -> None:
+        """``rank`` submitted ``name`` again while its first submission was still pending here.
+
+        If the first has already been dispatched, the rank fails the second itself.
+        """
+        pending = self._pending.get((process_set_id, name))
+        if pending is not None:
+            pending.duplicates.add(rank)
+
+    def rank_left(self, rank: int, reason: str) -> None:
+        """``rank`` has shut down or died: fail every name that now cannot complete."""
+        self._left.add(rank)
+        if rank in self._joined:
+            self._joined.remove(rank)
+        for key in list(self._pending):
+            members = self.process_sets.get(key[0], ())
+            if rank in members:
+                pending = self._pending.pop(key)
+                request = next(iter(pending.requests.values()))
+                targets = tuple(r for r in members if r not in self._left)
+                self._fail_direct(targets, request, f"'{key[1]}' cannot complete: {reason}", "internal")
+        if self._joined:
+            self._fail_direct(tuple(self._joined), Request(JOIN_NAME, OpKind.JOIN, 0),
+                              f"join() cannot complete: {reason}", "internal")
+            self._joined.clear()
+
+    # ---------------------------------------------------------------- output
+    def take(self, fusion_threshold: int) -> list[tuple[tuple, Batch]]:
+        """The batches ready to run, each with the global ranks to send it to, in execution order."""
+        out: list[tuple[tuple, list]] = []
+        open_batches: dict[tuple, list] = {}
+        for entry, extra in self._ready:
+            if entry is None:
+                out.append((self.process_sets.get(extra.process_set_id, ()), extra))
+                continue
+            request = entry.request
+            members = self.process_sets[request.process_set_id]
+            nbytes = _entry_bytes(entry)
+            group_key = (request.fusion_key(), extra)
+            slot = open_batches.get(group_key)
+            if (slot is not None and request.kind in _FUSABLE
+                    and slot[2] + nbytes <= fusion_threshold):
+                slot[1].append(entry)
+                slot[2] += nbytes
+                continue
+            slot = [members, [entry], nbytes, request, extra]
+            out.append(slot)
+            if request.kind in _FUSABLE:
+                open_batches[group_key] = slot
+        self._ready.clear()
+        batches = []
+        for item in out:
+            if isinstance(item[1], Batch):
+                batches.append((item[0], item[1]))
+                continue
+            members, entries, _, request, joined = item
+            last = joined[-1] if request.kind == OpKind.JOIN else -1
+            entries = tuple(self._cached(entry, joined) for entry in entries)
+            batches.append((members, Batch(request.kind, request.process_set_id, entries,
+                                           joined=joined, last_joined=last)))
+        return self.take_direct() + batches
+
+    def take_direct(self) -> list[tuple[tuple, Batch]]:
+        """Only the failures addressed to some ranks directly (sent without waiting for the cycle)."""
+        direct, self._direct = self._direct, []
+        return direct
+
+    def has_ready(self) -> bool:
+        return bool(self._ready or self._direct)
+
+    def has_direct(self) -> bool:
+        return bool(self._direct)
+
+    def take_evictions(self) -> list[tuple[int, tuple]]:
+        """Cache entries dropped since the last call, as (bit, (process_set_id, name))."""
+        evicted, self._evictions = self._evictions, []
+        return evicted
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def stalled(self, now: float, after_s: float) -> list[tuple[str, int, list[int], list[int], float]]:
+        """Names waiting longer than ``after_s`` and not yet reported: (name, set id, missing, present, waited)."""
+        report = []
+        for (ps_id, name), pending in self._pending.items():
+            waited = now - pending.since
+            if pending.warned or waited < after_s:
+                continue
+            pending.warned = True
+            members = self.process_sets.get(ps_id, ())
+            missing = [r for r in members if r not in pending.requests and r not in self._joined]
+            report.append((name, ps_id, missing, sorted(pending.requests), waited))
+        return report
+
+    def fail_stalled(self, now: float, after_s: float) -> None:
+        """Fail on every member the names that have waited longer than ``after_s``."""
+        for key in [k for k, p in self._pending.items() if now - p.since >= after_s]:
+            pending = self._pending.pop(key)
+            members = self.process_sets.get(key[0], ())
+            missing = [r for r in members if r not in pending.requests]
+            request = next(iter(pending.requests.values()))
+            self._fail_direct(members, request, (
+                f"'{key[1]}' stalled for {now - pending.since:.0f} s waiting for rank(s) "
+                f"{', '.join(map(str, missing))}; shutting it down (stall shutdown time reached)"), "internal")
+
+    # ------------------------------------------------------------- internals
+    def _submission_problem(self, rank: int, request: Request, members) -> str | None:
+        if members is None:
+            return (f"process set {request.process_set_id} is not registered (it was removed, or "
+                    "add_process_set() was not called on every rank)")
+        if rank not in members:
+            return f"rank {rank} is not a member of process set {request.process_set_id} {list(members)}"
+        gone = sorted(self._left.intersection(members))
+        if gone:
+            return (f"'{request.name}' cannot run: rank(s) {', '.join(map(str, gone))} of its process "
+                    "set have already shut down (a rank finished or failed before the others)")
+        return None
+
+    def _fail_direct(self, targets: tuple, request: Request, message: str, error_type: str) -> None:
+        entry = Entry(request.name, request)
+        self._direct.append((targets, Batch(request.kind, request.process_set_id, (entry,),
+                                            error=message, error_type=error_type)))
+
+    def _join(self, rank: int, request: Request, now: float) -> None:
+        if rank not in self._joined:
+            self._joined.append(rank)
+        for key in list(self._pending):
+            self._check_ready(key)
+        live = [r for r in range(self.size) if r not in self._left]
+        if set(self._joined) >= set(live):
+            joined = tuple(self._joined)
+            self._joined.clear()
+            self._ready.append((Entry(JOIN_NAME, request), joined))
+
+    def _check_ready(self, key: tuple) -> None:
+        pending = self._pending[key]
+        members = self.process_sets[key[0]]
+        joined = tuple(r for r in self._joined if r in members)
+        if any(r not in pending.requests for r in members if r not in joined):
+            return
+        del self._pending[key]
+        problem = _disagreement(key[1], pending, members, joined)
+        if problem:
+            request = next(iter(pending.requests.values()))
+            self._ready.append((None, Batch(request.kind, key[0], (Entry(key[1], request),),
+                                            error=problem)))
+            return
+        self._ready.append((self._agreed_entry(key, pending.requests, members, joined), joined))
+
+    def _agreed_entry(self, key, requests: dict, members: tuple, joined: tuple) -> Entry:
+        request = requests[min(requests)]
+        first_dims = splits = None
+        if request.kind == OpKind.ALLGATHER:
+            first_dims = tuple(requests[r].shape[0] if r in requests else 0 for r in members)
+        elif request.kind == OpKind.ALLTOALL:
+            splits = tuple(requests[r].splits if r in requests else (0,) * len(members) for r in members)
+        self._agreed_requests[key] = dict(requests)
+        return Entry(key[1], request, first_dims, splits)
+
+    def _cached(self, entry: Entry, joined: tuple) -> Entry:
+        """``entry`` with the cache bit it is stored under, if it can be cached.
+
+        Called in execution order: ranks replay the cache changes in the order
+        they receive the entries, so the coordinator must make them in that order.
+        """
+        requests = self._agreed_requests.pop((entry.request.process_set_id, entry.name), None)
+        if requests is None or joined or not all(r.cacheable for r in requests.values()):
+            return entry
+        bit, evicted = self.cache.put((entry.request.process_set_id, entry.name), requests)
+        self._evictions.extend(evicted)
+        return entry._replace(cache_bit=bit)
+
+
+def _entry_bytes(entry: Entry) -> int:
+    request = entry.request
+    itemsize = ITEMSIZE.get(request.dtype, 8)
+    if entry.first_dims is not None:
+        row = math.prod(request.shape[1:])
+        return sum(entry.first_dims) * row * itemsize
+    return math.prod(request.shape) * itemsize
+
+
+def _disagreement(name: str, pending: _Pending, members: tuple, joined: tuple) -> str | None:
+    """Why the submitted requests for ``name`` cannot run together, or None."""
+    requests = pending.requests
+    own_errors = {r: q.error for r, q in requests.items() if q.error}
+    if own_errors:
+        return f"'{name}' failed on rank(s) {', '.join(map(str, sorted(own_errors)))}: " + \
+            "; ".join(f"rank {r}: {e}" for r, e in sorted(own_errors.items()))
+    if pending.duplicates:
+        ranks = ", ".join(map(str, sorted(pending.duplicates)))
+        return (f"'{name}' was submitted more than once by rank(s) {ranks} while the first was still "
+                "in flight; give each in-flight collective a unique name")
+    first = next(iter(requests.values()))
+    if not all(q == first for q in requests.values()):  # identical requests (the steady state) agree
+        problem = _field_disagreement(name, requests)
+        if problem:
+            return problem
+    kind = first.kind
+    if kind == OpKind.BROADCAST:
+        if not 0 <= first.root_rank < len(members):
+            return (f"broadcast '{name}': root_rank {first.root_rank} is outside the process set "
+                    f"of size {len(members)}")
+        if members[first.root_rank] in joined:
+            return f"broadcast '{name}': root rank {first.root_rank} has already called join()"
+    if kind == OpKind.REDUCESCATTER and len(first.shape) == 0:
+        return f"reducescatter '{name}': a 0-d tensor cannot be scattered; give it at least one dimension"
+    if kind == OpKind.ALLTOALL:
+        for r, q in requests.items():
+            if len(q.splits) != len(members):
+                return (f"alltoall '{name}': rank {r} gave {len(q.splits)} splits but the process "
+                        f"set has {len(members)} ranks")
+    return None
+
+
+def _field_disagreement(name: str, requests: dict) -> str | None:
+    """The first field on which the ranks' requests for ``name`` must agree but do not."""
+    kinds = {r: q.kind.label for r, q in requests.items()}
+    if len(set(kinds.values())) > 1:
+        return f"Mismatched collective operations for '{name}': {describe_ranks(kinds)}"
+    kind = next(iter(requests.values())).kind
+    checks = [("data types", lambda q: q.dtype), ("devices", lambda q: q.device)]
+    if kind in (OpKind.ALLREDUCE, OpKind.REDUCESCATTER):
+        checks += [("reduction ops", lambda q: ReduceOp(q.reduce_op).name),
+                   ("prescale factors", lambda q: q.prescale),
+                   ("postscale factors", lambda q: q.postscale)]
+    if kind in (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER):
+        checks.append(("tensor shapes", lambda q: q.shape))
+    if kind in (OpKind.ALLGATHER, OpKind.ALLTOALL):
+        checks += [("tensor ranks", lambda q: len(q.shape)),
+                   ("tensor shapes (beyond the first dimension)", lambda q: q.shape[1:])]
+    if kind == OpKind.BARRIER:
+        checks.append(("process set ranks", lambda q: q.shape))
+    if kind == OpKind.BROADCAST:
+        checks.append(("root ranks", lambda q: q.root_rank))
+    for what, field in checks:
+        values = {r: field(q) for r, q in requests.items()}
+        if len(set(values.values())) > 1:
+            return f"Mismatched {kind.label} {what} for '{name}': {describe_ranks(values)}"
+    return None

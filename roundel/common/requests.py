@@ -1,0 +1,84 @@
+"""What ranks tell the coordinator (requests) and what it tells them back (batches).
+
+These are plain picklable records; they travel over the control connections
+between each rank's engine and the coordinator on rank 0.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+
+class OpKind(enum.IntEnum):
+    """The collective a request asks for."""
+
+    ALLREDUCE = 0
+    ALLGATHER = 1
+    BROADCAST = 2
+    ALLTOALL = 3
+    REDUCESCATTER = 4
+    BARRIER = 5
+    JOIN = 6
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Request(NamedTuple):
+    """One rank's description of one named collective.
+
+    ``error`` carries a problem the submitting rank found in its own input; the
+    coordinator then fails the name on every rank with that message.
+    """
+
+    name: str
+    kind: OpKind
+    process_set_id: int
+    dtype: str = ""
+    shape: tuple = ()
+    device: str = "cpu"
+    reduce_op: int = 0
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root_rank: int = -1
+    splits: tuple | None = None
+    cacheable: bool = True
+    error: str | None = None
+
+    def fusion_key(self) -> tuple:
+        """Requests with equal keys may share one fused backend call."""
+        return (self.kind, self.process_set_id, self.dtype, self.device, self.reduce_op,
+                self.prescale, self.postscale, self.root_rank)
+
+
+class Entry(NamedTuple):
+    """One agreed tensor inside a batch.
+
+    ``first_dims`` (allgather) holds each set rank's first dimension;
+    ``splits`` (alltoall) holds every set rank's send splits, row per sender.
+    ``cache_bit`` is set when the coordinator cached this name under that bit.
+    """
+
+    name: str
+    request: Request
+    first_dims: tuple | None = None
+    splits: tuple | None = None
+    cache_bit: int = -1
+
+
+class Batch(NamedTuple):
+    """Entries executed as one backend call (or failed together with ``error``).
+
+    ``joined`` lists the global ranks that have called join() and so
+    contribute neutral data instead of a tensor of their own.
+    """
+
+    kind: OpKind
+    process_set_id: int
+    entries: tuple
+    error: str | None = None
+    error_type: str = "mismatch"
+    joined: tuple = ()
+    last_joined: int = -1

@@ -1,0 +1,107 @@
+"""The response cache: negotiated names remembered under small bit numbers.
+
+Once a name has been agreed, a rank that submits it again with the same
+request sends only its bit. The coordinator owns the cache and announces every
+change in its messages; ranks keep a mirror. Each change bumps a version
+number that travels with both sides' messages, so the coordinator can tell
+when a rank used a bit that has since been evicted or reassigned and ask it to
+send the full request instead.
+"""
+
+from __future__ import annotations
+
+import collections
+
+Key = tuple  # (process_set_id, name)
+
+
+class CoordinatorCache:
+    """The authoritative cache, kept by the coordinator on rank 0."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.version = 0
+        self._bits: "collections.OrderedDict[Key, int]" = collections.OrderedDict()
+        self._entries: dict[int, tuple[Key, dict]] = {}
+        self._changed_at: dict[int, int] = {}
+
+    def lookup(self, bit: int, sender_version: int) -> tuple[Key, dict] | None:
+        """The (key, requests by rank) under ``bit``, or None if the sender's view is stale."""
+        entry = self._entries.get(bit)
+        if entry is None or self._changed_at.get(bit, 0) > sender_version:
+            return None
+        self._bits.move_to_end(entry[0])
+        return entry
+
+    def get_bit(self, key: Key) -> int:
+        """The bit ``key`` is cached under, or -1."""
+        return self._bits.get(key, -1)
+
+    def put(self, key: Key, requests: dict) -> tuple[int, list[tuple[int, Key]]]:
+        """Cache ``requests`` (by rank) under ``key``; return its bit and the entries evicted."""
+        if self.capacity <= 0:
+            return -1, []
+        evicted = []
+        bit = self._bits.get(key, -1)
+        if bit >= 0:
+            if self._entries[bit][1] == requests:
+                self._bits.move_to_end(key)
+                return bit, []
+        elif len(self._bits) < self.capacity:
+            bit = len(self._bits)
+            while bit in self._entries:
+                bit += 1
+        else:
+            old_key, bit = self._bits.popitem(last=False)
+            evicted.append((bit, old_key))
+        self.version += 1
+        self._bits[key] = bit
+        self._bits.move_to_end(key)
+        self._entries[bit] = (key, requests)
+        self._changed_at[bit] = self.version
+        return bit, evicted
+
+    def drop_process_set(self, process_set_id: int) -> list[tuple[int, Key]]:
+        """Forget every name of a removed process set; return the dropped (bit, key) pairs."""
+        dropped = [(bit, key) for key, bit in self._bits.items() if key[0] == process_set_id]
+        if dropped:
+            self.version += 1
+        for bit, key in dropped:
+            del self._bits[key]
+            del self._entries[bit]
+            self._changed_at[bit] = self.version
+        return dropped
+
+
+class RankCache:
+    """A rank's mirror of the coordinator's cache: which of its requests have bits."""
+
+    def __init__(self):
+        self.version = 0
+        self._by_key: dict[Key, tuple[int, tuple]] = {}
+        self._keys_by_bit: dict[int, Key] = {}
+
+    def bit_for(self, key: Key, request: tuple) -> int:
+        """The bit to send for ``request`` under ``key``, or -1 to send it in full."""
+        cached = self._by_key.get(key)
+        if cached is not None and cached[1] == request:
+            return cached[0]
+        return -1
+
+    def record(self, key: Key, bit: int, request: tuple) -> None:
+        """Remember that the coordinator cached ``request`` under ``bit``."""
+        stale = self._keys_by_bit.pop(bit, None)
+        if stale is not None and stale != key:
+            self._by_key.pop(stale, None)
+        previous = self._by_key.get(key)
+        if previous is not None and previous[0] != bit:
+            self._keys_by_bit.pop(previous[0], None)
+        self._by_key[key] = (bit, request)
+        self._keys_by_bit[bit] = key
+
+    def evict(self, bits) -> None:
+        """Forget the entries under ``bits``."""
+        for bit in bits:
+            key = self._keys_by_bit.pop(bit, None)
+            if key is not None:
+                self._by_key.pop(key, None)

@@ -1,0 +1,27 @@
+"""roundel for PyTorch: ``import roundel.torch as hvd`` in place of ``import horovod.torch as hvd``."""
+
+from roundel.common.basics import (
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    nccl_built, rank, rocm_built, shutdown, size,
+)
+from roundel.common.basics import add_process_set, remove_process_set
+from roundel.common.errors import (
+    CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError, RoundelError,
+    RoundelInternalError,
+)
+from roundel.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from roundel.common.process_sets import ProcessSet, global_process_set
+from roundel.torch.compression import Compression
+from roundel.torch.functions import (
+    allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters,
+)
+from roundel.torch.mpi_ops import (
+    allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
+    alltoall_async, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
+    grouped_allgather_async, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+    grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async, join, poll, reducescatter,
+    reducescatter_async, synchronize,
+)
+from roundel.torch.optimizer import DistributedOptimizer
+from roundel.torch.sync_batch_norm import SyncBatchNorm

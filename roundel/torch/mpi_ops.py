@@ -1,0 +1,456 @@
+"""Collectives on torch tensors, with Horovod's names and signatures.
+
+Every collective has an ``_async`` form that returns an integer handle for
+``poll()``/``synchronize()``; the plain forms wait and, where Horovod does,
+carry gradients through autograd.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+
+from roundel.common import basics
+from roundel.common.ops import ReduceOp, resolve_op
+from roundel.common.process_sets import global_process_set
+from roundel.common.requests import OpKind, Request
+from roundel.torch.compression import Compression
+
+_handles: dict[int, tuple[list, object]] = {}
+_handles_lock = threading.Lock()
+_counter = itertools.count()
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).split(".", 1)[1]
+
+
+def _set_id(process_set) -> int:
+    set_id = process_set.process_set_id
+    if set_id is None:
+        raise ValueError(f"{process_set!r} is not registered; call hvd.add_process_set() on every rank first")
+    return set_id
+
+
+def _submit(what: str, kind: OpKind, tensor: torch.Tensor, output, name, handle_id: int,
+            process_set, cacheable: bool | None = None, **fields):
+    engine = basics.runtime(what).engine
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    request = Request(
+        name if name is not None else f"{kind.label}.noname.{handle_id}", kind, _set_id(process_set),
+        dtype=_dtype_name(tensor), shape=tuple(tensor.shape), device=str(tensor.device),
+        cacheable=name is not None if cacheable is None else cacheable, **fields)
+    return engine.submit(request, tensor, output)
+
+
+def _register(handle_id: int, handles: list, finish) -> int:
+    with _handles_lock:
+        _handles[handle_id] = (handles, finish)
+    return handle_id
+
+
+def _first(results):
+    return results[0]
+
+
+def poll(handle: int) -> bool:
+    """True once the collective behind ``handle`` has finished; ``synchronize`` will not block."""
+    with _handles_lock:
+        entry = _handles.get(handle)
+    if entry is None:
+        raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+    return all(h.done() for h in entry[0])
+
+
+def synchronize(handle: int):
+    """Wait for the collective behind ``handle`` and return its result (or raise its error)."""
+    with _handles_lock:
+        entry = _handles.pop(handle, None)
+    if entry is None:
+        raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+    handles, finish = entry
+    return finish([h.wait() for h in handles])
+
+
+# ------------------------------------------------------------------ allreduce
+def _allreduce_problem(tensor: torch.Tensor, op: ReduceOp) -> str | None:
+    if op == ReduceOp.Adasum and not tensor.dtype.is_floating_point:
+        return f"Adasum needs floating-point tensors, not {tensor.dtype}"
+    if tensor.dtype == torch.bool and op in (ReduceOp.Average,):
+        return "Average is not defined for bool tensors; use op=hvd.Sum (logical or), Min, Max or Product"
+    return None
+
+
+def _allreduce_submit(tensor, output, name, op, prescale_factor, postscale_factor, process_set, handle_id,
+                      cacheable=None):
+    return _submit("allreduce", OpKind.ALLREDUCE, tensor, output, name, handle_id, process_set, cacheable,
+                   reduce_op=int(op), prescale=float(prescale_factor), postscale=float(postscale_factor),
+                   error=_allreduce_problem(tensor, op))
+
+
+def _in_place_target(tensor: torch.Tensor):
+    """The contiguous buffer an in-place op writes to, and how to finish into ``tensor``."""
+    if tensor.is_contiguous():
+        return tensor, _first
+    buffer = tensor.contiguous()
+
+    def finish(results):
+        tensor.copy_(results[0])
+        return tensor
+
+    return buffer, finish
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=global_process_set) -> int:
+    """Start reducing ``tensor`` across the set into a new tensor; returns a handle."""
+    op = resolve_op(op, average)
+    handle_id = next(_counter)
+    source = tensor.contiguous()
+    handle = _allreduce_submit(source, torch.empty_like(source), name, op, prescale_factor,
+                               postscale_factor, process_set, handle_id)
+    return _register(handle_id, [handle], _first)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=global_process_set) -> int:
+    """Start reducing ``tensor`` in place; returns a handle."""
+    op = resolve_op(op, average)
+    handle_id = next(_counter)
+    target, finish = _in_place_target(tensor)
+    handle = _allreduce_submit(target, target, name, op, prescale_factor, postscale_factor, process_set,
+                               handle_id)
+    return _register(handle_id, [handle], finish)
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return synchronize(allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor,
+                                           process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        op, prescale_factor, postscale_factor, process_set = ctx.args
+        grad = synchronize(allreduce_async(grad_output, None, None, op, prescale_factor, postscale_factor,
+                                           process_set))
+        return grad, None, None, None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Reduce ``tensor`` across the set (Average by default) and return the result; differentiable."""
+    op = resolve_op(op, average)
+    compressed, ctx = compression.compress(tensor)
+    reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(reduced, ctx)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=global_process_set):
+    """Reduce ``tensor`` in place across the set and return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                                        process_set))
+
+
+def _group_names(name, count: int, handle_id: int, kind: str) -> tuple[list, bool]:
+    """Per-tensor names for a grouped op, and whether they are worth caching (user-given)."""
+    base = name if name is not None else f"grouped_{kind}.noname.{handle_id}"
+    return [f"{base}.{i}" for i in range(count)], name is not None
+
+
+def _grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set,
+                             in_place: bool) -> int:
+    op = resolve_op(op, average)
+    handle_id = next(_counter)
+    names, named = _group_names(name, len(tensors), handle_id, "allreduce")
+    handles, finishers = [], []
+    for tensor, sub_name in zip(tensors, names):
+        if in_place:
+            target, finish = _in_place_target(tensor)
+            output = target
+        else:
+            target, finish = tensor.contiguous(), _first
+            output = torch.empty_like(target)
+        handles.append(_allreduce_submit(target, output, sub_name, op, prescale_factor, postscale_factor,
+                                         process_set, handle_id, named))
+        finishers.append(finish)
+    return _register(handle_id, handles, lambda results: [f([r]) for f, r in zip(finishers, results)])
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set) -> int:
+    """Start reducing a list of tensors together; ``synchronize`` returns the list of results."""
+    return _grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                    process_set, in_place=False)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set) -> int:
+    """Start reducing a list of tensors in place; returns one handle for the group."""
+    return _grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                    process_set, in_place=True)
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name, op, prescale_factor,
+                                                         postscale_factor, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, prescale_factor, postscale_factor, process_set = ctx.args
+        reduced = synchronize(grouped_allreduce_async(list(grads), None, None, op, prescale_factor,
+                                                      postscale_factor, process_set))
+        return (None, None, None, None, None) + tuple(reduced)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Reduce a list of tensors together and return the list of results; differentiable."""
+    op = resolve_op(op, average)
+    compressed = [compression.compress(t) for t in tensors]
+    reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                      *[c[0] for c in compressed])
+    return [compression.decompress(r, c[1]) for r, c in zip(reduced, compressed)]
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set):
+    """Reduce a list of tensors in place and return them."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+# ------------------------------------------------------------------ allgather
+def _allgather_submit(tensor, name, process_set, handle_id, cacheable=None):
+    source = tensor.contiguous()
+    if source.dim() == 0:
+        source = source.reshape(1)
+    return _submit("allgather", OpKind.ALLGATHER, source, None, name, handle_id, process_set, cacheable)
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
+    """Start concatenating every rank's ``tensor`` along dimension 0; returns a handle."""
+    handle_id = next(_counter)
+    return _register(handle_id, [_allgather_submit(tensor, name, process_set, handle_id)], _first)
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.first_dim = tensor.shape[0] if tensor.dim() else 1
+        ctx.process_set = process_set
+        return synchronize(allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        process_set = ctx.process_set
+        grad = synchronize(allreduce_async(grad_output, op=ReduceOp.Sum, process_set=process_set))
+        dims = synchronize(allgather_async(torch.tensor([ctx.first_dim]), process_set=process_set))
+        offset = int(dims[:process_set.rank()].sum())
+        return grad.narrow(0, offset, ctx.first_dim), None, None
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Concatenate every rank's ``tensor`` along dimension 0 (first dimensions may differ); differentiable."""
+    return _Allgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
+    """Start allgathering a list of tensors together; ``synchronize`` returns the list of results."""
+    handle_id = next(_counter)
+    names, named = _group_names(name, len(tensors), handle_id, "allgather")
+    handles = [_allgather_submit(t, n, process_set, handle_id, named) for t, n in zip(tensors, names)]
+    return _register(handle_id, handles, list)
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Allgather a list of tensors together and return the list of results."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+# ------------------------------------------------------------------ broadcast
+def _broadcast_submit(tensor, output, root_rank, name, process_set, handle_id):
+    return _submit("broadcast", OpKind.BROADCAST, tensor, output, name, handle_id, process_set,
+                   root_rank=int(root_rank))
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
+    """Start copying the root's ``tensor`` to every rank into a new tensor; returns a handle."""
+    handle_id = next(_counter)
+    source = tensor.contiguous()
+    handle = _broadcast_submit(source, torch.empty_like(source), root_rank, name, process_set, handle_id)
+    return _register(handle_id, [handle], _first)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
+    """Start overwriting ``tensor`` with the root's copy, in place; returns a handle."""
+    handle_id = next(_counter)
+    target, finish = _in_place_target(tensor)
+    return _register(handle_id, [_broadcast_submit(target, target, root_rank, name, process_set, handle_id)],
+                     finish)
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank = root_rank
+        ctx.process_set = process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = synchronize(allreduce_async(grad_output, op=ReduceOp.Sum, process_set=ctx.process_set))
+        if ctx.process_set.rank() != ctx.root_rank:
+            grad = grad * 0
+        return grad, None, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """Return the root's ``tensor`` on every rank; differentiable (gradients flow to the root)."""
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Overwrite ``tensor`` with the root's copy, in place, and return it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# ------------------------------------------------------------------- alltoall
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
+    """Start sending ``splits[j]`` rows of ``tensor`` to rank j of the set; returns a handle.
+
+    ``synchronize`` returns ``(received tensor, received splits)``. Without
+    ``splits`` the first dimension is divided evenly.
+    """
+    handle_id = next(_counter)
+    members = basics.runtime("alltoall").process_sets.get(_set_id(process_set), ((),))[0]
+    source = tensor.contiguous()
+    error = None
+    if source.dim() == 0:
+        error = "alltoall needs a tensor with at least one dimension"
+        split_list = (0,) * len(members)
+    elif splits is None:
+        if source.shape[0] % len(members):
+            error = (f"alltoall without splits needs the first dimension ({source.shape[0]}) to divide "
+                     f"evenly among {len(members)} ranks; pass splits=")
+        split_list = (source.shape[0] // len(members),) * len(members)
+    else:
+        split_list = tuple(int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits))
+        if any(s < 0 for s in split_list) or sum(split_list) != source.shape[0]:
+            error = (f"alltoall splits {list(split_list)} must be non-negative and sum to the first "
+                     f"dimension of the tensor ({source.shape[0]})")
+    handle = _submit("alltoall", OpKind.ALLTOALL, source, None, name, handle_id, process_set,
+                     splits=split_list, error=error)
+    return _register(handle_id, [handle], _first)
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        ctx.process_set = process_set
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received = received
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad_output, _grad_splits):
+        grad, _ = synchronize(alltoall_async(grad_output.contiguous(), ctx.received, None, ctx.process_set))
+        return grad, None, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Exchange rows with every rank of the set; returns ``(received tensor, received splits)``; differentiable."""
+    return _Alltoall.apply(tensor, splits, name, process_set)
+
+
+# -------------------------------------------------------------- reducescatter
+def _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor, process_set, handle_id,
+                          cacheable=None):
+    error = _allreduce_problem(tensor, op) if op != ReduceOp.Adasum else "reducescatter does not support Adasum"
+    return _submit("reducescatter", OpKind.REDUCESCATTER, tensor.contiguous(), None, name, handle_id,
+                   process_set, cacheable, reduce_op=int(op), prescale=float(prescale_factor),
+                   postscale=float(postscale_factor), error=error)
+
+
+def reducescatter_async(tensor, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0,
+                        process_set=global_process_set) -> int:
+    """Start reducing ``tensor`` and keeping this rank's slice of dimension 0; returns a handle."""
+    op = resolve_op(op)
+    handle_id = next(_counter)
+    handle = _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor, process_set, handle_id)
+    return _register(handle_id, [handle], _first)
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.args = (op, prescale_factor * postscale_factor, process_set)
+        return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        op, scale, process_set = ctx.args
+        grad = synchronize(allgather_async(grad_output.contiguous(), process_set=process_set))
+        if op == ReduceOp.Average:
+            scale /= process_set.size()
+        return grad * scale if scale != 1.0 else grad, None, None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=ReduceOp.Average, prescale_factor=1.0,
+                  postscale_factor=1.0, process_set=global_process_set):
+    """Reduce ``tensor`` across the set and return this rank's slice of dimension 0; differentiable.
+
+    Ranks with a lower index get one extra row when the first dimension does not divide evenly.
+    """
+    compressed, ctx = compression.compress(tensor)
+    reduced = _Reducescatter.apply(compressed, name, resolve_op(op), prescale_factor, postscale_factor,
+                                   process_set)
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=ReduceOp.Average, prescale_factor=1.0,
+                                postscale_factor=1.0, process_set=global_process_set) -> int:
+    """Start reducescattering a list of tensors; ``synchronize`` returns the list of slices."""
+    op = resolve_op(op)
+    handle_id = next(_counter)
+    names, named = _group_names(name, len(tensors), handle_id, "reducescatter")
+    handles = [_reducescatter_submit(t, n, op, prescale_factor, postscale_factor, process_set, handle_id, named)
+               for t, n in zip(tensors, names)]
+    return _register(handle_id, handles, list)
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=ReduceOp.Average,
+                          prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Reducescatter a list of tensors and return the list of this rank's slices."""
+    compressed = [compression.compress(t) for t in tensors]
+    reduced = synchronize(grouped_reducescatter_async([c[0] for c in compressed], name, op, prescale_factor,
+                                                      postscale_factor, process_set))
+    return [compression.decompress(r, c[1]) for r, c in zip(reduced, compressed)]
+
+
+# ------------------------------------------------------------ barrier and join
+def barrier(process_set=global_process_set) -> None:
+    """Return once every rank of the set has called barrier."""
+    handle_id = next(_counter)
+    request = Request(f"barrier.{handle_id}", OpKind.BARRIER, _set_id(process_set), cacheable=False)
+    basics.runtime("barrier").engine.submit(request, None, None).wait()
+
+
+def join(device=-1) -> int:
+    """Declare that this rank has no more data; returns the last rank to join.
+
+    Until every rank has joined, the others' allreduces go on with this rank
+    contributing zeros (and empty rows to allgathers).
+    """
+    from roundel.common.negotiation import JOIN_NAME
+    request = Request(JOIN_NAME, OpKind.JOIN, 0, cacheable=False)
+    return basics.runtime("join").engine.submit(request, None, None).wait()

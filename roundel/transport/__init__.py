@@ -1,0 +1,1 @@
+"""Transports that move tensor data: a Backend interface and its implementations."""

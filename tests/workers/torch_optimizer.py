@@ -1,0 +1,255 @@
+"""Checks of DistributedOptimizer and state broadcast, run under roundelrun.
+
+Every check compares distributed training with one process stepping on the
+whole (concatenated) batch, computed here in the same process.
+"""
+
+import warnings
+
+import numpy as np
+import torch
+
+import roundel.torch as hvd
+
+TOL = 1e-5
+FP16_TOL = 2e-2
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def batches(steps, per_rank, n):
+    gen = torch.Generator().manual_seed(1234)
+    return [(torch.randn(per_rank * n, 6, generator=gen), torch.randn(per_rank * n, 3, generator=gen))
+            for _ in range(steps)]
+
+
+def mine(t, per_rank):
+    r = hvd.rank()
+    return t[r * per_rank:(r + 1) * per_rank]
+
+
+def loss_fn(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def train_pair(make_opt, steps=4, per_rank=4, passes=1, **dist_kwargs):
+    """Train distributed and single-process; return both models' parameters."""
+    n = hvd.size()
+    data = batches(steps, per_rank * passes, n)
+    ref = make_model()
+    ref_opt = make_opt(ref.parameters())
+    model = make_model()
+    opt = hvd.DistributedOptimizer(make_opt(model.parameters()), named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=passes, **dist_kwargs)
+    for x, y in data:
+        ref_opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        xs, ys = mine(x, per_rank * passes), mine(y, per_rank * passes)
+        for k in range(passes):
+            sl = slice(k * per_rank, (k + 1) * per_rank)
+            (loss_fn(model, xs[sl], ys[sl]) / passes).backward()
+        opt.step()
+    return model, ref
+
+
+def assert_close(model, ref, tol, what):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        diff = (p.detach() - q.detach()).abs().max().item()
+        assert diff <= tol, f"{what}: parameter {name} differs from single-process training by {diff} > {tol}"
+
+
+def assert_same_on_all_ranks(model, what):
+    for name, p in model.named_parameters():
+        spread = (hvd.allreduce(p.detach(), op=hvd.Max) - hvd.allreduce(p.detach(), op=hvd.Min)).abs().max()
+        assert spread.item() == 0.0, f"{what}: parameter {name} differs across ranks by {spread.item()}"
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def check_equivalence():
+    for name, make_opt in (("sgd+momentum", sgd), ("adam", adam), ("adamw", adamw)):
+        model, ref = train_pair(make_opt)
+        assert_close(model, ref, TOL, name)
+    model, ref = train_pair(sgd, passes=2)
+    assert_close(model, ref, TOL, "backward_passes_per_step=2")
+    model, ref = train_pair(adam, compression=hvd.Compression.fp16)
+    assert_close(model, ref, FP16_TOL, "fp16 compression")
+    assert_same_on_all_ranks(model, "fp16 compression")
+    model, ref = train_pair(sgd, compression=hvd.Compression.bf16)
+    assert_close(model, ref, FP16_TOL, "bf16 compression")
+    model, ref = train_pair(sgd, num_groups=2)
+    assert_close(model, ref, TOL, "num_groups=2")
+    model, ref = train_pair(sgd, groups=1)
+    assert_close(model, ref, TOL, "groups=1")
+    model, ref = train_pair(sgd, gradient_predivide_factor=2.0)
+    assert_close(model, ref, TOL, "gradient_predivide_factor=2")
+
+
+def check_sum_op():
+    """op=Sum: the step equals single-process training on the sum of the ranks' losses."""
+    n = hvd.size()
+    (x, y), = batches(1, 4, n)
+    ref = make_model()
+    ref_opt = sgd(ref.parameters())
+    sum(loss_fn(ref, x[r * 4:(r + 1) * 4], y[r * 4:(r + 1) * 4]) for r in range(n)).backward()
+    ref_opt.step()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(), op=hvd.Sum)
+    loss_fn(model, mine(x, 4), mine(y, 4)).backward()
+    opt.step()
+    assert_close(model, ref, TOL, "op=Sum")
+
+
+def adasum_reference(vectors):
+    level = [v.astype(np.float64) for v in vectors]
+    while len(level) > 1:
+        nxt = []
+        for i in range(0, len(level) - 1, 2):
+            a, b = level[i], level[i + 1]
+            dot, aa, bb = a @ b, a @ a, b @ b
+            nxt.append((1 - dot / (2 * aa)) * a + (1 - dot / (2 * bb)) * b)
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level = nxt
+    return level[0]
+
+
+def check_adasum():
+    n = hvd.size()
+    rng = np.random.default_rng(7)
+    vectors = [rng.standard_normal(50).astype(np.float32) for _ in range(n)]
+    got = hvd.allreduce(torch.from_numpy(vectors[hvd.rank()]), op=hvd.Adasum, name="adasum.vec")
+    np.testing.assert_allclose(got.numpy(), adasum_reference(vectors), rtol=1e-5, atol=1e-6)
+    # fused: several tensors in one batch must each get their own combination
+    shapes = [(3,), (4, 5), (7,)]
+    per_rank = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(n)]
+    handles = [hvd.allreduce_async(torch.from_numpy(per_rank[hvd.rank()][i]), op=hvd.Adasum, name=f"adasum.f{i}")
+               for i in range(len(shapes))]
+    for i, handle in enumerate(handles):
+        expected = adasum_reference([per_rank[r][i].ravel() for r in range(n)]).reshape(shapes[i])
+        np.testing.assert_allclose(hvd.synchronize(handle).numpy(), expected, rtol=1e-5, atol=1e-6)
+    # through the optimizer: the update is -lr * adasum(grads)
+    (x, y), = batches(1, 4, n)
+    grads = []
+    for r in range(n):
+        m = make_model()
+        loss_fn(m, x[r * 4:(r + 1) * 4], y[r * 4:(r + 1) * 4]).backward()
+        grads.append([p.grad.numpy().ravel() for p in m.parameters()])
+    model = make_model()
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    loss_fn(model, mine(x, 4), mine(y, 4)).backward()
+    opt.step()
+    for i, (p, p0) in enumerate(zip(model.parameters(), start)):
+        expected = p0.numpy().ravel() - 0.5 * adasum_reference([g[i] for g in grads])
+        np.testing.assert_allclose(p.detach().numpy().ravel(), expected, rtol=1e-5, atol=1e-6)
+
+
+def check_broadcast_state():
+    model = make_model(seed=100 + hvd.rank())  # deliberately different on every rank
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if hvd.rank() == 0:  # only the root has stepped: its state is non-empty, the others' empty
+        loss_fn(model, torch.randn(4, 6), torch.randn(4, 3)).backward()
+        opt.step()
+        opt.param_groups[0]["lr"] = 0.0042
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert_same_on_all_ranks(model, "broadcast_parameters")
+    assert opt.param_groups[0]["lr"] == 0.0042, opt.param_groups[0]["lr"]
+    state = opt.state_dict()["state"]
+    assert len(state) == 4, f"rank {hvd.rank()} has optimizer state for {len(state)} params, expected 4"
+    for key in ("exp_avg", "exp_avg_sq"):
+        t = state[0][key]
+        assert torch.equal(hvd.broadcast(t, 0), t), f"optimizer state {key} differs from rank 0"
+    # an optimizer whose state is empty everywhere, and named_parameters as the argument form
+    fresh = make_model(seed=200 + hvd.rank())
+    hvd.broadcast_parameters(fresh.named_parameters(), root_rank=0)
+    assert_same_on_all_ranks(fresh, "broadcast_parameters(named_parameters)")
+    empty = torch.optim.SGD(fresh.parameters(), lr=0.3, momentum=0.5)
+    hvd.broadcast_optimizer_state(empty, root_rank=0)
+    assert empty.param_groups[0]["momentum"] == 0.5
+
+
+def check_training_loop_rules():
+    model = make_model()
+    opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters())
+    loss_fn(model, torch.randn(4, 6), torch.randn(4, 3)).backward()
+    try:
+        opt.zero_grad()
+    except AssertionError as exc:
+        assert "zero_grad" in str(exc)
+    else:
+        raise AssertionError("zero_grad() with reductions in flight did not raise")
+    opt.synchronize()  # clipping pattern
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    with opt.skip_synchronize():
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.zero_grad()
+    for bad, needle in (([("a", p) for p in model.parameters()], "duplicate"),
+                        (list(model.named_parameters())[:2], "missing"),
+                        ([p for p in model.parameters()], "(name, parameter)")):
+        try:
+            hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=bad)
+        except ValueError as exc:
+            assert needle in str(exc), str(exc)
+        else:
+            raise AssertionError(f"bad named_parameters ({needle}) was accepted")
+
+
+def check_unused_and_frozen():
+    """A parameter unused on one rank and a frozen one: no hang, gradients agree."""
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 3), "b": torch.nn.Linear(3, 3), "frozen": torch.nn.Linear(3, 3)})
+    for p in model["frozen"].parameters():
+        p.requires_grad_(False)
+    hvd.broadcast_parameters(model.state_dict(), 0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    x = torch.ones(2, 3)
+    out = model["a"](x) if hvd.rank() == 0 else model["b"](model["a"](x))
+    out.sum().backward()
+    opt.step()
+    assert_same_on_all_ranks(model, "unused parameter")
+
+
+def check_sparse():
+    for dense in (False, True):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 4, sparse=True)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                       named_parameters=emb.named_parameters(), sparse_as_dense=dense)
+        idx = torch.tensor([hvd.rank(), 5])
+        emb(idx).sum().backward()
+        opt.step()
+        expected = torch.zeros(10, 4)
+        for r in range(hvd.size()):
+            expected[r] += 1.0 / hvd.size()
+        expected[5] += 1.0
+        torch.manual_seed(0)
+        start = torch.nn.Embedding(10, 4).weight.detach()
+        diff = (start - emb.weight.detach() - expected).abs().max().item()
+        assert diff < 1e-6, f"sparse gradient (sparse_as_dense={dense}) update off by {diff}"
+
+
+if __name__ == "__main__":
+    hvd.init()
+    for check in (check_equivalence, check_sum_op, check_adasum, check_broadcast_state,
+                  check_training_loop_rules, check_unused_and_frozen, check_sparse):
+        check()
+    print("CHECKS PASSED torch_optimizer")
