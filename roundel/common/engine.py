@@ -330,6 +330,8 @@ class Engine:
                 sock.close()
 
     def _coordinator_step(self) -> bool:
+        if self._finishing_since is not None:  # leaving: wait for byes in bounded steps, never block
+            return self._coordinator_finish()
         timeout = self._coordinator_timeout()
         for key, _ in self._selector.select(timeout):
             if key.data == "wake":

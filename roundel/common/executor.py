@@ -245,7 +245,7 @@ class Executor:
                 buffer.copy_(inputs[0])
         else:
             buffer = self._pack(inputs, torch_dtype(request.dtype))
-        backend.broadcast(buffer, request.root_rank)
+        backend.broadcast(buffer, ranks.index(request.root_rank))  # root_rank is global, as in Horovod
         if buffer is not outputs[0]:
             self._unpack(buffer, outputs)
         return outputs

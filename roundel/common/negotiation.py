@@ -299,10 +299,10 @@ def _disagreement(name: str, pending: _Pending, members: tuple, joined: tuple) -
             return problem
     kind = first.kind
     if kind == OpKind.BROADCAST:
-        if not 0 <= first.root_rank < len(members):
-            return (f"broadcast '{name}': root_rank {first.root_rank} is outside the process set "
-                    f"of size {len(members)}")
-        if members[first.root_rank] in joined:
+        if first.root_rank not in members:  # a global rank, as in Horovod
+            return (f"broadcast '{name}': root_rank {first.root_rank} is not a member of the process "
+                    f"set {list(members)}")
+        if first.root_rank in joined:
             return f"broadcast '{name}': root rank {first.root_rank} has already called join()"
     if kind == OpKind.REDUCESCATTER and len(first.shape) == 0:
         return f"reducescatter '{name}': a 0-d tensor cannot be scattered; give it at least one dimension"

@@ -7,6 +7,7 @@ import io
 import cloudpickle
 import torch
 
+from roundel.common import basics
 from roundel.common.process_sets import global_process_set
 from roundel.torch.mpi_ops import allgather, broadcast_, broadcast_async_, synchronize
 
@@ -20,13 +21,13 @@ def _to_bytes_tensor(obj) -> torch.Tensor:
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Return the root rank's ``obj`` on every rank (any object cloudpickle can serialize)."""
     name = name or type(obj).__name__
-    payload = _to_bytes_tensor(obj) if process_set.rank() == root_rank else torch.empty(0, dtype=torch.uint8)
+    payload = _to_bytes_tensor(obj) if basics.rank() == root_rank else torch.empty(0, dtype=torch.uint8)
     length = broadcast_(torch.tensor([payload.numel()], dtype=torch.int64), root_rank,
                         name=f"broadcast_object.{name}.size", process_set=process_set)
-    if process_set.rank() != root_rank:
+    if basics.rank() != root_rank:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     broadcast_(payload, root_rank, name=f"broadcast_object.{name}.data", process_set=process_set)
-    if process_set.rank() == root_rank:
+    if basics.rank() == root_rank:
         return obj
     return cloudpickle.loads(payload.numpy().tobytes())
 
@@ -109,7 +110,7 @@ class _TensorSlot:
 
 def broadcast_optimizer_state(optimizer, root_rank=0, process_set=global_process_set) -> None:
     """Give every rank the root's optimizer state and hyper-parameters (works when state is still empty)."""
-    is_root = process_set.rank() == root_rank
+    is_root = basics.rank() == root_rank
     tensors: list = []
     skeleton = _split_tensors(optimizer.state_dict(), tensors) if is_root else None
     skeleton = broadcast_object(skeleton, root_rank, name="optimizer_state", process_set=process_set)

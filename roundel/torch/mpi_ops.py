@@ -283,7 +283,10 @@ def _broadcast_submit(tensor, output, root_rank, name, process_set, handle_id):
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
-    """Start copying the root's ``tensor`` to every rank into a new tensor; returns a handle."""
+    """Start copying the root's ``tensor`` to every rank into a new tensor; returns a handle.
+
+    ``root_rank`` is a global rank (a member of ``process_set``), as in Horovod.
+    """
     handle_id = next(_counter)
     source = tensor.contiguous()
     handle = _broadcast_submit(source, torch.empty_like(source), root_rank, name, process_set, handle_id)
@@ -308,7 +311,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad = synchronize(allreduce_async(grad_output, op=ReduceOp.Sum, process_set=ctx.process_set))
-        if ctx.process_set.rank() != ctx.root_rank:
+        if basics.rank() != ctx.root_rank:  # root_rank is a global rank, as in Horovod
             grad = grad * 0
         return grad, None, None, None
 
@@ -438,11 +441,20 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=R
 
 
 # ------------------------------------------------------------ barrier and join
+_barrier_counts: dict[tuple[str, int], int] = {}  # (runtime prefix, set id) -> barriers called
+
+
 def barrier(process_set=global_process_set) -> None:
     """Return once every rank of the set has called barrier."""
-    handle_id = next(_counter)
-    request = Request(f"barrier.{handle_id}", OpKind.BARRIER, _set_id(process_set), cacheable=False)
-    basics.runtime("barrier").engine.submit(request, None, None).wait()
+    runtime = basics.runtime("barrier")
+    set_id = _set_id(process_set)
+    # Numbered per set (not by the global handle counter), so that the members agree on the name
+    # even when they ran different numbers of other collectives, e.g. on other process sets.
+    key = (runtime.prefix, set_id)
+    with _handles_lock:
+        count = _barrier_counts[key] = _barrier_counts.get(key, 0) + 1
+    request = Request(f"__barrier__.{count}", OpKind.BARRIER, set_id, cacheable=False)
+    runtime.engine.submit(request, None, None).wait()
 
 
 def join(device=-1) -> int:
