@@ -210,7 +210,7 @@ def test_worker_ignoring_sigterm_is_killed(tmp_path):
         (["-np", "2", "-H", "localhost:1,localhost:1"], "host 'localhost' is listed twice"),
         (["-np", "2", "--hostfile", "/nonexistent/hosts"], "cannot read hostfile"),
         (["-np", "2", "-x", "ROUNDEL_TEST_UNSET_VAR"], "ROUNDEL_TEST_UNSET_VAR is not set"),
-        (["-np", "2", "-H", "no-such-host.invalid:2"], "remote hosts need ssh support, which is not available yet"),
+        (["-np", "2", "-H", "no-such-host.invalid:2"], "cannot resolve host .no-such-host.invalid."),
     ],
 )
 def test_bad_arguments(tmp_path, args, message):

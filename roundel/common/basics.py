@@ -11,13 +11,10 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import logging
-import os
-import socket
 import sys
 import threading
 from datetime import timedelta
 
-from roundel.common import identity as identity_env
 from roundel.common.errors import NotInitializedError, RoundelInternalError
 from roundel.common.identity import Identity
 from roundel.common.process_sets import ProcessSet, global_process_set
@@ -60,16 +57,6 @@ def _configure_logging(level: str) -> None:
     log.setLevel({"trace": logging.DEBUG, "fatal": logging.CRITICAL}.get(level, level.upper()))
 
 
-def _local_address_towards(host: str, port: int) -> str:
-    """The address of this host's interface that routes to ``host`` (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, port))
-            return probe.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
 def init(process_sets=None, comm=None) -> None:
     """Join the job: connect to the other ranks and start the background engine.
 
@@ -79,7 +66,8 @@ def init(process_sets=None, comm=None) -> None:
     bad settings and ``RoundelInternalError`` when the other ranks cannot be reached.
     """
     global _runtime, _init_count, _atexit_registered
-    from roundel.runner.rendezvous import RendezvousClient, RendezvousServer, new_secret
+    from roundel.runner import bootstrap
+    from roundel.runner.rendezvous import RendezvousClient
     from roundel.transport.gloo import GlooBackend
     from roundel.transport.store_adapter import RendezvousStore
     from roundel.common.engine import Engine
@@ -92,32 +80,33 @@ def init(process_sets=None, comm=None) -> None:
                              "transport; start the job with roundelrun and leave comm unset")
         settings = Settings.from_env()
         _configure_logging(settings.log_level)
-        ident = Identity.from_env()
-        server = None
-        if ident is None:  # run directly with python: a job of one process
-            ident = Identity(0, 1, 0, 1, 0, 1, socket.gethostname())
-            secret = new_secret()
-            server = RendezvousServer(secret, "127.0.0.1", 0)
-            host, port = "127.0.0.1", server.start()
-        else:
-            env = os.environ
-            try:
-                host, port = env[identity_env.RENDEZVOUS_ADDR], int(env[identity_env.RENDEZVOUS_PORT])
-                secret = bytes.fromhex(env[identity_env.SECRET])
-            except (KeyError, ValueError) as exc:
-                raise RoundelInternalError(
-                    f"the rendezvous variables are missing or malformed ({exc}); start the script "
-                    "with roundelrun") from None
         prefix = f"init{_init_count}/"
         _init_count += 1
-        client = RendezvousClient(host, port, secret, connect_timeout=settings.start_timeout_s)
-        advertise = _local_address_towards(host, port)
+        # roundelrun's variables, or torchrun's / mpirun's / srun's (rank 0 then serves the store)
+        boot = bootstrap.discover(prefix, settings.start_timeout_s)
+        host, port, secret, server = boot.host, boot.port, boot.secret, boot.server
+        try:
+            client = RendezvousClient(host, port, secret, connect_timeout=settings.start_timeout_s)
+        except BaseException:
+            if server is not None:
+                server.stop()
+            raise
+        try:
+            ident = boot.complete(client, prefix, settings.start_timeout_s)
+        except BaseException:
+            client.close()
+            if server is not None:
+                server.stop()
+            raise
+        advertise = bootstrap.advertise_address(host, port)
         try:
             backend = GlooBackend(
                 RendezvousStore(client, prefix + "ps0/", timedelta(seconds=settings.start_timeout_s)),
                 ident.rank, ident.size, settings.collective_timeout_s, advertise)
         except RuntimeError as exc:
             client.close()
+            if server is not None:
+                server.stop()
             raise RoundelInternalError(
                 f"rank {ident.rank} could not connect to the other {ident.size - 1} rank(s) within "
                 f"{settings.start_timeout_s:g} s: {exc}") from exc

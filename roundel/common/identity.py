@@ -75,3 +75,94 @@ class Identity:
 def rendezvous_env(host: str, port: int, secret_hex: str) -> dict[str, str]:
     """The variables that tell a worker where the rendezvous store is and the job's secret."""
     return {RENDEZVOUS_ADDR: host, RENDEZVOUS_PORT: str(port), SECRET: secret_hex}
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherIdentity:
+    """What another launcher (torchrun, mpirun/mpiexec, srun) tells a process about its place.
+
+    ``local_rank``/``local_size`` are None where that launcher does not say;
+    cross ranks are never given and are worked out at ``init()`` by exchanging
+    host names and local ranks through the rendezvous store.
+    """
+
+    launcher: str  # "torchrun", "openmpi", "mpich", "srun"
+    rank: int
+    size: int
+    local_rank: int | None
+    local_size: int | None
+
+
+def _int_var(env: Mapping[str, str], name: str, launcher: str) -> int:
+    try:
+        return int(env[name])
+    except (KeyError, ValueError):
+        raise SettingsError(f"{name}={env.get(name)!r}: expected a whole number as {launcher} sets it") from None
+
+
+def _opt_int(env: Mapping[str, str], name: str, launcher: str) -> int | None:
+    return _int_var(env, name, launcher) if name in env else None
+
+
+def detect_launcher(environ: Mapping[str, str] | None = None) -> LauncherIdentity | None:
+    """The identity another launcher gave this process, or None if none did.
+
+    Checked in this order (an inner launcher's variables shadow an outer
+    one's): torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE`` with ``MASTER_ADDR``/``MASTER_PORT``), Open MPI
+    (``OMPI_COMM_WORLD_RANK``/``SIZE``/``LOCAL_RANK``/``LOCAL_SIZE``), MPICH's
+    Hydra (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``,
+    ``MPI_LOCALNRANKS``), and Slurm's srun (``SLURM_PROCID``, and
+    ``SLURM_STEP_NUM_TASKS`` which only a job step has, ``SLURM_LOCALID``).
+    roundelrun's own ``ROUNDEL_RANK`` is read by :meth:`Identity.from_env`
+    and wins over all of these. Raises SettingsError for a malformed value.
+    """
+    env = os.environ if environ is None else environ
+    found = None
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env:
+        name = "torchrun"
+        found = LauncherIdentity(name, _int_var(env, "RANK", name), _int_var(env, "WORLD_SIZE", name),
+                                 _opt_int(env, "LOCAL_RANK", name), _opt_int(env, "LOCAL_WORLD_SIZE", name))
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        name = "Open MPI's mpirun"
+        found = LauncherIdentity("openmpi", _int_var(env, "OMPI_COMM_WORLD_RANK", name),
+                                 _int_var(env, "OMPI_COMM_WORLD_SIZE", name),
+                                 _opt_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", name),
+                                 _opt_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", name))
+    elif "PMI_RANK" in env and "PMI_SIZE" in env:
+        name = "MPICH's mpiexec"
+        found = LauncherIdentity("mpich", _int_var(env, "PMI_RANK", name), _int_var(env, "PMI_SIZE", name),
+                                 _opt_int(env, "MPI_LOCALRANKID", name), _opt_int(env, "MPI_LOCALNRANKS", name))
+    elif "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        name = "srun"
+        found = LauncherIdentity("srun", _int_var(env, "SLURM_PROCID", name),
+                                 _int_var(env, "SLURM_STEP_NUM_TASKS", name), _opt_int(env, "SLURM_LOCALID", name),
+                                 None)
+    if found is not None and not 0 <= found.rank < found.size:
+        raise SettingsError(f"{found.launcher} gave rank {found.rank} outside a job of size {found.size}")
+    if found is not None and found.local_rank is not None and found.local_size is not None \
+            and not 0 <= found.local_rank < found.local_size:
+        raise SettingsError(f"{found.launcher} gave local rank {found.local_rank} outside local size "
+                            f"{found.local_size}")
+    return found
+
+
+def cross_ranks(table: list[tuple[str, int]]) -> list[Identity]:
+    """Every rank's Identity from ``table[rank] = (hostname, local_rank)``.
+
+    ``local_size`` counts the ranks on the same host; ``cross_rank`` is the
+    rank's index among the ranks with its local rank (in rank order), and
+    ``cross_size`` how many there are, as Horovod defines them.
+    """
+    per_host: dict[str, int] = {}
+    per_local: dict[int, int] = {}
+    for host, local in table:
+        per_host[host] = per_host.get(host, 0) + 1
+        per_local[local] = per_local.get(local, 0) + 1
+    seen: dict[int, int] = {}
+    out = []
+    for rank, (host, local) in enumerate(table):
+        cross = seen.get(local, 0)
+        seen[local] = cross + 1
+        out.append(Identity(rank, len(table), local, per_host[host], cross, per_local[local], host))
+    return out

@@ -4,22 +4,29 @@ Every line a worker writes comes out of the launcher as
 ``[<rank>]<stdout>:<line>`` on stdout or ``[<rank>]<stderr>:<line>`` on
 stderr, as Horovod's gloo launcher prints it. Each worker runs in its own
 process group so that the whole tree it starts can be signalled at once.
-Only local workers exist so far; a remote starter (ssh) will return the same
-:class:`Worker`.
+Workers on other hosts are started over ssh (:func:`start_remote`) through
+:mod:`roundel.runner.remote`, and are stopped by closing the connection.
+With an output directory, each rank's lines also go, unprefixed, to
+``DIR/rank.<N>/stdout`` and ``DIR/rank.<N>/stderr`` (as Horovod writes them).
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import BinaryIO, Mapping, TextIO
 
 from roundel.common.identity import rendezvous_env
 from roundel.runner.hosts import SlotInfo
 
-__all__ = ["Worker", "start_local", "worker_env"]
+__all__ = ["RemoteWorker", "Worker", "rank_output_dir", "ssh_command", "start_local", "start_remote", "worker_env"]
 
 _write_lock = threading.Lock()
 
@@ -42,13 +49,23 @@ def worker_env(
     return env
 
 
-def _relay(pipe: BinaryIO, prefix: bytes, stream: TextIO) -> None:
-    """Copy ``pipe`` to ``stream`` line by line, each line prefixed; never raises."""
+def _relay(pipe: BinaryIO, prefix: bytes, stream: TextIO, log: BinaryIO | None = None,
+           tail: collections.deque | None = None) -> None:
+    """Copy ``pipe`` to ``stream`` line by line, each line prefixed (and, unprefixed, to ``log``);
+    keep the last lines in ``tail``; never raises."""
     out = getattr(stream, "buffer", None)
     with pipe:
         for line in iter(pipe.readline, b""):
             if not line.endswith(b"\n"):
                 line += b"\n"
+            if tail is not None:
+                tail.append(line)
+            if log is not None:
+                try:
+                    log.write(line)
+                    log.flush()
+                except (OSError, ValueError):
+                    pass
             try:
                 with _write_lock:
                     if out is not None:
@@ -64,10 +81,14 @@ def _relay(pipe: BinaryIO, prefix: bytes, stream: TextIO) -> None:
 class Worker:
     """A started worker process, its slot, and the threads relaying its output."""
 
-    def __init__(self, slot: SlotInfo, process: subprocess.Popen, relays: list[threading.Thread]):
+    remote = False
+
+    def __init__(self, slot: SlotInfo, process: subprocess.Popen, relays: list[threading.Thread],
+                 stderr_tail: collections.deque | None = None):
         self.slot = slot
         self.process = process
         self._relays = relays
+        self.stderr_tail = stderr_tail if stderr_tail is not None else collections.deque(maxlen=5)
 
     @property
     def returncode(self) -> int | None:
@@ -87,10 +108,42 @@ class Worker:
             relay.join(timeout)
 
 
-def start_local(slot: SlotInfo, command: list[str], env: Mapping[str, str]) -> Worker:
+def rank_output_dir(output_dir: str, rank: int, size: int) -> Path:
+    """``DIR/rank.<N>`` with N zero-padded to the width of the largest rank, as Horovod names it."""
+    return Path(output_dir) / f"rank.{str(rank).zfill(len(str(max(size - 1, 0))))}"
+
+
+def _start_relays(slot: SlotInfo, process: subprocess.Popen, output_dir: str | None
+                  ) -> tuple[list[threading.Thread], collections.deque]:
+    logs = {}
+    if output_dir is not None:
+        where = rank_output_dir(output_dir, slot.rank, slot.size)
+        where.mkdir(parents=True, exist_ok=True)
+        logs = {name: open(where / name, "wb") for name in ("stdout", "stderr")}
+    tail: collections.deque = collections.deque(maxlen=5)
+    relays = []
+    for pipe, name, stream in ((process.stdout, "stdout", sys.stdout), (process.stderr, "stderr", sys.stderr)):
+        prefix = f"[{slot.rank}]<{name}>:".encode()
+        log = logs.get(name)
+
+        def run(pipe=pipe, prefix=prefix, stream=stream, log=log, name=name):
+            try:
+                _relay(pipe, prefix, stream, log, tail if name == "stderr" else None)
+            finally:
+                if log is not None:
+                    log.close()
+
+        relay = threading.Thread(target=run, name=f"roundel-relay-{slot.rank}-{name}", daemon=True)
+        relay.start()
+        relays.append(relay)
+    return relays, tail
+
+
+def start_local(slot: SlotInfo, command: list[str], env: Mapping[str, str],
+                output_dir: str | None = None) -> Worker:
     """Start ``command`` on this machine as the worker of ``slot``, in a new process group.
 
-    Raises OSError if the command cannot be started.
+    Raises OSError if the command cannot be started or the output directory not created.
     """
     process = subprocess.Popen(
         command,
@@ -100,12 +153,82 @@ def start_local(slot: SlotInfo, command: list[str], env: Mapping[str, str]) -> W
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
-    relays = []
-    for pipe, name, stream in ((process.stdout, "stdout", sys.stdout), (process.stderr, "stderr", sys.stderr)):
-        prefix = f"[{slot.rank}]<{name}>:".encode()
-        relay = threading.Thread(
-            target=_relay, args=(pipe, prefix, stream), name=f"roundel-relay-{slot.rank}-{name}", daemon=True
-        )
-        relay.start()
-        relays.append(relay)
-    return Worker(slot, process, relays)
+    relays, tail = _start_relays(slot, process, output_dir)
+    return Worker(slot, process, relays, tail)
+
+
+class RemoteWorker(Worker):
+    """A worker on another host: ``process`` is the local ssh client.
+
+    SIGTERM closes the ssh client's stdin, on which the remote side stops the
+    worker's process group; SIGKILL kills the ssh client (the remote side then
+    sees the connection close and stops the worker too).
+    """
+
+    remote = True
+
+    def signal_group(self, signum: int) -> None:
+        if signum == signal.SIGKILL:
+            super().signal_group(signum)
+            return
+        try:
+            self.process.stdin.close()
+        except (OSError, ValueError):
+            pass
+
+
+def ssh_command(host: str, remote_command: str, port: int | None = None, identity_file: str | None = None,
+                connect_timeout: float | None = None, extra_args: str = "") -> list[str]:
+    """The ssh invocation that runs ``remote_command`` on ``host``: ``BatchMode`` (never a password
+    prompt), new host keys accepted and remembered, known ones checked; ``extra_args`` (shell words,
+    e.g. from ``ROUNDEL_SSH_ARGS``) go before the host."""
+    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new"]
+    if connect_timeout:
+        cmd += ["-o", f"ConnectTimeout={max(1, int(round(connect_timeout)))}"]
+    if port is not None:
+        cmd += ["-p", str(port)]
+    if identity_file:
+        cmd += ["-i", identity_file]
+    cmd += shlex.split(extra_args)
+    cmd += [host, remote_command]
+    return cmd
+
+
+_NOT_FORWARDED = {"HOSTNAME", "HOME", "USER", "LOGNAME", "SHELL", "MAIL", "PWD", "OLDPWD", "SHLVL", "_",
+                  "TERM", "DISPLAY", "TMPDIR", "SSH_AUTH_SOCK", "SSH_AGENT_PID", "SSH_CLIENT",
+                  "SSH_CONNECTION", "SSH_TTY", "XAUTHORITY", "LS_COLORS"}
+
+
+def remote_env(env: Mapping[str, str]) -> dict[str, str]:
+    """What of a worker's environment is sent to another host: all but this host's own
+    session variables (home, user, shell, ssh agent, display, ...)."""
+    return {k: v for k, v in env.items()
+            if k not in _NOT_FORWARDED and not k.startswith(("XDG_", "BASH_FUNC_"))}
+
+
+def start_remote(slot: SlotInfo, command: list[str], env: Mapping[str, str], rendezvous: tuple[str, int],
+                 start_timeout: float, ssh_port: int | None = None, identity_file: str | None = None,
+                 output_dir: str | None = None, python: str | None = None, cwd: str | None = None,
+                 extra_ssh_args: str = "") -> RemoteWorker:
+    """Start ``command`` as the worker of ``slot`` on host ``slot.hostname`` over ssh.
+
+    The remote side runs ``cd CWD && exec PYTHON -m roundel.runner.remote`` with
+    this machine's working directory and interpreter (the same paths must
+    exist there) and gets the environment on stdin. Raises OSError if ssh
+    cannot be started.
+    """
+    cwd = cwd or os.getcwd()
+    python = python or sys.executable
+    remote_command = f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -m roundel.runner.remote"
+    cmd = ssh_command(slot.hostname, remote_command, ssh_port, identity_file, start_timeout, extra_ssh_args)
+    process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    spec = {"rank": slot.rank, "host": slot.hostname, "command": list(command), "cwd": cwd,
+            "env": remote_env(env), "rendezvous": list(rendezvous), "start_timeout": start_timeout}
+    try:
+        process.stdin.write(json.dumps(spec).encode() + b"\n")
+        process.stdin.flush()
+    except OSError:
+        pass  # ssh already failed; its exit status and stderr say why
+    relays, tail = _start_relays(slot, process, output_dir)
+    return RemoteWorker(slot, process, relays, tail)

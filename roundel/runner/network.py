@@ -1,0 +1,99 @@
+"""Which of this machine's addresses other hosts can reach.
+
+Used by ``roundelrun`` to bind and advertise its rendezvous store, and by a
+worker started under another launcher to advertise the store it runs on
+rank 0. No packet is sent to find a route: a UDP socket is "connected" and
+asked which local address the kernel chose.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from typing import Mapping
+
+import psutil
+
+__all__ = ["interface_address", "is_loopback", "resolve", "route_source", "reachable_address"]
+
+INTERFACE_VARS = ("ROUNDEL_NETWORK_INTERFACE", "HOROVOD_GLOO_IFACE")
+
+
+def interface_address(name: str) -> str:
+    """The first IPv4 (else IPv6) address of network interface ``name``.
+
+    Raises ValueError naming the interfaces that exist when ``name`` is not one
+    of them or has no address.
+    """
+    addrs = psutil.net_if_addrs()
+    if name not in addrs:
+        raise ValueError(f"network interface {name!r} does not exist on {socket.gethostname()} "
+                         f"(interfaces: {', '.join(sorted(addrs))})")
+    for family in (socket.AF_INET, socket.AF_INET6):
+        for entry in addrs[name]:
+            if entry.family == family:
+                return entry.address.split("%", 1)[0]
+    raise ValueError(f"network interface {name!r} has no IP address")
+
+
+def resolve(host: str) -> str:
+    """The first IPv4 (else IPv6) address of ``host``; raises ValueError if it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(f"cannot resolve host {host!r}: {exc}") from None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    return infos[0][4][0]
+
+
+def is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def route_source(host: str, port: int = 9) -> str | None:
+    """The address of this machine's interface that routes to ``host``, or None if none does."""
+    try:
+        addr = resolve(host)
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((addr, port))
+            return probe.getsockname()[0]
+    except (OSError, ValueError):
+        return None
+
+
+def _first_non_loopback() -> str | None:
+    for entries in psutil.net_if_addrs().values():
+        for entry in entries:
+            if entry.family == socket.AF_INET and not is_loopback(entry.address):
+                return entry.address
+    return None
+
+
+def reachable_address(towards: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """An address of this machine that other hosts of the job can reach.
+
+    In order: the interface named by ``ROUNDEL_NETWORK_INTERFACE`` (or
+    ``HOROVOD_GLOO_IFACE``); the interface routing to ``towards``; the address
+    this host's name resolves to; the first non-loopback IPv4 address;
+    127.0.0.1. Raises ValueError for an interface that does not exist.
+    """
+    env = os.environ if environ is None else environ
+    for var in INTERFACE_VARS:
+        if env.get(var):
+            return interface_address(env[var])
+    if towards:
+        source = route_source(towards)
+        if source:
+            return source
+    try:
+        own = resolve(socket.gethostname())
+        if not is_loopback(own):
+            return own
+    except ValueError:
+        pass
+    return _first_non_loopback() or "127.0.0.1"

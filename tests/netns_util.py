@@ -1,0 +1,171 @@
+"""Simulated hosts for launcher tests: Linux network namespaces, each running a real sshd.
+
+``NetnsHosts`` builds, in this machine's root namespace, a bridge ``rdlbr0``
+with address 10.231.0.1/24 (the launcher's own address on the test network)
+and, per simulated host, a namespace ``rdl-h<N>`` joined to the bridge by a
+veth pair, with address 10.231.0.1N/24 and Debian's ``/usr/sbin/sshd``
+listening on port 2222 with a host key, client key and ``authorized_keys``
+made by the test (root login by key only). Nothing outside 10.231.0.0/24 and
+these names is touched; ``close()`` stops the sshds and removes everything.
+Namespaces share this machine's file system, so the same Python and checkout
+paths work inside them. A file lock keeps two test runs on one machine from
+building the network at the same time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+BRIDGE = "rdlbr0"
+SUBNET = "10.231.0"
+LAUNCHER_ADDR = f"{SUBNET}.1"
+SSH_PORT = 2222
+LOCK = "/tmp/roundel-netns-tests.lock"
+NEEDED = ("ip", "ssh", "ssh-keygen", "/usr/sbin/sshd")
+
+
+def missing_tools() -> list[str]:
+    """What these tests need that this machine lacks (root, iproute2, openssh client and server)."""
+    missing = [tool for tool in NEEDED if shutil.which(tool) is None]
+    if os.geteuid() != 0:
+        missing.append("root")
+    return missing
+
+
+def require_tools() -> None:
+    """Skip when tools are missing on a developer's machine; fail on CI (CI=true), where .ci/run
+    installs them, so that these tests can never be skipped silently there."""
+    missing = missing_tools()
+    if missing:
+        message = f"network-namespace ssh tests need {', '.join(missing)} (.ci/run installs openssh-server)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def _run(*cmd, check=True):
+    return subprocess.run(list(cmd), check=check, capture_output=True, text=True, timeout=30)
+
+
+class NetnsHosts:
+    """Simulated hosts ``rdl-h1 .. rdl-hN`` with sshd; see the module docstring."""
+
+    def __init__(self, count: int, workdir: Path):
+        self.count = count
+        self.dir = workdir
+        self.names = [f"rdl-h{i}" for i in range(1, count + 1)]
+        self.addrs = [f"{SUBNET}.{10 + i}" for i in range(1, count + 1)]
+        self.sshd: dict[str, subprocess.Popen] = {}
+        self._lock = open(LOCK, "w")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        try:
+            self._cleanup()  # leftovers of a run that was killed
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def key(self) -> str:
+        return str(self.dir / "id_ed25519")
+
+    def ssh_env(self) -> dict:
+        """The ``ROUNDEL_SSH_ARGS`` that keep host keys in this test's own known_hosts file."""
+        return {"ROUNDEL_SSH_ARGS": f"-o UserKnownHostsFile={self.dir / 'known_hosts'} "
+                                    f"-o StrictHostKeyChecking=no -o LogLevel=ERROR"}
+
+    def _build(self) -> None:
+        d = self.dir
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "host_key"))
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", self.key)
+        shutil.copy(d / "id_ed25519.pub", d / "authorized_keys")
+        os.makedirs("/run/sshd", exist_ok=True)
+        _run("ip", "link", "add", BRIDGE, "type", "bridge")
+        _run("ip", "addr", "add", f"{LAUNCHER_ADDR}/24", "dev", BRIDGE)
+        _run("ip", "link", "set", BRIDGE, "up")
+        for i, (name, addr) in enumerate(zip(self.names, self.addrs), 1):
+            _run("ip", "netns", "add", name)
+            _run("ip", "link", "add", f"rdlv{i}", "type", "veth", "peer", "name", f"rdlp{i}")
+            _run("ip", "link", "set", f"rdlv{i}", "master", BRIDGE, "up")
+            _run("ip", "link", "set", f"rdlp{i}", "netns", name)
+            _run("ip", "-n", name, "link", "set", f"rdlp{i}", "name", "eth0")
+            _run("ip", "-n", name, "addr", "add", f"{addr}/24", "dev", "eth0")
+            _run("ip", "-n", name, "link", "set", "eth0", "up")
+            _run("ip", "-n", name, "link", "set", "lo", "up")
+            config = d / f"sshd_{name}.conf"
+            config.write_text(
+                f"Port {SSH_PORT}\nListenAddress {addr}\nHostKey {d / 'host_key'}\n"
+                f"PermitRootLogin prohibit-password\nPubkeyAuthentication yes\nPasswordAuthentication no\n"
+                f"KbdInteractiveAuthentication no\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
+                f"StrictModes no\nUsePAM no\nPidFile none\nLogLevel ERROR\n")
+            log = open(d / f"sshd_{name}.log", "w")
+            self.sshd[name] = subprocess.Popen(
+                ["ip", "netns", "exec", name, "/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
+                stdout=log, stderr=log, start_new_session=True)
+        for name, addr in zip(self.names, self.addrs):
+            self._wait_for_sshd(name, addr)
+
+    def _wait_for_sshd(self, name: str, addr: str) -> None:
+        deadline = time.monotonic() + 20
+        while True:
+            probe = subprocess.run(
+                ["ssh", "-i", self.key, "-p", str(SSH_PORT), "-o", "BatchMode=yes",
+                 *self.ssh_env()["ROUNDEL_SSH_ARGS"].split(), addr, "true"],
+                capture_output=True, text=True, timeout=30)
+            if probe.returncode == 0:
+                return
+            if time.monotonic() > deadline or self.sshd[name].poll() is not None:
+                log = (self.dir / f"sshd_{name}.log").read_text()
+                raise RuntimeError(f"sshd in {name} did not come up: {probe.stderr}\n{log}")
+            time.sleep(0.2)
+
+    def pids(self, name: str) -> set[int]:
+        """Pids of every process in namespace ``name`` except its sshd listener."""
+        out = _run("ip", "netns", "pids", name, check=False).stdout.split()
+        daemon = self.sshd.get(name)
+        return {int(p) for p in out} - ({daemon.pid} if daemon else set())
+
+    def leftovers(self, timeout: float = 10.0) -> dict[str, set[int]]:
+        """Processes still running in any namespace after ``timeout`` seconds of waiting for them to go."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {name: self.pids(name) for name in self.names}
+            left = {name: pids for name, pids in left.items() if pids}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
+
+    def _cleanup(self) -> None:
+        for i, name in enumerate(self.names, 1):
+            for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _run("ip", "netns", "del", name, check=False)
+            _run("ip", "link", "del", f"rdlv{i}", check=False)
+        _run("ip", "link", "del", BRIDGE, check=False)
+
+    def close(self) -> None:
+        for proc in self.sshd.values():
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.sshd.clear()
+        self._cleanup()
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+        self._lock.close()

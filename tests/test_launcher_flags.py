@@ -1,0 +1,94 @@
+"""roundelrun's Horovod flags beyond the basics: config file, output files, check-build, ssh options."""
+
+import json
+import subprocess
+import sys
+
+from roundel.runner import spawn
+from roundel.runner.hosts import SlotInfo
+
+LAUNCHER = [sys.executable, "-m", "roundel.runner.launch"]
+DUMP = "import json, os; print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('ROUNDEL_')}))"
+
+
+def roundelrun(*args, timeout=60):
+    return subprocess.run([*LAUNCHER, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def worker_env(result, rank=0):
+    for line in result.stdout.splitlines():
+        if line.startswith(f"[{rank}]<stdout>:"):
+            return json.loads(line.split(":", 1)[1])
+    raise AssertionError(result.stdout + result.stderr)
+
+
+def test_check_build():
+    result = roundelrun("--check-build")
+    assert result.returncode == 0, result.stderr
+    assert "Available Frameworks:" in result.stdout and "[X] PyTorch" in result.stdout
+    assert "[X] Gloo" in result.stdout
+
+
+def test_config_file_settings_and_command_line_precedence(tmp_path):
+    config = tmp_path / "roundel.yaml"
+    config.write_text("params:\n  fusion_threshold_mb: 2\n  cache_capacity: 9\ntimeline:\n  filename: /tmp/t.json\n"
+                      "stall_check:\n  enabled: false\n  warning_time_seconds: 5\nstart-timeout: 11\n")
+    result = roundelrun("-np", 1, "--config-file", config, "--cache-capacity", 3, sys.executable, "-c", DUMP)
+    assert result.returncode == 0, result.stderr
+    env = worker_env(result)
+    assert env["ROUNDEL_FUSION_THRESHOLD"] == str(2 * 1024 * 1024)
+    assert env["ROUNDEL_CACHE_CAPACITY"] == "3"  # the command line wins
+    assert env["ROUNDEL_TIMELINE"] == "/tmp/t.json"
+    assert env["ROUNDEL_STALL_CHECK_DISABLE"] == "1" and env["ROUNDEL_STALL_CHECK_TIME_SECONDS"] == "5.0"
+    assert float(env["ROUNDEL_START_TIMEOUT"]) == 11.0
+
+
+def test_config_file_errors(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("params:\n  fusion_treshold_mb: 2\n")
+    result = roundelrun("-np", 1, "--config-file", config, "true")
+    assert result.returncode == 2
+    assert f"--config-file {config}: params.fusion_treshold_mb: unknown setting" in result.stderr
+    config.write_text("cycle-time-ms: fast\n")
+    result = roundelrun("-np", 1, "--config-file", config, "true")
+    assert result.returncode == 2 and "cycle-time-ms: expected a number, not 'fast'" in result.stderr
+    assert "cannot read" in roundelrun("-np", 1, "--config-file", tmp_path / "none.yaml", "true").stderr
+
+
+def test_output_filename_writes_one_log_per_rank_and_still_echoes(tmp_path):
+    code = "import os, sys; r = os.environ['ROUNDEL_RANK']; print('out', r); print('err', r, file=sys.stderr)"
+    result = roundelrun("-np", 3, "--output-filename", tmp_path / "logs", sys.executable, "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == [f"[{r}]<stdout>:out {r}" for r in range(3)]
+    for r in range(3):
+        assert (tmp_path / "logs" / f"rank.{r}" / "stdout").read_text() == f"out {r}\n"
+        assert (tmp_path / "logs" / f"rank.{r}" / "stderr").read_text() == f"err {r}\n"
+    assert spawn.rank_output_dir("d", 3, 12).name == "rank.03"
+
+
+def test_timeline_and_network_interface_are_forwarded():
+    result = roundelrun("-np", 1, "--timeline-filename", "/tmp/tl.json", "--network-interface", "lo",
+                        "--verbose", sys.executable, "-c", DUMP)
+    assert result.returncode == 0, result.stderr
+    env = worker_env(result)
+    assert env["ROUNDEL_TIMELINE"] == "/tmp/tl.json" and env["ROUNDEL_NETWORK_INTERFACE"] == "lo"
+    assert "roundelrun: rendezvous server at 127.0.0.1:" in result.stderr
+    bad = roundelrun("-np", 1, "--network-interface", "nosuchif0", "true")
+    assert bad.returncode == 2 and "network interface 'nosuchif0' does not exist" in bad.stderr
+
+
+def test_usage_errors_for_new_flags(tmp_path):
+    assert "-np is required" in roundelrun("true").stderr
+    missing_key = roundelrun("-np", 1, "-i", tmp_path / "nokey", "true")
+    assert missing_key.returncode == 2 and "--ssh-identity-file" in missing_key.stderr
+
+
+def test_ssh_command_line():
+    cmd = spawn.ssh_command("h1", "cd /x && exec py", port=2222, identity_file="/k", connect_timeout=7,
+                            extra_args="-o LogLevel=ERROR")
+    assert cmd == ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new", "-o", "ConnectTimeout=7",
+                   "-p", "2222", "-i", "/k", "-o", "LogLevel=ERROR", "h1", "cd /x && exec py"]
+    env = spawn.remote_env({"HOME": "/root", "PATH": "/bin", "ROUNDEL_RANK": "1", "SSH_AUTH_SOCK": "s"})
+    assert env == {"PATH": "/bin", "ROUNDEL_RANK": "1"}
+    slot = SlotInfo("h1", 0, 1, 0, 1, 0, 1)
+    assert spawn.worker_env(slot, "10.0.0.1", 5, "ab", {})["ROUNDEL_RENDEZVOUS_ADDR"] == "10.0.0.1"

@@ -1,0 +1,136 @@
+"""roundelrun across hosts over ssh, with hosts simulated by network namespaces running real sshd.
+
+See ``netns_util`` for the test network (10.231.0.0/24): the launcher is
+10.231.0.1 and the hosts rdl-h1/rdl-h2 are 10.231.0.11/12, sshd on port 2222.
+Every launch passes ``-p 2222`` and ``-i KEY`` the way users pass them.
+"""
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from launch_util import LAUNCHER, WORKERS_DIR, assert_checks_passed, clean_env, describe, rank_lines, run_command
+from netns_util import LAUNCHER_ADDR, SSH_PORT, NetnsHosts, require_tools
+
+WORKER = str(Path(__file__).parent / "scripts" / "worker.py")
+COLLECTIVES = str(WORKERS_DIR / "torch_collectives.py")
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    require_tools()
+    net = NetnsHosts(2, tmp_path_factory.mktemp("netns"))
+    yield net
+    net.close()
+
+
+def launch_args(hosts, *extra):
+    return [*LAUNCHER, "-p", str(SSH_PORT), "-i", hosts.key, *extra]
+
+
+def run(hosts, *args, timeout=120, env=None):
+    return run_command(launch_args(hosts, *map(str, args)), env={**hosts.ssh_env(), **(env or {})},
+                       timeout=timeout)
+
+
+def test_two_hosts_two_slots_collective(hosts):
+    h1, h2 = hosts.addrs
+    result = run(hosts, "-np", 4, "-H", f"{h1}:2,{h2}:2", sys.executable, COLLECTIVES, "allreduce", timeout=180)
+    assert_checks_passed(result, 4, "allreduce")
+    assert not hosts.leftovers()
+
+
+def test_uneven_slots_with_launcher_host(hosts, tmp_path):
+    h1, h2 = hosts.addrs
+    code = ("import roundel.torch as hvd, torch, os; hvd.init(); "
+            "s = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item(); "
+            "print('ID', hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), "
+            "hvd.cross_size(), s, os.getcwd())")
+    result = run_command([*launch_args(hosts, "-np", "5", "-H", f"{LAUNCHER_ADDR}:1,{h1}:3,{h2}:1",
+                                       "--output-filename", str(tmp_path / "logs")),
+                          sys.executable, "-c", code], env=hosts.ssh_env(), timeout=180)
+    assert result.returncode == 0, describe(result)
+    ids = sorted(tuple(line.split()[1:]) for line in rank_lines(result.stdout, stream="stdout")
+                 if line.startswith("ID"))
+    cwd = str(Path.cwd())
+    # rank, size, local_rank, local_size, cross_rank, cross_size as Horovod assigns them
+    assert ids == [
+        ("0", "5", "0", "1", "0", "3", "10.0", cwd),
+        ("1", "5", "0", "3", "1", "3", "10.0", cwd),
+        ("2", "5", "1", "3", "0", "1", "10.0", cwd),
+        ("3", "5", "2", "3", "0", "1", "10.0", cwd),
+        ("4", "5", "0", "1", "2", "3", "10.0", cwd),
+    ]
+    assert (tmp_path / "logs" / "rank.3" / "stdout").read_text().startswith("ID 3 5 2 3")
+    assert not hosts.leftovers()
+
+
+def test_host_that_is_down(hosts):
+    h1 = hosts.addrs[0]
+    down = "10.231.0.99"  # on the test network, but no host answers there
+    start = time.monotonic()
+    result = run(hosts, "--start-timeout", 3, "-np", 2, "-H", f"{h1}:1,{down}:1", sys.executable, "-c",
+                 "import time; time.sleep(60)", timeout=60)
+    assert time.monotonic() - start < 30
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"rank 1 (host {down}): could not start on host {down} over ssh (exit 255)" in last, describe(result)
+    assert not hosts.leftovers()
+
+
+def test_process_killed_on_remote_host(hosts, tmp_path):
+    h1, h2 = hosts.addrs
+    start = time.monotonic()
+    result = run(hosts, "-np", 4, "-H", f"{h1}:2,{h2}:2", sys.executable, WORKER, tmp_path,
+                 "sleep", "sleep", "sigkill", "sleep", timeout=60)
+    assert time.monotonic() - start < 30  # the others would sleep 60 s
+    assert result.returncode == 128 + signal.SIGKILL, describe(result)
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"roundelrun: rank 2 (host {h2}) was killed by signal SIGKILL; stopped the other ranks")
+    assert not hosts.leftovers(), "processes left in the namespaces"
+
+
+def test_remote_exit_code_and_ssh_failure(hosts):
+    h1 = hosts.addrs[0]
+    result = run(hosts, "-np", 1, "-H", f"{h1}:1", sys.executable, "-c", "import sys; sys.exit(7)")
+    assert result.returncode == 7
+    assert result.stderr.strip().splitlines()[-1] == f"roundelrun: rank 0 (host {h1}) exited with code 7"
+    # a key the hosts do not accept: ssh fails, and the message names the host
+    bad = subprocess.run([*LAUNCHER, "-p", str(SSH_PORT), "-np", "1", "-H", f"{h1}:1", "true"],
+                         capture_output=True, text=True, timeout=60,
+                         env=clean_env({**hosts.ssh_env(), "ROUNDEL_SSH_ARGS": hosts.ssh_env()["ROUNDEL_SSH_ARGS"]
+                                        + " -o IdentitiesOnly=yes -o IdentityFile=/dev/null"}))
+    assert bad.returncode == 255
+    assert f"could not start on host {h1} over ssh (exit 255)" in bad.stderr, bad.stderr
+    assert "Permission denied" in bad.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_stops_every_host(hosts, tmp_path, signum):
+    h1, h2 = hosts.addrs
+    proc = subprocess.Popen(
+        launch_args(hosts, "-np", "5", "-H", f"localhost:1,{h1}:2,{h2}:2", sys.executable, WORKER, str(tmp_path),
+                    "sleep", "sleep", "ignore", "trap", "sleep"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(hosts.ssh_env()))
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 5:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.1)
+        pids = [int(p) for f in tmp_path.glob("*.pid") for p in f.read_text().split()]
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, err
+    assert err.strip().splitlines()[-1] == f"roundelrun: received {signal.Signals(signum).name}; stopped all ranks"
+    assert "rank 3 got SIGTERM" in out
+    assert not hosts.leftovers(), "processes left in the namespaces"
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
