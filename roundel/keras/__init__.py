@@ -1,0 +1,44 @@
+"""roundel for Keras 3: ``import roundel.keras as hvd`` in place of ``import horovod.keras as hvd``.
+
+Works with Keras 3's TensorFlow backend (fully) and its PyTorch backend
+(``DistributedOptimizer`` and the callbacks are tested there; ``load_model``
+only on TensorFlow). ``roundel.tensorflow.keras`` is the same module.
+
+Not supported: XLA-compiled train steps (``model.compile(jit_compile=True)``)
+with ``DistributedOptimizer``; the collectives run as Python ops, which XLA
+cannot compile. Keras's default ``jit_compile="auto"`` is off on CPU-only
+machines; elsewhere pass ``jit_compile=False`` (a clear error says so).
+"""
+
+from __future__ import annotations
+
+import keras
+
+from roundel.common.basics import (
+    cross_rank, cross_size, cuda_built, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized,
+    local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
+    shutdown, size,
+)
+from roundel.common.basics import add_process_set, remove_process_set
+from roundel.common.errors import (
+    CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError, RoundelError,
+    RoundelInternalError,
+)
+from roundel.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from roundel.common.process_sets import ProcessSet, global_process_set
+from roundel.keras import callbacks
+from roundel.keras.core import (
+    Compression, DistributedOptimizer, allgather, allgather_object, allreduce, broadcast,
+    broadcast_global_variables, broadcast_object, broadcast_variables, load_model, reducescatter,
+)
+
+__all__ = [
+    "Adasum", "Average", "CollectiveMismatchError", "Compression", "DistributedOptimizer", "HorovodInternalError",
+    "HostsUpdatedInterrupt", "Max", "Min", "NotInitializedError", "ProcessSet", "Product", "ReduceOp",
+    "RoundelError", "RoundelInternalError", "Sum", "add_process_set", "allgather", "allgather_object",
+    "allreduce", "broadcast", "broadcast_global_variables", "broadcast_object", "broadcast_variables",
+    "callbacks", "cross_rank", "cross_size", "cuda_built", "gloo_built", "gloo_enabled", "global_process_set",
+    "init", "is_homogeneous", "is_initialized", "keras", "load_model", "local_rank", "local_size", "mpi_built",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "remove_process_set",
+    "rocm_built", "shutdown", "size",
+]

@@ -1,0 +1,266 @@
+"""Keras 3 ``DistributedOptimizer`` and value-level collectives, for the TensorFlow and PyTorch backends.
+
+Value-level helpers (``allreduce``, ``broadcast_variables``, ...) work on any
+backend: they read values with ``keras.ops.convert_to_numpy``, reduce them
+through the engine as CPU torch tensors, and assign or return NumPy arrays.
+``DistributedOptimizer`` reduces gradients inside the compiled train step:
+with ``roundel.tensorflow`` ops on the TensorFlow backend, with
+``roundel.torch`` ops on the PyTorch backend.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from roundel.common.errors import RoundelError
+from roundel.common.ops import ReduceOp, resolve_op
+from roundel.common.process_sets import global_process_set
+from roundel.torch import functions as _torch_functions
+from roundel.torch import mpi_ops as _torch_ops
+
+
+class Compression:
+    """Gradient compression for ``DistributedOptimizer``: ``none``, ``fp16`` or ``bf16`` (any backend).
+
+    A compressor class of ``roundel.tensorflow.Compression`` or
+    ``roundel.torch.Compression`` is accepted too, for its own backend.
+    """
+
+    none = "none"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+def _backend() -> str:
+    return keras.backend.backend()
+
+
+def _resolve_compression(compression):
+    if compression is None:
+        compression = Compression.none
+    if not isinstance(compression, str):
+        return compression
+    if compression not in ("none", "fp16", "bf16"):
+        raise ValueError(f"compression={compression!r}: use hvd.Compression.none, fp16 or bf16")
+    if _backend() == "tensorflow":
+        from roundel.tensorflow.compression import Compression as TFCompression
+        return getattr(TFCompression, compression)
+    from roundel.torch.compression import Compression as TorchCompression
+    return getattr(TorchCompression, compression)
+
+
+# ------------------------------------------------------------ value-level collectives
+def _np_to_torch(value):
+    import torch
+    array = np.array(keras.ops.convert_to_numpy(value), copy=True, order="C")  # keeps 0-d shapes
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _torch_to_np(tensor):
+    import torch
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.float()
+    return tensor.numpy()
+
+
+def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
+              compression=None, process_set=global_process_set):
+    """Reduce a tensor-like ``value`` (Average by default) across the set; returns a NumPy array."""
+    op = resolve_op(op, average)
+    out = _torch_ops.allreduce(_np_to_torch(value), name=name, op=op, prescale_factor=prescale_factor,
+                               postscale_factor=postscale_factor, process_set=process_set)
+    return _torch_to_np(out)
+
+
+def allgather(value, name=None, process_set=global_process_set):
+    """Concatenate every rank's ``value`` along dimension 0; returns a NumPy array."""
+    return _torch_to_np(_torch_ops.allgather(_np_to_torch(value), name=name, process_set=process_set))
+
+
+def broadcast(value, root_rank, name=None, process_set=global_process_set):
+    """The root rank's ``value`` on every rank, as a NumPy array."""
+    return _torch_to_np(_torch_ops.broadcast(_np_to_torch(value), root_rank, name=name, process_set=process_set))
+
+
+def reducescatter(value, name=None, op=ReduceOp.Average, process_set=global_process_set):
+    """Reduce ``value`` and return this rank's slice of dimension 0, as a NumPy array."""
+    return _torch_to_np(_torch_ops.reducescatter(_np_to_torch(value), name=name, op=op, process_set=process_set))
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """The root rank's ``obj`` on every rank (anything cloudpickle can serialize)."""
+    return _torch_functions.broadcast_object(obj, root_rank, name=name or "object", process_set=process_set)
+
+
+def allgather_object(obj, name=None, process_set=global_process_set) -> list:
+    """Every rank's ``obj``, in rank order."""
+    return _torch_functions.allgather_object(obj, name=name or "object", process_set=process_set)
+
+
+def broadcast_variables(variables, root_rank=0, process_set=global_process_set, prefix="variables") -> None:
+    """Assign the root rank's value to every Keras variable of ``variables`` (matched by position)."""
+    variables = list(variables)
+    handles = []
+    for i, v in enumerate(variables):
+        handles.append(_torch_ops.broadcast_async(_np_to_torch(v), root_rank, name=f"keras.{prefix}.{i}",
+                                                  process_set=process_set))
+    for v, h in zip(variables, handles):
+        value = _torch_to_np(_torch_ops.synchronize(h))
+        v.assign(value)  # Keras casts to the variable's dtype
+
+
+_optimizers: list = []
+
+
+def broadcast_global_variables(root_rank, model=None, process_set=global_process_set) -> None:
+    """Give every rank the root's model and optimizer state.
+
+    Keras 3 has no global variable collection: pass ``model`` (its variables
+    and its optimizer's are broadcast); without it the trainable and optimizer
+    variables of every ``DistributedOptimizer`` built in this process are.
+    Raises ValueError when there is nothing to broadcast.
+    """
+    if model is not None:
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and getattr(optimizer, "built", False):
+            variables += list(optimizer.variables)
+    else:
+        variables = []
+        for opt in _optimizers:
+            if getattr(opt, "built", False):
+                variables += list(opt._trainable_variables) + list(opt.variables)
+        if not variables:
+            raise ValueError("broadcast_global_variables: Keras 3 has no global variables; pass model=, "
+                             "or build a DistributedOptimizer first (or use BroadcastGlobalVariablesCallback)")
+    broadcast_variables(variables, root_rank, process_set, prefix="global")
+
+
+# ------------------------------------------------------------ DistributedOptimizer
+def _in_xla_context() -> bool:
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+class _DistributedOptimizerMixin:
+    """Mixed in before the wrapped optimizer's class: ``apply`` reduces gradients first."""
+
+    def apply(self, grads, trainable_variables=None):
+        grads = self._roundel_reduce(list(grads))
+        return super().apply(grads, trainable_variables)
+
+    def _roundel_reduce(self, grads):
+        settings = self._roundel
+        if settings["process_set"].size() <= 1:
+            return grads
+        if _backend() == "tensorflow":
+            if _in_xla_context():
+                raise RoundelError(
+                    "roundel's DistributedOptimizer cannot run inside an XLA-compiled train step: its "
+                    "collectives are Python ops that XLA cannot compile. Pass jit_compile=False to "
+                    "model.compile() (Keras enables XLA by default on machines with a GPU).")
+            from roundel.tensorflow.gradient_tape import reduce_gradients
+            return reduce_gradients(grads, settings["compression"], settings["op"],
+                                    settings["gradient_predivide_factor"], settings["sparse_as_dense"],
+                                    settings["num_groups"], settings["process_set"], name="keras.gradients")
+        if _backend() == "torch":
+            return _reduce_torch(grads, settings)
+        raise NotImplementedError(f"roundel.keras supports the tensorflow and torch backends, not {_backend()!r}")
+
+
+def _reduce_torch(grads, settings):
+    op = settings["op"]
+    prescale = postscale = 1.0
+    process_set = settings["process_set"]
+    if settings["gradient_predivide_factor"] != 1.0:
+        op = ReduceOp.Sum
+        prescale = 1.0 / settings["gradient_predivide_factor"]
+        postscale = settings["gradient_predivide_factor"] / process_set.size()
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not present:
+        return grads
+    num_groups = settings["num_groups"]
+    from roundel.tensorflow.gradient_tape import _split  # pure Python; no TF op is built
+    results = list(grads)
+    for number, group in enumerate(_split(present, num_groups)):
+        reduced = _torch_ops.grouped_allreduce([grads[i].detach() for i in group],
+                                               name=f"keras.gradients.group{number}",
+                                               compression=settings["compression"], op=op,
+                                               prescale_factor=prescale, postscale_factor=postscale,
+                                               process_set=process_set)
+        for i, r in zip(group, reduced):
+            results[i] = r
+    return results
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
+                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=ReduceOp.Average,
+                         backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=global_process_set, scale_local_gradients=True):
+    """A copy of the Keras 3 ``optimizer`` whose ``apply``/``apply_gradients`` first averages the gradients.
+
+    The copy is made from ``optimizer.get_config()`` and is an instance of a
+    subclass of the optimizer's class, with the same name and module, so a
+    saved model loads as the plain optimizer (``load_model`` re-wraps it).
+    Usable in ``model.compile``/``model.fit`` (also with ``steps_per_execution``
+    > 1) and in custom loops. Raises ``RoundelError`` inside an XLA-compiled
+    step (compile with ``jit_compile=False``). ``backward_passes_per_step`` > 1
+    is not supported: use Keras's ``gradient_accumulation_steps``; ``groups``
+    is not supported: use ``num_groups``.
+    """
+    if isinstance(optimizer, _DistributedOptimizerMixin):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    if backward_passes_per_step != 1:
+        raise NotImplementedError("backward_passes_per_step > 1 is not supported by roundel.keras; create the "
+                                  "optimizer with Keras's gradient_accumulation_steps= instead")
+    if groups is not None:
+        raise NotImplementedError("groups= is not supported by roundel.keras; use num_groups=")
+    if int(num_groups or 0) < 0:
+        raise ValueError(f"num_groups={num_groups} must be >= 0")
+    base = optimizer.__class__
+    cls = type(base.__name__, (_DistributedOptimizerMixin, base),
+               {"__module__": base.__module__, "__qualname__": base.__qualname__,
+                "__doc__": f"{base.__name__} that averages gradients across ranks (roundel)."})
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    wrapped = cls.from_config(config)
+    wrapped._roundel = {
+        "compression": _resolve_compression(compression),
+        "op": resolve_op(op),
+        "gradient_predivide_factor": float(gradient_predivide_factor),
+        "sparse_as_dense": bool(sparse_as_dense),
+        "num_groups": int(num_groups or 0),
+        "process_set": process_set,
+    }
+    if wrapped._roundel["gradient_predivide_factor"] != 1.0 and wrapped._roundel["op"] != ReduceOp.Average:
+        raise ValueError("gradient_predivide_factor needs op=Average")
+    _optimizers.append(wrapped)
+    return wrapped
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none, **kwargs):
+    """``keras.models.load_model`` whose compiled optimizer comes back wrapped in ``DistributedOptimizer``.
+
+    The loaded optimizer's state (iterations, slots) is kept. ``custom_optimizers``
+    (a list of optimizer classes) are made known to the loader as custom objects.
+    """
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or ():
+        objects.setdefault(cls.__name__, cls)
+    model = keras.models.load_model(filepath, custom_objects=objects or None, **kwargs)
+    loaded = getattr(model, "optimizer", None)
+    if loaded is None or isinstance(loaded, _DistributedOptimizerMixin):
+        return model
+    wrapped = DistributedOptimizer(loaded, compression=compression)
+    if getattr(loaded, "built", False):
+        wrapped.build(model.trainable_variables)
+        for target, source in zip(wrapped.variables, loaded.variables):
+            target.assign(source)
+    model.optimizer = wrapped
+    model.train_function = model.test_function = model.predict_function = None
+    return model

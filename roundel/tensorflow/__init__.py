@@ -1,0 +1,27 @@
+"""roundel for TensorFlow 2: ``import roundel.tensorflow as hvd`` in place of ``import horovod.tensorflow as hvd``.
+
+Tensors travel through the same engine as ``roundel.torch`` (NumPy and CPU
+torch tensors underneath), so ``torch`` must be installed alongside TensorFlow.
+"""
+
+from roundel.common.basics import (
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    nccl_built, rank, rocm_built, shutdown, size,
+)
+from roundel.common.basics import add_process_set, remove_process_set
+from roundel.common.errors import (
+    CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError, RoundelError,
+    RoundelInternalError,
+)
+from roundel.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from roundel.common.process_sets import ProcessSet, global_process_set
+from roundel.tensorflow.compression import Compression
+from roundel.tensorflow.functions import (
+    allgather_object, broadcast_global_variables, broadcast_object, broadcast_variables,
+)
+from roundel.tensorflow.gradient_tape import DistributedGradientTape
+from roundel.tensorflow.mpi_ops import (
+    allgather, allreduce, alltoall, barrier, broadcast, grouped_allgather, grouped_allreduce,
+    grouped_reducescatter, join, rank_op, reducescatter, size_op,
+)

@@ -1,0 +1,63 @@
+"""Variables and Python objects across ranks: ``broadcast_variables``, ``broadcast_object``, ``allgather_object``."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+_do_not_convert = tf.autograph.experimental.do_not_convert
+
+from roundel.common.process_sets import global_process_set
+from roundel.tensorflow import mpi_ops
+from roundel.torch.functions import allgather_object as _allgather_object
+from roundel.torch.functions import broadcast_object as _broadcast_object
+
+
+@_do_not_convert
+def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
+    """Overwrite every variable of ``variables`` with the root rank's value.
+
+    Eagerly this assigns at once and returns None; inside ``tf.function`` it
+    returns the group op of the assignments. Variables are matched across
+    ranks by their position in the list, so pass them in the same order on
+    every rank (as ``model.variables`` does). ``inplace`` is accepted for
+    Horovod compatibility.
+    """
+    variables = list(variables)
+    if not variables:
+        return None if tf.executing_eagerly() else tf.no_op()
+    values = [tf.convert_to_tensor(v) for v in variables]
+    names = [f"broadcast_variables.{i}.{getattr(v, 'path', None) or getattr(v, 'name', '')}"
+             for i, v in enumerate(variables)]
+    if tf.executing_eagerly():
+        handles = [mpi_ops._ops.broadcast_async(mpi_ops.to_torch(t.numpy()), root_rank, name=n,
+                                                process_set=process_set) for t, n in zip(values, names)]
+        for v, h in zip(variables, handles):
+            v.assign(mpi_ops.to_numpy(mpi_ops._ops.synchronize(h)))
+        return None
+    assigns = [v.assign(mpi_ops.broadcast(t, root_rank, name=n, process_set=process_set))
+               for v, t, n in zip(variables, values, names)]
+    return tf.group(*assigns)
+
+
+@_do_not_convert
+def broadcast_global_variables(root_rank):
+    """Horovod's TF1 helper; TensorFlow 2 has no global variable collection.
+
+    Raises RuntimeError pointing to ``broadcast_variables``.
+    """
+    raise RuntimeError("hvd.broadcast_global_variables() needs TF1's global variable collection, which "
+                       "TensorFlow 2 does not have; use hvd.broadcast_variables(model.variables, root_rank) "
+                       "(and the optimizer's variables), or roundel.keras's BroadcastGlobalVariablesCallback")
+
+
+@_do_not_convert
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """Return the root rank's ``obj`` on every rank (anything cloudpickle can serialize). Eager only."""
+    # A fixed default name: the root's object and the others' placeholders may differ in type.
+    return _broadcast_object(obj, root_rank, name=name or "object", process_set=process_set)
+
+
+@_do_not_convert
+def allgather_object(obj, name=None, process_set=global_process_set) -> list:
+    """Return the list of every rank's ``obj``, in rank order. Eager only."""
+    return _allgather_object(obj, name=name or "object", process_set=process_set)

@@ -1,0 +1,533 @@
+"""Collectives on TensorFlow tensors, eagerly and inside ``tf.function``.
+
+TensorFlow tensors are handed to the same engine ``roundel.torch`` uses:
+each collective converts its inputs to NumPy, wraps them as CPU torch tensors
+(``torch.from_numpy``, no copy), submits them through ``roundel.torch.mpi_ops``
+and converts the results back. Nothing here talks to the other ranks itself.
+
+Eagerly, a collective submits and waits in place. Inside a ``tf.function``
+each collective becomes two ``tf.numpy_function`` ops:
+
+* a stateful *submit* op that hands the tensor to the engine and returns a
+  handle at once (TensorFlow keeps stateful ops in program order), and
+* a stateless *wait* op that blocks until the engine has the result.
+
+Every wait op of a graph is made to run after every submit op of that graph
+that does not itself depend on the wait (control edges added while tracing).
+So a rank submits all the collectives of a step before it blocks on any, and
+ranks whose executors reach the ops in different orders still match them by
+name; a blocked wait never holds the inter-op thread another submit needs.
+
+Names: a ``name=`` you pass is used as is. Inside ``tf.function`` a missing
+name is derived from the function's name and the input tensor's graph name
+(stable across ranks that trace the same code); eagerly a missing name comes
+from a per-process counter, so ranks must then call collectives in the same
+order (as in Horovod).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import tensorflow as tf
+
+_do_not_convert = tf.autograph.experimental.do_not_convert
+import torch
+
+from roundel.common import basics
+from roundel.common.ops import ReduceOp, resolve_op
+from roundel.common.process_sets import global_process_set
+from roundel.torch import mpi_ops as _ops
+
+_BF16 = tf.bfloat16.as_numpy_dtype
+_SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
+              tf.float64, tf.bool)
+
+
+# ------------------------------------------------------------ conversions
+@_do_not_convert
+def to_torch(array) -> torch.Tensor:
+    """A CPU torch tensor sharing memory with ``array`` where possible (bfloat16 through an int16 view)."""
+    array = np.asarray(array)
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        array = np.array(array, order="C")
+    if array.dtype == _BF16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+@_do_not_convert
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """The NumPy view of a CPU torch tensor (bfloat16 as TensorFlow's NumPy bfloat16)."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.contiguous().view(torch.int16).numpy().view(_BF16)
+    return tensor.numpy()
+
+
+@_do_not_convert
+def _check_dtype(tensor, what: str) -> None:
+    if tensor.dtype not in _SUPPORTED:
+        names = ", ".join(d.name for d in _SUPPORTED)
+        raise TypeError(f"{what}: dtype {tensor.dtype.name} is not supported; use one of {names}")
+
+
+# ------------------------------------------------------------ graph mode
+_UID_SUFFIX = re.compile(r"_\d+$")
+
+
+class _GraphState:
+    """What the collectives traced into one graph so far need to know about each other."""
+
+    def __init__(self):
+        self.submits: list = []
+        self.waits: list = []
+        self.names: dict[str, int] = {}
+
+
+@_do_not_convert
+def _graph_state(graph) -> _GraphState:
+    state = getattr(graph, "_roundel_state", None)
+    if state is None:
+        state = _GraphState()
+        graph._roundel_state = state
+    return state
+
+
+@_do_not_convert
+def _graph_name(graph, kind: str, name, tensor) -> str:
+    """A name for a collective traced into ``graph``: the same on every rank that traces the same code."""
+    if name is None:
+        base = _UID_SUFFIX.sub("", getattr(graph, "name", "") or "graph")
+        name = f"{kind}.{base}/{tensor.name if tensor is not None else 'none'}"
+    state = _graph_state(graph)
+    count = state.names.get(name, 0)
+    state.names[name] = count + 1
+    return name if count == 0 else f"{name}#{count}"
+
+
+@_do_not_convert
+def _ancestors(op) -> set:
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+@_do_not_convert
+def _has_stateful_descendant(op) -> bool:
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        children = [c for t in current.outputs for c in t.consumers()] + list(current._control_outputs)
+        for child in children:
+            if child in seen:
+                continue
+            if child._is_stateful:
+                return True
+            seen.add(child)
+            stack.append(child)
+    return False
+
+
+@_do_not_convert
+def _order(graph, submit_op, wait_op) -> None:
+    """Make waits of ``graph`` run after submits that do not depend on them (see the module notes)."""
+    state = _graph_state(graph)
+    ancestors = _ancestors(submit_op)
+    for earlier_wait in state.waits:
+        if earlier_wait not in ancestors and not _has_stateful_descendant(earlier_wait):
+            earlier_wait._add_control_input(submit_op)
+    for earlier_submit in state.submits:
+        wait_op._add_control_input(earlier_submit)
+    state.submits.append(submit_op)
+    state.waits.append(wait_op)
+
+
+@_do_not_convert
+def _collective(kind: str, inputs: list, name, submit, finish, out_dtypes: list, out_shapes: list):
+    """Run one collective on ``inputs`` (tf tensors); returns the list of output tensors.
+
+    ``submit(arrays, name)`` hands NumPy arrays to the engine and returns a
+    roundel.torch handle; ``finish(result)`` turns what ``synchronize``
+    returned into a list of NumPy arrays.
+    """
+    if tf.executing_eagerly():
+        handle = submit([t.numpy() for t in inputs], name)
+        arrays = finish(_ops.synchronize(handle))
+        return [tf.convert_to_tensor(a, dtype=d) for a, d in zip(arrays, out_dtypes)]
+
+    graph = tf.compat.v1.get_default_graph()
+    op_name = _graph_name(graph, kind, name, inputs[0] if inputs else None)
+
+    def submit_np(*arrays):
+        # Copies: the engine reads the inputs after this op has returned.
+        return np.int64(submit([np.array(a, copy=True) for a in arrays], op_name))
+
+    def wait_np(handle):
+        arrays = finish(_ops.synchronize(int(handle)))
+        return [np.asarray(a, dtype=d.as_numpy_dtype) for a, d in zip(arrays, out_dtypes)]
+
+    safe = re.sub(r"[^A-Za-z0-9_.\-/]", "_", kind)
+    handle = tf.numpy_function(submit_np, list(inputs), tf.int64, stateful=True, name=f"Roundel{safe}Submit")
+    outputs = tf.numpy_function(wait_np, [handle], list(out_dtypes), stateful=False,
+                                name=f"Roundel{safe}Wait")
+    if not isinstance(outputs, (list, tuple)):
+        outputs = [outputs]
+    outputs = list(outputs)
+    _order(graph, handle.op, outputs[0].op)
+    for out, shape in zip(outputs, out_shapes):
+        out.set_shape(shape)
+    return outputs
+
+
+@_do_not_convert
+def _blocking(kind: str, fn, out_dtype):
+    """A collective that only blocks (barrier, join): one stateful op in graph mode."""
+    if tf.executing_eagerly():
+        return tf.convert_to_tensor(fn(), dtype=out_dtype)
+    return tf.numpy_function(lambda: np.asarray(fn(), dtype=out_dtype.as_numpy_dtype), [], out_dtype,
+                             stateful=True, name=f"Roundel{kind}")
+
+
+# ------------------------------------------------------------ allreduce
+def _grad_name(name, part="grad"):
+    """The backward collective's name: derived from a given forward name, else None (auto)."""
+    return None if name is None else f"{name}.{part}"
+
+
+@_do_not_convert
+def _first_np(result):
+    return [to_numpy(result)]
+
+
+@_do_not_convert
+def _list_np(result):
+    return [to_numpy(r) for r in result]
+
+
+@_do_not_convert
+def _dense_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set):
+    @tf.custom_gradient
+    def run(x):
+        def submit(arrays, nm):
+            return _ops.allreduce_async(to_torch(arrays[0]), name=nm, op=op, prescale_factor=prescale_factor,
+                                        postscale_factor=postscale_factor, process_set=process_set)
+
+        (out,) = _collective("allreduce", [x], name, submit, _first_np, [x.dtype], [x.shape])
+
+        def grad(dy):
+            return _dense_allreduce(tf.convert_to_tensor(dy), _grad_name(name), op, prescale_factor,
+                                    postscale_factor, process_set)
+
+        return out, grad
+
+    return run(tensor)
+
+
+@_do_not_convert
+def _allreduce(tensor, name=None, op=ReduceOp.Sum, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=global_process_set):
+    """Reduce a dense tensor across the set without compression (Horovod's low-level ``_allreduce``)."""
+    tensor = tf.convert_to_tensor(tensor)
+    _check_dtype(tensor, "allreduce")
+    return _dense_allreduce(tensor, name, resolve_op(op), float(prescale_factor), float(postscale_factor),
+                            process_set)
+
+
+@_do_not_convert
+def _dense_grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor, process_set):
+    @tf.custom_gradient
+    def run(*xs):
+        def submit(arrays, nm):
+            return _ops.grouped_allreduce_async([to_torch(a) for a in arrays], name=nm, op=op,
+                                                prescale_factor=prescale_factor,
+                                                postscale_factor=postscale_factor, process_set=process_set)
+
+        outs = _collective("grouped_allreduce", list(xs), name, submit, _list_np, [x.dtype for x in xs],
+                           [x.shape for x in xs])
+
+        def grad(*dys):
+            return _dense_grouped_allreduce([tf.convert_to_tensor(d) for d in dys], _grad_name(name), op,
+                                            prescale_factor, postscale_factor, process_set)
+
+        return outs, grad
+
+    return run(*tensors)
+
+
+@_do_not_convert
+def _sparse_allreduce(slices: tf.IndexedSlices, name, op, prescale_factor, postscale_factor, process_set):
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise NotImplementedError("allreduce of tf.IndexedSlices supports only op=Average and op=Sum; "
+                                  "pass sparse_as_dense=True (or convert to a dense tensor) for other ops")
+    values = allgather(slices.values, name=None if name is None else f"{name}.values", process_set=process_set)
+    indices = allgather(slices.indices, name=None if name is None else f"{name}.indices",
+                        process_set=process_set)
+    scale = prescale_factor * postscale_factor
+    if op == ReduceOp.Average:
+        scale /= process_set.size()
+    if scale != 1.0:
+        values = values * tf.constant(scale, dtype=values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+@_do_not_convert
+def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=None, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
+              ignore_name_scope=False):
+    """Reduce ``tensor`` across the set (Average by default) and return the result; differentiable.
+
+    A ``tf.IndexedSlices`` is reduced by allgathering its values and indices
+    (op must be Average or Sum). ``compression`` (``Compression.fp16``/``bf16``)
+    casts floating-point tensors for the wire and back. ``device_dense``,
+    ``device_sparse`` and ``ignore_name_scope`` are accepted for Horovod
+    compatibility and ignored (everything runs on the CPU).
+    """
+    from roundel.tensorflow.compression import Compression
+    op = resolve_op(op, average)
+    compression = compression or Compression.none
+    if isinstance(tensor, tf.IndexedSlices):
+        return _sparse_allreduce(tensor, name, op, float(prescale_factor), float(postscale_factor), process_set)
+    tensor = tf.convert_to_tensor(tensor)
+    _check_dtype(tensor, "allreduce")
+    compressed, ctx = compression.compress(tensor)
+    reduced = _dense_allreduce(compressed, name, op, float(prescale_factor), float(postscale_factor),
+                               process_set)
+    return compression.decompress(reduced, ctx)
+
+
+@_do_not_convert
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=None, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set):
+    """Reduce a list of tensors together (one negotiation, fused); returns the list; differentiable.
+
+    ``tf.IndexedSlices`` entries are reduced as in ``allreduce``.
+    """
+    from roundel.tensorflow.compression import Compression
+    op = resolve_op(op, average)
+    compression = compression or Compression.none
+    tensors = list(tensors)
+    results = [None] * len(tensors)
+    dense_idx = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            results[i] = _sparse_allreduce(t, None if name is None else f"{name}.sparse{i}", op,
+                                           float(prescale_factor), float(postscale_factor), process_set)
+        else:
+            dense_idx.append(i)
+    if dense_idx:
+        dense = [tf.convert_to_tensor(tensors[i]) for i in dense_idx]
+        for t in dense:
+            _check_dtype(t, "grouped_allreduce")
+        compressed = [compression.compress(t) for t in dense]
+        reduced = _dense_grouped_allreduce([c[0] for c in compressed], name, op, float(prescale_factor),
+                                           float(postscale_factor), process_set)
+        for i, r, c in zip(dense_idx, reduced, compressed):
+            results[i] = compression.decompress(r, c[1])
+    return results
+
+
+# ------------------------------------------------------------ allgather
+@_do_not_convert
+def _gather_shape(shape: tf.TensorShape) -> tf.TensorShape:
+    if shape.rank is None:
+        return tf.TensorShape(None)
+    if shape.rank == 0:
+        return tf.TensorShape([None])
+    return tf.TensorShape([None]).concatenate(shape[1:])
+
+
+@_do_not_convert
+def allgather(tensor, name=None, process_set=global_process_set, ignore_name_scope=False):
+    """Concatenate every rank's ``tensor`` along dimension 0 (first dimensions may differ); differentiable."""
+    tensor = tf.convert_to_tensor(tensor)
+    _check_dtype(tensor, "allgather")
+
+    @tf.custom_gradient
+    def run(x):
+        def submit(arrays, nm):
+            return _ops.allgather_async(to_torch(arrays[0]), name=nm, process_set=process_set)
+
+        (out,) = _collective("allgather", [x], name, submit, _first_np, [x.dtype], [_gather_shape(x.shape)])
+
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+            summed = _dense_allreduce(dy, _grad_name(name), ReduceOp.Sum, 1.0, 1.0, process_set)
+            first = tf.reshape(tf.shape(x, out_type=tf.int64)[0] if x.shape.rank != 0 else
+                               tf.constant(1, tf.int64), [1])
+            dims = allgather(first, name=_grad_name(name, "dims"), process_set=process_set)
+            offset = tf.reduce_sum(dims[:process_set.rank()])
+            piece = summed[offset:offset + first[0]]
+            return tf.reshape(piece, tf.shape(x))
+
+        return out, grad
+
+    return run(tensor)
+
+
+@_do_not_convert
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Allgather a list of tensors together; returns the list of results (not differentiable)."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for t in tensors:
+        _check_dtype(t, "grouped_allgather")
+
+    def submit(arrays, nm):
+        return _ops.grouped_allgather_async([to_torch(a) for a in arrays], name=nm, process_set=process_set)
+
+    return _collective("grouped_allgather", tensors, name, submit, _list_np, [t.dtype for t in tensors],
+                       [_gather_shape(t.shape) for t in tensors])
+
+
+# ------------------------------------------------------------ broadcast
+@_do_not_convert
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set, ignore_name_scope=False):
+    """Return the root's ``tensor`` on every rank; differentiable (gradients flow to the root)."""
+    tensor = tf.convert_to_tensor(tensor)
+    _check_dtype(tensor, "broadcast")
+    root_rank = int(root_rank)
+
+    @tf.custom_gradient
+    def run(x):
+        def submit(arrays, nm):
+            return _ops.broadcast_async(to_torch(arrays[0]), root_rank, name=nm, process_set=process_set)
+
+        (out,) = _collective("broadcast", [x], name, submit, _first_np, [x.dtype], [x.shape])
+
+        def grad(dy):
+            reduced = _dense_allreduce(tf.convert_to_tensor(dy), _grad_name(name), ReduceOp.Sum, 1.0, 1.0,
+                                       process_set)
+            return reduced if process_set.rank() == root_rank else reduced * 0
+
+        return out, grad
+
+    return run(tensor)
+
+
+# ------------------------------------------------------------ alltoall
+@_do_not_convert
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Send ``splits[j]`` rows of ``tensor`` to rank j of the set; returns ``(received, received_splits)``.
+
+    Without ``splits`` the first dimension is divided evenly. Differentiable in ``tensor``.
+    """
+    tensor = tf.convert_to_tensor(tensor)
+    _check_dtype(tensor, "alltoall")
+    size = process_set.size()
+    splits_t = (tf.zeros([0], tf.int64) if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int64))
+    even = splits is None
+
+    @tf.custom_gradient
+    def run(x):
+        def submit(arrays, nm):
+            return _ops.alltoall_async(to_torch(arrays[0]), None if even else arrays[1].tolist(), name=nm,
+                                       process_set=process_set)
+
+        def finish(result):
+            out, received = result
+            return [to_numpy(out), np.asarray(received.numpy() if isinstance(received, torch.Tensor)
+                                              else received, dtype=np.int32)]
+
+        out, received = _collective("alltoall", [x, splits_t], name, submit, finish, [x.dtype, tf.int32],
+                                    [_gather_shape(x.shape), tf.TensorShape([size])])
+
+        def grad(dy, _unused=None):
+            back, _ = alltoall(tf.convert_to_tensor(dy), received, name=_grad_name(name), process_set=process_set)
+            return back
+
+        return (out, received), grad
+
+    return run(tensor)
+
+
+# ------------------------------------------------------------ reducescatter
+@_do_not_convert
+def reducescatter(tensor, op=None, name=None, compression=None, prescale_factor=1.0, postscale_factor=1.0,
+                  process_set=global_process_set, ignore_name_scope=False):
+    """Reduce ``tensor`` (Average by default) and return this rank's slice of dimension 0; differentiable.
+
+    Lower ranks get one extra row when the first dimension does not divide evenly.
+    """
+    from roundel.tensorflow.compression import Compression
+    op = resolve_op(op)
+    compression = compression or Compression.none
+    tensor = tf.convert_to_tensor(tensor)
+    _check_dtype(tensor, "reducescatter")
+    compressed, ctx = compression.compress(tensor)
+    pre, post = float(prescale_factor), float(postscale_factor)
+
+    @tf.custom_gradient
+    def run(x):
+        def submit(arrays, nm):
+            return _ops.reducescatter_async(to_torch(arrays[0]), name=nm, op=op, prescale_factor=pre,
+                                            postscale_factor=post, process_set=process_set)
+
+        (out,) = _collective("reducescatter", [x], name, submit, _first_np, [x.dtype], [_gather_shape(x.shape)])
+
+        def grad(dy):
+            gathered = allgather(tf.convert_to_tensor(dy), name=_grad_name(name), process_set=process_set)
+            scale = pre * post / (process_set.size() if op == ReduceOp.Average else 1)
+            return gathered * tf.constant(scale, dtype=gathered.dtype) if scale != 1.0 else gathered
+
+        return out, grad
+
+    return compression.decompress(run(compressed), ctx)
+
+
+@_do_not_convert
+def grouped_reducescatter(tensors, op=None, name=None, compression=None, prescale_factor=1.0,
+                          postscale_factor=1.0, process_set=global_process_set):
+    """Reducescatter a list of tensors together; returns the list of this rank's slices."""
+    from roundel.tensorflow.compression import Compression
+    op = resolve_op(op)
+    compression = compression or Compression.none
+    compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
+
+    def submit(arrays, nm):
+        return _ops.grouped_reducescatter_async([to_torch(a) for a in arrays], name=nm, op=op,
+                                                prescale_factor=float(prescale_factor),
+                                                postscale_factor=float(postscale_factor), process_set=process_set)
+
+    outs = _collective("grouped_reducescatter", [c[0] for c in compressed], name, submit, _list_np,
+                       [c[0].dtype for c in compressed], [_gather_shape(c[0].shape) for c in compressed])
+    return [compression.decompress(o, c[1]) for o, c in zip(outs, compressed)]
+
+
+# ------------------------------------------------------------ barrier, join, sizes
+@_do_not_convert
+def barrier(process_set=global_process_set):
+    """Return once every rank of the set has called barrier (in graph mode: an op that does so)."""
+    def fn():
+        _ops.barrier(process_set=process_set)
+        return 0
+
+    out = _blocking("Barrier", fn, tf.int32)
+    return None if tf.executing_eagerly() else out
+
+
+@_do_not_convert
+def join():
+    """Declare this rank has no more data; returns (a tensor holding) the last rank to join.
+
+    Until every rank has joined, the others' allreduces go on with this rank contributing zeros.
+    """
+    return _blocking("Join", _ops.join, tf.int32)
+
+
+@_do_not_convert
+def size_op(process_set_id=0, name=None):
+    """The number of ranks in the set, as an int32 tensor."""
+    ranks = basics.runtime("size_op").process_sets[process_set_id][0]
+    return tf.constant(len(ranks), tf.int32, name=name)
+
+
+@_do_not_convert
+def rank_op(name=None):
+    """This process's rank, as an int32 tensor."""
+    return tf.constant(basics.rank(), tf.int32, name=name)

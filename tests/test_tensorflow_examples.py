@@ -1,0 +1,48 @@
+"""The Keras and TensorFlow 2 examples run to completion at 2 ranks on the bundled digits data.
+
+Chance on the 10 digit classes is 0.10; each example must reach a test
+accuracy of at least 0.60 (in practice about 0.9 on this small budget).
+The Keras walkthrough is also resumed from its last rank-0 checkpoint.
+"""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch_util import describe, rank_lines, run_job
+
+pytest.importorskip("tensorflow")
+pytest.importorskip("sklearn")
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+MIN_ACCURACY = 0.60
+
+
+def _accuracy(result) -> float:
+    assert result.returncode == 0, describe(result)
+    found = [m.group(1) for line in rank_lines(result.stdout, 0, "stdout")
+             for m in [re.search(r"test accuracy: ([0-9.]+)", line)] if m]
+    assert found, "no 'test accuracy' line from rank 0\n" + describe(result)
+    return float(found[-1])
+
+
+def test_tensorflow2_mnist():
+    result = run_job(2, EXAMPLES / "tensorflow2_mnist.py", "--steps", "80", "--log-every", "40", timeout=180)
+    accuracy = _accuracy(result)
+    assert accuracy >= MIN_ACCURACY, f"test accuracy {accuracy} < {MIN_ACCURACY}\n" + describe(result)
+
+
+def test_keras_fashion_mnist_with_resume(tmp_path):
+    first = run_job(2, EXAMPLES / "keras_fashion_mnist.py", "--epochs", "2", "--warmup-epochs", "1",
+                    "--checkpoint-dir", tmp_path, timeout=180)
+    accuracy = _accuracy(first)
+    assert accuracy >= MIN_ACCURACY, f"test accuracy {accuracy} < {MIN_ACCURACY}\n" + describe(first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1.keras", "checkpoint-2.keras"]
+    resumed = run_job(2, EXAMPLES / "keras_fashion_mnist.py", "--epochs", "3", "--warmup-epochs", "1",
+                      "--checkpoint-dir", tmp_path, "--resume", timeout=180)
+    assert any("resumed from" in line and "(epoch 2)" in line
+               for line in rank_lines(resumed.stdout, 0, "stdout")), describe(resumed)
+    assert _accuracy(resumed) >= MIN_ACCURACY
+    assert (tmp_path / "checkpoint-3.keras").exists()
