@@ -61,8 +61,10 @@ def test_torchrun_identity_and_master_port_left_to_torch():
     # the script also uses torch.distributed on torchrun's MASTER_PORT: roundel must not take it
     code = ("import roundel.torch as hvd, torch, torch.distributed as dist; hvd.init(); "
             "dist.init_process_group('gloo'); t = torch.ones(1); dist.all_reduce(t); "
-            "print('ID', hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), "
-            "hvd.cross_size(), hvd.allreduce(torch.ones(1), op=hvd.Sum).item(), t.item()); "
+            "import os; values = [hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), "
+            "hvd.cross_rank(), hvd.cross_size(), hvd.allreduce(torch.ones(1), op=hvd.Sum).item(), t.item()]; "
+            # one write(2) per line: the ranks share torchrun's stdout, and a pipe keeps small writes whole
+            "os.write(1, ('ID ' + ' '.join(map(str, values)) + chr(10)).encode()); "
             "dist.destroy_process_group()")
     script = Path(os.environ.get("TMPDIR", "/tmp")) / f"roundel_torchrun_{os.getpid()}.py"
     script.write_text(code)
