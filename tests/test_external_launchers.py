@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_util import LAUNCHER, WORKERS_DIR, clean_env, describe, run_command, run_job
+from launch_util import WORKERS_DIR, clean_env, describe, run_command, run_job
 from roundel.common.errors import SettingsError
 from roundel.common.identity import cross_ranks, detect_launcher
 from roundel.runner import bootstrap

@@ -6,7 +6,6 @@ The Keras walkthrough is also resumed from its last rank-0 checkpoint.
 """
 
 import re
-import sys
 from pathlib import Path
 
 import pytest

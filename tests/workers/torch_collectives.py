@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import roundel.torch as hvd
-from _checks import (ALL_DTYPES, FLOAT_DTYPES, INT_DTYPES, check, dtype_name, expect_raises, make,
+from _checks import (ALL_DTYPES, check, dtype_name, expect_raises, make,
                      make_float, rng, run_scenarios, to_np)
 
 hvd.init()
