@@ -40,6 +40,13 @@ class _Runtime:
         self.secret = secret
         self.next_process_set_id = 1
         self.barrier_count = 0
+        self.elastic = None  # the Bootstrap of an elastic worker: its generation and hosts version
+        self.unnamed_calls = 0
+
+    def next_unnamed(self) -> int:
+        """A number for a collective the user left unnamed: the same on every rank for the n-th call."""
+        self.unnamed_calls += 1
+        return self.unnamed_calls
 
 
 _runtime: _Runtime | None = None
@@ -98,6 +105,8 @@ def init(process_sets=None, comm=None) -> None:
             if server is not None:
                 server.stop()
             raise
+        if boot.elastic:  # every member of this generation, old or new, uses the same keys
+            prefix = f"gen{boot.generation}/"
         advertise = bootstrap.advertise_address(host, port)
         try:
             backend = GlooBackend(
@@ -113,6 +122,7 @@ def init(process_sets=None, comm=None) -> None:
         table = {0: (tuple(range(ident.size)), backend)}
         engine = Engine(ident.rank, ident.size, settings, secret, client, prefix, advertise, table)
         _runtime = _Runtime(ident, settings, engine, client, server, prefix, advertise, table, secret)
+        _runtime.elastic = boot if boot.elastic else None
         global_process_set._bind(0, range(ident.size), ident.rank)
         if not _atexit_registered:
             atexit.register(shutdown)
@@ -132,6 +142,9 @@ def shutdown() -> None:
         for _, backend in runtime.process_sets.values():
             if backend is not None:
                 backend.close()
+        # dropping the last reference closes the transport's sockets, which frees peers still
+        # blocked in a transfer with this rank after a failure
+        runtime.process_sets.clear()
         runtime.client.close()
         if runtime.server is not None:
             runtime.server.stop()

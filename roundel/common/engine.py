@@ -35,6 +35,7 @@ log = logging.getLogger("roundel")
 
 _STALL_POLL_S = 1.0
 _BYE_GRACE_S = 5.0
+_ABANDON_S = 1.0
 
 
 class Engine:
@@ -112,18 +113,25 @@ class Engine:
         if wake:
             os.write(self._wake_w, b"x")
 
-    def shutdown(self) -> None:
-        """Leave the job: tell the coordinator, stop both threads, release sockets."""
+    def shutdown(self) -> bool:
+        """Leave the job: tell the coordinator, stop both threads, release sockets.
+
+        Returns False when the executor was still inside a transport call
+        (after a failure) and was left to finish in the background.
+        """
         with self._lock:
             if self._stopping:
-                return
+                return True
             self._stopping = True
         os.write(self._wake_w, b"s")
         self._thread.join(_BYE_GRACE_S + 5)
-        self.executor.stop(self.settings.collective_timeout_s)
+        # after a failure the running batch may wait on a departed peer until the transport times
+        # out; it ends in the background once a peer closes its side
+        stopped = self.executor.stop(_ABANDON_S if self._broken else self.settings.collective_timeout_s)
         self._selector.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
+        return stopped
 
     @property
     def broken(self) -> RoundelInternalError | None:
@@ -167,6 +175,7 @@ class Engine:
         if self._broken is None:
             self._broken = RoundelInternalError(message)
         self._fail_inflight(self._broken)
+        self.executor.abort(self._broken)
 
     def _register(self, work: Work) -> bool:
         """Track ``work`` as in flight; False if its name already is (a duplicate)."""
@@ -384,8 +393,11 @@ class Engine:
             data = sock.recv(1 << 20)
         except OSError:
             data = b""
-        if not data:
-            self._drop_peer(rank, f"rank {rank} died or lost its connection to the coordinator")
+        if not data:  # gone without saying goodbye: the job cannot go on, so every rank is told
+            reason = f"rank {rank} died or lost its connection to the coordinator"
+            self._drop_peer(rank, reason)
+            self._break(f"{reason}; the job's communication is broken")
+            self._broadcast_abort(str(self._broken))
             return
         now = time.monotonic()
         negotiator = self._negotiator

@@ -64,6 +64,8 @@ class Executor:
         self._on_idle = on_idle
         self._outstanding = 0
         self._count_lock = threading.Lock()
+        self._held: dict[int, list] = {}  # batches put and not yet finished: id -> works
+        self._aborted: RoundelInternalError | None = None
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._thread = threading.Thread(target=self._loop, name="roundel-executor", daemon=True)
@@ -72,22 +74,38 @@ class Executor:
     def put(self, batch: Batch, works: list) -> None:
         with self._count_lock:
             self._outstanding += 1
+            self._held[id(works)] = works
         self._queue.put((batch, works))
+
+    def abort(self, error: RoundelInternalError) -> None:
+        """Fail every handle queued or running here now, and every batch put later.
+
+        The batch running on the transport (possibly blocked on a dead or
+        departed peer) finishes in the background; its result is dropped.
+        """
+        with self._count_lock:
+            self._aborted = error
+            held = list(self._held.values())
+        for works in held:
+            self._fail(works, error)
 
     def idle(self) -> bool:
         """True when no batch is queued or running."""
         return self._outstanding == 0
 
-    def _finished_one(self) -> None:
+    def _finished_one(self, works: list) -> None:
         with self._count_lock:
             self._outstanding -= 1
+            self._held.pop(id(works), None)
             idle = self._outstanding == 0
         if idle:
             self._on_idle()
 
-    def stop(self, timeout: float) -> None:
+    def stop(self, timeout: float) -> bool:
+        """Let the thread finish what is queued and end; False if it is still busy after ``timeout`` s."""
         self._queue.put(None)
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _loop(self) -> None:
         while True:
@@ -96,9 +114,12 @@ class Executor:
                 return
             batch, works = item
             try:
-                self._execute(batch, works)
+                if self._aborted is not None:
+                    self._fail(works, self._aborted)
+                else:
+                    self._execute(batch, works)
             finally:
-                self._finished_one()
+                self._finished_one(works)
 
     def _execute(self, batch: Batch, works: list) -> None:
         if batch.error:

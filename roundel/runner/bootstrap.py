@@ -40,9 +40,9 @@ from datetime import timedelta
 from typing import Mapping
 
 from roundel.common import identity as identity_env
-from roundel.common.errors import RoundelInternalError
+from roundel.common.errors import RoundelInternalError, SettingsError
 from roundel.common.identity import Identity, LauncherIdentity, cross_ranks, detect_launcher
-from roundel.runner import network
+from roundel.runner import elastic_rendezvous, network
 from roundel.runner.rendezvous import RendezvousClient, RendezvousServer, new_secret
 
 __all__ = ["Bootstrap", "advertise_address", "discover", "slurm_first_host", "slurm_port"]
@@ -60,12 +60,23 @@ class Bootstrap:
     server: RendezvousServer | None
     identity: Identity | None  # None until exchanged (another launcher's partial identity)
     launcher: LauncherIdentity | None = None
+    worker_id: str | None = None  # an elastic worker, which joins the driver's next generation
+    generation: int | None = None  # set by complete() for an elastic worker
+    hosts_version: int = 0
+
+    @property
+    def elastic(self) -> bool:
+        return self.worker_id is not None
 
     def complete(self, client: RendezvousClient, prefix: str, timeout_s: float) -> Identity:
         """The full Identity; for another launcher's worker, exchange host names and local ranks
         through the store (a collective over all ranks). Raises RoundelInternalError on timeout."""
         if self.identity is not None:
             return self.identity
+        if self.elastic:
+            assignment = elastic_rendezvous.join(client, self.worker_id, _elastic_timeout())
+            self.generation, self.hosts_version = assignment.generation, assignment.hosts_version
+            return assignment.identity
         info = self.launcher
         host_key = socket.gethostname()
         if info.launcher == "torchrun" and "GROUP_RANK" in os.environ:
@@ -93,6 +104,24 @@ class Bootstrap:
         ident.validate()
         self.identity = ident
         return ident
+
+
+def _roundelrun_store(env: Mapping[str, str]) -> tuple[str, int, bytes]:
+    try:
+        return (env[identity_env.RENDEZVOUS_ADDR], int(env[identity_env.RENDEZVOUS_PORT]),
+                bytes.fromhex(env[identity_env.SECRET]))
+    except (KeyError, ValueError) as exc:
+        raise RoundelInternalError(
+            f"the rendezvous variables are missing or malformed ({exc}); start the script "
+            "with roundelrun") from None
+
+
+def _elastic_timeout() -> float:
+    try:
+        return float(os.environ.get(elastic_rendezvous.TIMEOUT, "600"))
+    except ValueError:
+        raise SettingsError(f"{elastic_rendezvous.TIMEOUT}={os.environ[elastic_rendezvous.TIMEOUT]!r} "
+                            "must be a number of seconds") from None
 
 
 def _start_server(bind: str, port: int = 0) -> tuple[RendezvousServer, bytes]:
@@ -248,16 +277,12 @@ def discover(prefix: str, timeout_s: float, environ: Mapping[str, str] | None = 
     RoundelInternalError when the ranks cannot agree on a store.
     """
     env = os.environ if environ is None else environ
+    worker_id = elastic_rendezvous.worker_id(env)
+    if worker_id is not None:
+        return Bootstrap(*_roundelrun_store(env), None, None, worker_id=worker_id)
     ident = Identity.from_env(env)
     if ident is not None:
-        try:
-            host, port = env[identity_env.RENDEZVOUS_ADDR], int(env[identity_env.RENDEZVOUS_PORT])
-            secret = bytes.fromhex(env[identity_env.SECRET])
-        except (KeyError, ValueError) as exc:
-            raise RoundelInternalError(
-                f"the rendezvous variables are missing or malformed ({exc}); start the script "
-                "with roundelrun") from None
-        return Bootstrap(host, port, secret, None, ident)
+        return Bootstrap(*_roundelrun_store(env), None, ident)
     info = detect_launcher(env)
     if info is None:
         server, secret = _start_server("127.0.0.1")

@@ -19,27 +19,21 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import queue
 import shutil
 import shlex
 import signal
 import sys
 import threading
-import time
 
 from roundel.common.errors import SettingsError
 from roundel.common.settings import Settings, env_for_flags
 from roundel.runner import config as configlib
 from roundel.runner import hosts as hostlib
-from roundel.runner import network, spawn
+from roundel.runner import elastic_driver, network, spawn
+from roundel.runner.discovery import Blacklist, HostDiscovery
 from roundel.runner.rendezvous import RendezvousServer, new_secret
 
-__all__ = ["GRACE_SECONDS", "main", "run"]
-
-GRACE_SECONDS = 5.0
-"""How long workers get between SIGTERM and SIGKILL when the job is stopped."""
-
-_OUTPUT_DRAIN_SECONDS = 2.0
+__all__ = ["main", "run"]
 
 
 class _UsageError(Exception):
@@ -74,6 +68,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mpi", action="store_true", help="start the ranks with mpirun/mpiexec instead of ssh")
     p.add_argument("--gloo", action="store_true", help="start the ranks with roundelrun itself (the default)")
     p.add_argument("--mpi-args", default="", help="extra arguments for mpirun (with --mpi)")
+    elastic = p.add_argument_group("elastic training (enabled by --host-discovery-script)")
+    elastic.add_argument("--host-discovery-script", help="executable printing the usable hosts as host[:slots] lines")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
+                         help="fewest workers to train with (default -np)")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
+                         help="most workers to train with (default: every discovered slot)")
+    elastic.add_argument("--slots", "--slots-per-host", dest="slots", type=int, default=1,
+                         help="slots of a discovered host that prints no count (default 1)")
+    elastic.add_argument("--reset-limit", type=int, help="end the job after this many membership resets")
+    elastic.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("LO", "HI"),
+                         help="re-admit a blacklisted host after a cooldown of LO..HI seconds (default: never)")
+    elastic.add_argument("--elastic-timeout", type=float, default=600.0,
+                         help="seconds to wait for --min-np slots or for workers to rejoin (default 600)")
     p.add_argument(
         "-x", dest="export", action="append", default=[], metavar="VAR[=VALUE]",
         help="pass VAR (from this environment, or set to VALUE) to the workers; may repeat",
@@ -194,106 +201,6 @@ def _plan(args: argparse.Namespace) -> _Plan:
     return _Plan(slots, settings_env, remote, bind, addresses)
 
 
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _describe_exit(worker: spawn.Worker, server: RendezvousServer | None = None) -> str:
-    code = worker.returncode
-    who = f"rank {worker.slot.rank} (host {worker.slot.hostname})"
-    if worker.remote and server is not None:
-        recorded = server.get(f"launch/exit/{worker.slot.rank}")
-        if recorded is not None and int(recorded) != 0:
-            code = int(recorded)  # the worker's own status, as the remote side saw it
-        elif server.get(f"launch/started/{worker.slot.rank}") is None:
-            last = b"".join(worker.stderr_tail).decode(errors="replace").strip().splitlines()
-            why = f": {last[-1]}" if last else ""
-            if code == 254:
-                return f"{who}: host {worker.slot.hostname} could not reach the rendezvous server{why}"
-            return f"{who}: could not start on host {worker.slot.hostname} over ssh (exit {code}){why}"
-    if code < 0:
-        return f"{who} was killed by signal {_signal_name(-code)}"
-    return f"{who} exited with code {code}"
-
-
-def _exit_status(code: int) -> int:
-    if code < 0:
-        return 128 + (-code)
-    return code if 1 <= code <= 255 else 1
-
-
-class _Job:
-    """The running workers and the queue of events (worker exits, signals) the launcher reacts to."""
-
-    def __init__(self):
-        self.workers: list[spawn.Worker] = []
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-
-    def on_signal(self, signum, frame) -> None:
-        self.events.put(("signal", signum))
-
-    def add(self, worker: spawn.Worker) -> None:
-        self.workers.append(worker)
-        threading.Thread(
-            target=self._wait, args=(worker,), name=f"roundel-wait-{worker.slot.rank}", daemon=True
-        ).start()
-
-    def _wait(self, worker: spawn.Worker) -> None:
-        worker.process.wait()
-        self.events.put(("exit", worker))
-
-    def watch(self, started=None, start_timeout: float = 0.0) -> tuple[str, object] | None:
-        """Wait until every worker exited 0 (None), one failed ("exit", worker), a signal came
-        ("signal", num), or, ``start_timeout`` seconds after the start, ``started()`` still names
-        workers that have not checked in ("timeout", [workers])."""
-        running = set(self.workers)
-        deadline = time.monotonic() + start_timeout if started is not None else None
-        while running:
-            try:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                kind, item = self.events.get(timeout=timeout)
-            except queue.Empty:
-                late = [w for w in started() if w in running]
-                if late:
-                    return "timeout", late
-                deadline = None
-                continue
-            if kind == "signal":
-                return kind, item
-            running.discard(item)
-            if item.returncode != 0:
-                return kind, item
-        return None
-
-    def stop(self) -> None:
-        """SIGTERM every process group, wait up to GRACE_SECONDS (cut short by another signal), then SIGKILL."""
-        for worker in self.workers:
-            worker.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_SECONDS
-        while any(w.returncode is None for w in self.workers):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                kind, _ = self.events.get(timeout=remaining)
-            except queue.Empty:
-                break
-            if kind == "signal":
-                break
-        for worker in self.workers:
-            worker.signal_group(signal.SIGKILL)
-        for worker in self.workers:
-            worker.process.wait()
-
-    def drain_output(self) -> None:
-        deadline = time.monotonic() + _OUTPUT_DRAIN_SECONDS
-        for worker in self.workers:
-            worker.join_output(max(0.0, deadline - time.monotonic()))
-
-
 def _print_plan(slots: list[hostlib.SlotInfo], command: list[str], port: int, plan: "_Plan | None" = None) -> None:
     err = sys.stderr
     bind = plan.bind if plan is not None else "127.0.0.1"
@@ -316,7 +223,7 @@ def _start_timeout(args: argparse.Namespace, settings_env: dict[str, str]) -> fl
 
 
 def _launch(args: argparse.Namespace, plan: _Plan) -> int:
-    job = _Job()
+    job = spawn.WorkerGroup()
     handled = (signal.SIGINT, signal.SIGTERM)
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, job.on_signal) for s in handled} if in_main else {}
@@ -357,7 +264,7 @@ def _launch(args: argparse.Namespace, plan: _Plan) -> int:
         job.drain_output()
         kind, item = outcome
         if kind == "signal":
-            print(f"roundelrun: received {_signal_name(item)}; stopped all ranks", file=sys.stderr)
+            print(f"roundelrun: received {spawn.signal_name(item)}; stopped all ranks", file=sys.stderr)
             return 128 + item
         if kind == "timeout":
             hosts = sorted({w.slot.hostname for w in item})
@@ -366,16 +273,78 @@ def _launch(args: argparse.Namespace, plan: _Plan) -> int:
                   "stopped all ranks", file=sys.stderr)
             return 1
         others = "; stopped the other ranks" if len(job.workers) > 1 else ""
-        print(f"roundelrun: {_describe_exit(item, server)}{others}", file=sys.stderr)
-        code = item.returncode
-        if item.remote:
-            recorded = server.get(f"launch/exit/{item.slot.rank}")
-            code = int(recorded) if recorded is not None and int(recorded) != 0 else code
-        return _exit_status(code)
+        print(f"roundelrun: {spawn.describe_exit(item, server)}{others}", file=sys.stderr)
+        return spawn.exit_status(spawn.own_exit_code(item, server))
     finally:
         server.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _elastic_settings(args: argparse.Namespace) -> elastic_driver.ElasticSettings:
+    """The elastic job's settings from the command line; raise _UsageError for a bad combination."""
+    script = args.host_discovery_script
+    if args.hosts or args.hostfile:
+        raise _UsageError("--host-discovery-script replaces -H/--hostfile; give one of them")
+    if args.mpi:
+        raise _UsageError("elastic training (--host-discovery-script) starts workers itself; drop --mpi")
+    if not (os.path.isfile(script) and os.access(script, os.X_OK)):
+        raise _UsageError(f"--host-discovery-script {script}: not an executable file (chmod +x it)")
+    min_np = args.min_np if args.min_np is not None else args.np
+    if min_np is None:
+        raise _UsageError("elastic training needs -np or --min-np: the fewest workers to train with")
+    if min_np < 1:
+        raise _UsageError(f"--min-np must be at least 1, not {min_np}")
+    if args.max_np is not None and args.max_np < max(min_np, args.np or 0):
+        raise _UsageError(f"--max-np {args.max_np} is below -np/--min-np {max(min_np, args.np or 0)}")
+    if args.slots < 1:
+        raise _UsageError(f"--slots must be at least 1, not {args.slots}")
+    if args.reset_limit is not None and args.reset_limit < 0:
+        raise _UsageError(f"--reset-limit must be >= 0, not {args.reset_limit}")
+    if args.elastic_timeout <= 0:
+        raise _UsageError(f"--elastic-timeout must be > 0 seconds, not {args.elastic_timeout:g}")
+    cooldown = args.blacklist_cooldown_range
+    if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
+        raise _UsageError(f"--blacklist-cooldown-range {cooldown[0]:g} {cooldown[1]:g}: need 0 <= LO <= HI")
+    settings_env = _settings_env(args)
+    if args.network_interface:
+        settings_env["ROUNDEL_NETWORK_INTERFACE"] = args.network_interface
+    return elastic_driver.ElasticSettings(
+        command=list(args.command), min_np=min_np, max_np=args.max_np,
+        discovery=HostDiscovery(os.path.abspath(script), args.slots),
+        blacklist=Blacklist(tuple(cooldown) if cooldown else None),
+        elastic_timeout_s=args.elastic_timeout, reset_limit=args.reset_limit, settings_env=settings_env,
+        start_timeout_s=_start_timeout(args, settings_env), output_dir=args.output_filename,
+        ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file,
+        ssh_args=os.environ.get("ROUNDEL_SSH_ARGS", ""))
+
+
+def _launch_elastic(args: argparse.Namespace, settings: elastic_driver.ElasticSettings) -> int:
+    """Run an elastic job. The store's address is chosen from the first discovered hosts: loopback
+    when all are on this machine (a remote host appearing later then needs --network-interface)."""
+    first = settings.discovery.poll()
+    remote = {h for h in first if not hostlib.is_local_host(h)}
+    bind, addresses = _addresses(args, list(first) or ["localhost"], remote)
+
+    def address_for(host: str) -> str:
+        if host not in addresses:
+            if hostlib.is_local_host(host):  # the address this machine's first workers were told
+                addresses[host] = next(iter(addresses.values()))
+            elif bind == "127.0.0.1":
+                raise ValueError(f"discovered host {host!r} is not this machine, but the job started with "
+                                 "only local hosts, so its store listens on loopback; pass "
+                                 "--network-interface to let other hosts join later")
+            else:
+                addresses[host] = bind if bind != "0.0.0.0" else network.route_source(host) or bind
+        return addresses[host]
+
+    secret = new_secret()
+    server = RendezvousServer(secret, host=bind)
+    server.start()
+    try:
+        return elastic_driver.run(settings, server, secret, address_for)
+    finally:
+        server.stop()
 
 
 def _mpi_command(args: argparse.Namespace, plan: _Plan, env_names: list[str]) -> list[str]:
@@ -443,7 +412,7 @@ def _launch_mpi(args: argparse.Namespace, plan: _Plan) -> int:
                 continue
         if code != 0:
             print(f"roundelrun: {os.path.basename(cmd[0])} exited with code {code}", file=sys.stderr)
-        return _exit_status(code) if code else 0
+        return spawn.exit_status(code) if code else 0
     except _UsageError as exc:
         print(f"roundelrun: error: {exc}", file=sys.stderr)
         return 2
@@ -525,6 +494,8 @@ def run(argv: list[str]) -> int:
             configlib.apply(args, configlib.load(args.config_file), argv)
         if args.mpi and args.gloo:
             raise _UsageError("--mpi and --gloo exclude each other")
+        if args.host_discovery_script:
+            return _launch_elastic(args, _elastic_settings(args))
         plan = _plan(args)
     except (_UsageError, ValueError, SettingsError, configlib.ConfigError) as exc:
         print(f"roundelrun: error: {exc}", file=sys.stderr)

@@ -15,18 +15,26 @@ from __future__ import annotations
 import collections
 import json
 import os
+import queue
 import shlex
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import BinaryIO, Mapping, TextIO
 
 from roundel.common.identity import rendezvous_env
 from roundel.runner.hosts import SlotInfo
 
-__all__ = ["RemoteWorker", "Worker", "rank_output_dir", "ssh_command", "start_local", "start_remote", "worker_env"]
+__all__ = ["GRACE_SECONDS", "RemoteWorker", "Worker", "WorkerGroup", "describe_exit", "exit_status", "rank_output_dir",
+           "signal_name", "ssh_command", "start_local", "start_remote", "worker_env"]
+
+GRACE_SECONDS = 5.0
+"""How long workers get between SIGTERM and SIGKILL when the job is stopped."""
+
+_OUTPUT_DRAIN_SECONDS = 2.0
 
 _write_lock = threading.Lock()
 
@@ -113,17 +121,17 @@ def rank_output_dir(output_dir: str, rank: int, size: int) -> Path:
     return Path(output_dir) / f"rank.{str(rank).zfill(len(str(max(size - 1, 0))))}"
 
 
-def _start_relays(slot: SlotInfo, process: subprocess.Popen, output_dir: str | None
+def _start_relays(slot: SlotInfo, process: subprocess.Popen, output_dir: str | None, label: str | None = None
                   ) -> tuple[list[threading.Thread], collections.deque]:
     logs = {}
     if output_dir is not None:
-        where = rank_output_dir(output_dir, slot.rank, slot.size)
+        where = Path(output_dir) / f"worker.{label}" if label else rank_output_dir(output_dir, slot.rank, slot.size)
         where.mkdir(parents=True, exist_ok=True)
         logs = {name: open(where / name, "wb") for name in ("stdout", "stderr")}
     tail: collections.deque = collections.deque(maxlen=5)
     relays = []
     for pipe, name, stream in ((process.stdout, "stdout", sys.stdout), (process.stderr, "stderr", sys.stderr)):
-        prefix = f"[{slot.rank}]<{name}>:".encode()
+        prefix = f"[{label or slot.rank}]<{name}>:".encode()
         log = logs.get(name)
 
         def run(pipe=pipe, prefix=prefix, stream=stream, log=log, name=name):
@@ -140,8 +148,10 @@ def _start_relays(slot: SlotInfo, process: subprocess.Popen, output_dir: str | N
 
 
 def start_local(slot: SlotInfo, command: list[str], env: Mapping[str, str],
-                output_dir: str | None = None) -> Worker:
+                output_dir: str | None = None, label: str | None = None) -> Worker:
     """Start ``command`` on this machine as the worker of ``slot``, in a new process group.
+
+    Its output lines are prefixed with ``label`` (an elastic worker's id) instead of its rank.
 
     Raises OSError if the command cannot be started or the output directory not created.
     """
@@ -153,7 +163,7 @@ def start_local(slot: SlotInfo, command: list[str], env: Mapping[str, str],
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
-    relays, tail = _start_relays(slot, process, output_dir)
+    relays, tail = _start_relays(slot, process, output_dir, label)
     return Worker(slot, process, relays, tail)
 
 
@@ -209,7 +219,7 @@ def remote_env(env: Mapping[str, str]) -> dict[str, str]:
 def start_remote(slot: SlotInfo, command: list[str], env: Mapping[str, str], rendezvous: tuple[str, int],
                  start_timeout: float, ssh_port: int | None = None, identity_file: str | None = None,
                  output_dir: str | None = None, python: str | None = None, cwd: str | None = None,
-                 extra_ssh_args: str = "") -> RemoteWorker:
+                 extra_ssh_args: str = "", label: str | None = None) -> RemoteWorker:
     """Start ``command`` as the worker of ``slot`` on host ``slot.hostname`` over ssh.
 
     The remote side runs ``cd CWD && exec PYTHON -m roundel.runner.remote`` with
@@ -230,5 +240,119 @@ def start_remote(slot: SlotInfo, command: list[str], env: Mapping[str, str], ren
         process.stdin.flush()
     except OSError:
         pass  # ssh already failed; its exit status and stderr say why
-    relays, tail = _start_relays(slot, process, output_dir)
+    relays, tail = _start_relays(slot, process, output_dir, label)
     return RemoteWorker(slot, process, relays, tail)
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exit(worker: Worker, server=None, who: str | None = None) -> str:
+    """Who failed and how, for the launcher's last line (a remote worker's own status from ``server``).
+
+    ``who`` names the worker (default: its rank and host)."""
+    code = worker.returncode
+    who = who or f"rank {worker.slot.rank} (host {worker.slot.hostname})"
+    if worker.remote and server is not None:
+        recorded = server.get(f"launch/exit/{worker.slot.rank}")
+        if recorded is not None and int(recorded) != 0:
+            code = int(recorded)  # the worker's own status, as the remote side saw it
+        elif server.get(f"launch/started/{worker.slot.rank}") is None:
+            last = b"".join(worker.stderr_tail).decode(errors="replace").strip().splitlines()
+            why = f": {last[-1]}" if last else ""
+            if code == 254:
+                return f"{who}: host {worker.slot.hostname} could not reach the rendezvous server{why}"
+            return f"{who}: could not start on host {worker.slot.hostname} over ssh (exit {code}){why}"
+    if code < 0:
+        return f"{who} was killed by signal {signal_name(-code)}"
+    return f"{who} exited with code {code}"
+
+
+def own_exit_code(worker: Worker, server=None) -> int:
+    """The worker's exit status; for a remote worker, as the remote side recorded it in ``server``."""
+    code = worker.returncode
+    if worker.remote and server is not None:
+        recorded = server.get(f"launch/exit/{worker.slot.rank}")
+        if recorded is not None and int(recorded) != 0:
+            code = int(recorded)
+    return code
+
+
+def exit_status(code: int) -> int:
+    """The launcher's exit status for a worker's: 128+signal for a signal, 1..255 otherwise."""
+    if code < 0:
+        return 128 + (-code)
+    return code if 1 <= code <= 255 else 1
+
+
+class WorkerGroup:
+    """The running workers and the queue of events (worker exits, signals) the launcher reacts to."""
+
+    def __init__(self):
+        self.workers: list[Worker] = []
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+
+    def on_signal(self, signum, frame) -> None:
+        self.events.put(("signal", signum))
+
+    def add(self, worker: Worker) -> None:
+        self.workers.append(worker)
+        threading.Thread(
+            target=self._wait, args=(worker,), name=f"roundel-wait-{worker.slot.rank}", daemon=True
+        ).start()
+
+    def _wait(self, worker: Worker) -> None:
+        worker.process.wait()
+        self.events.put(("exit", worker))
+
+    def watch(self, started=None, start_timeout: float = 0.0) -> tuple[str, object] | None:
+        """Wait until every worker exited 0 (None), one failed ("exit", worker), a signal came
+        ("signal", num), or, ``start_timeout`` seconds after the start, ``started()`` still names
+        workers that have not checked in ("timeout", [workers])."""
+        running = set(self.workers)
+        deadline = time.monotonic() + start_timeout if started is not None else None
+        while running:
+            try:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                kind, item = self.events.get(timeout=timeout)
+            except queue.Empty:
+                late = [w for w in started() if w in running]
+                if late:
+                    return "timeout", late
+                deadline = None
+                continue
+            if kind == "signal":
+                return kind, item
+            running.discard(item)
+            if item.returncode != 0:
+                return kind, item
+        return None
+
+    def stop(self) -> None:
+        """SIGTERM every process group, wait up to GRACE_SECONDS (cut short by another signal), then SIGKILL."""
+        for worker in self.workers:
+            worker.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_SECONDS
+        while any(w.returncode is None for w in self.workers):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                kind, _ = self.events.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if kind == "signal":
+                break
+        for worker in self.workers:
+            worker.signal_group(signal.SIGKILL)
+        for worker in self.workers:
+            worker.process.wait()
+
+    def drain_output(self) -> None:
+        deadline = time.monotonic() + _OUTPUT_DRAIN_SECONDS
+        for worker in self.workers:
+            worker.join_output(max(0.0, deadline - time.monotonic()))

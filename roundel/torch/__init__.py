@@ -12,6 +12,7 @@ from roundel.common.errors import (
 )
 from roundel.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from roundel.common.process_sets import ProcessSet, global_process_set
+from roundel.torch import elastic
 from roundel.torch.compression import Compression
 from roundel.torch.functions import (
     allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters,

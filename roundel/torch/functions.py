@@ -19,8 +19,12 @@ def _to_bytes_tensor(obj) -> torch.Tensor:
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Return the root rank's ``obj`` on every rank (any object cloudpickle can serialize)."""
-    name = name or type(obj).__name__
+    """Return the root rank's ``obj`` on every rank (any object cloudpickle can serialize).
+
+    Without ``name``, calls are matched across ranks by their order since
+    ``init()``, so the other ranks may pass any placeholder (such as None).
+    """
+    name = name or f"unnamed.{basics.runtime('broadcast_object()').next_unnamed()}"
     payload = _to_bytes_tensor(obj) if basics.rank() == root_rank else torch.empty(0, dtype=torch.uint8)
     length = broadcast_(torch.tensor([payload.numel()], dtype=torch.int64), root_rank,
                         name=f"broadcast_object.{name}.size", process_set=process_set)

@@ -1,0 +1,140 @@
+"""Elastic training on the worker side: training state that survives resets, and the retry loop.
+
+A training function decorated with a framework's ``elastic.run`` gets a
+``State``. The loop ``commit()``s it now and then. When a peer fails, every
+survivor sees ``HorovodInternalError`` on its main thread; the loop rolls its
+state back to the last commit, leaves the broken communicator, joins the
+next generation (see :mod:`roundel.runner.elastic_rendezvous`), takes rank
+0's state, runs the reset callbacks and calls the training function again.
+When the driver plans a membership change, rank 0 notices it at a
+``commit()`` and tells every rank in the same collective, so all ranks raise
+``HostsUpdatedInterrupt`` at the same commit and reset together (keeping
+their state: nothing was lost).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+
+from roundel.common import basics
+from roundel.common.errors import HostsUpdatedInterrupt, RoundelInternalError
+from roundel.runner import elastic_rendezvous
+
+__all__ = ["ObjectState", "State", "run_fn"]
+
+log = logging.getLogger("roundel")
+
+
+class State:
+    """Training state that ``elastic.run`` can save, roll back and share from rank 0.
+
+    Framework states implement ``save()``, ``restore()`` and ``sync()``;
+    ``bcast_object(obj, root_rank, name)`` is the framework's ``broadcast_object``.
+    """
+
+    def __init__(self, bcast_object):
+        self._bcast_object = bcast_object
+        self._reset_callbacks: list = []
+
+    def register_reset_callbacks(self, callbacks) -> None:
+        """Call each of ``callbacks`` (no arguments) after every reset, e.g. to rescale the learning rate."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Run the reset callbacks (``elastic.run`` calls this after each reset and sync)."""
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Save the state as the point to roll back to, then ``check_host_updates()``."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise HostsUpdatedInterrupt on every rank when the driver has planned a membership change.
+
+        Rank 0 decides and broadcasts the answer, so all ranks raise at the
+        same call. Outside an elastic job this does nothing.
+        """
+        runtime = basics.runtime("check_host_updates()")
+        if runtime.elastic is None:
+            return
+        latest = elastic_rendezvous.hosts_version(runtime.client) if basics.rank() == 0 else None
+        latest = self._bcast_object(latest, root_rank=0, name="elastic.hosts_version")
+        if latest > runtime.elastic.hosts_version:
+            raise HostsUpdatedInterrupt()
+
+    def save(self) -> None:
+        """Keep a copy of the current state in memory."""
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        """Go back to the last saved copy."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Make every rank's state equal to rank 0's."""
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """State made of picklable attributes given as keyword arguments (``epoch=0, batch=0``).
+
+    Each keyword becomes an attribute; ``save()`` copies them, ``restore()``
+    puts the copy back, and ``sync()`` takes rank 0's saved values.
+    """
+
+    def __init__(self, bcast_object, **kwargs):
+        super().__init__(bcast_object)
+        self._saved = copy.deepcopy(kwargs)
+        self._apply_saved()
+
+    def _apply_saved(self) -> None:
+        for name, value in copy.deepcopy(self._saved).items():
+            setattr(self, name, value)
+
+    def save(self) -> None:
+        self._saved = {name: copy.deepcopy(getattr(self, name)) for name in self._saved}
+
+    def restore(self) -> None:
+        self._apply_saved()
+
+    def sync(self) -> None:
+        if self._saved:
+            self._saved = self._bcast_object(self._saved, root_rank=0, name="elastic.object_state")
+            self._apply_saved()
+
+
+def run_fn(func, reset):
+    """Wrap ``func(state, ...)`` so that failures and membership changes reset and retry it.
+
+    ``reset()`` leaves the current communicator and joins the next
+    generation. The wrapped function returns ``func``'s result once it
+    returns normally; it raises what ``func`` raises other than
+    HorovodInternalError and HostsUpdatedInterrupt, and re-raises the error
+    of a reset that cannot join a new generation.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        needs_reset = False
+        while True:
+            try:
+                if needs_reset:
+                    reset()
+                state.sync()
+                if needs_reset:
+                    state.on_reset()
+                return func(state, *args, **kwargs)
+            except elastic_rendezvous.JoinError:
+                raise
+            except RoundelInternalError as exc:
+                log.warning("roundel elastic: %s; rolling back to the last commit and re-forming the job", exc)
+                state.restore()
+            except HostsUpdatedInterrupt:
+                log.info("roundel elastic: the job's hosts changed; re-forming the job")
+            needs_reset = True
+
+    return wrapper

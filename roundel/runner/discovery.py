@@ -1,0 +1,106 @@
+"""Finding an elastic job's hosts: the user's ``--host-discovery-script``, and the blacklist.
+
+The script is run (with no arguments) every time the driver polls; each line
+it prints names a host that may run workers now, as ``host`` or
+``host:slots`` (``--slots`` when the count is left out). A script that fails
+or prints a malformed line is reported, and the last good answer is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import subprocess
+import time
+
+from roundel.runner.hosts import parse_hosts
+
+__all__ = ["Blacklist", "DiscoveryError", "HostDiscovery", "parse_discovery_output"]
+
+log = logging.getLogger("roundel")
+
+
+class DiscoveryError(Exception):
+    """The discovery script could not be run or printed something that is not a host list."""
+
+
+def parse_discovery_output(text: str, default_slots: int) -> dict[str, int]:
+    """``{host: slots}`` from the script's output; raise DiscoveryError for a malformed line."""
+    hosts: dict[str, int] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        spec = line if ":" in line else f"{line}:{default_slots}"
+        try:
+            [(name, slots)] = parse_hosts(spec)
+        except ValueError as exc:
+            raise DiscoveryError(f"line {lineno} ({line!r}) is not 'host' or 'host:slots': {exc}") from None
+        if name in hosts:
+            raise DiscoveryError(f"line {lineno}: host {name!r} is listed twice")
+        hosts[name] = slots
+    return hosts
+
+
+class HostDiscovery:
+    """Runs the discovery script and remembers its last good answer."""
+
+    def __init__(self, script: str, default_slots: int, timeout_s: float = 30.0):
+        self.script = script
+        self.default_slots = default_slots
+        self.timeout_s = timeout_s
+        self.hosts: dict[str, int] = {}
+        self._last_problem: str | None = None
+
+    def poll(self) -> dict[str, int]:
+        """Run the script once; return the hosts it names (the previous answer if it failed)."""
+        try:
+            done = subprocess.run([self.script], capture_output=True, text=True, timeout=self.timeout_s,
+                                  stdin=subprocess.DEVNULL)
+            if done.returncode != 0:
+                raise DiscoveryError(f"exited with code {done.returncode}: {done.stderr.strip()[-300:]}")
+            self.hosts = parse_discovery_output(done.stdout, self.default_slots)
+            self._last_problem = None
+        except (OSError, subprocess.TimeoutExpired, DiscoveryError) as exc:
+            problem = f"roundelrun: host discovery script {self.script} failed ({exc}); keeping the last host list"
+            if problem != self._last_problem:  # say it once, not at every poll
+                log.warning(problem)
+                self._last_problem = problem
+        return dict(self.hosts)
+
+
+class Blacklist:
+    """Hosts whose workers failed: no new worker is placed there while a host is listed.
+
+    Without a cooldown range a host stays listed for the rest of the job.
+    With ``(lo, hi)`` its n-th failure lists it for a random time in
+    ``[lo, hi]`` seconds scaled by 2**(n-1), capped at ``hi``; then it is
+    re-admitted.
+    """
+
+    def __init__(self, cooldown_range: tuple[float, float] | None = None, clock=time.monotonic):
+        self.cooldown_range = cooldown_range
+        self._clock = clock
+        self._failures: dict[str, int] = {}
+        self._until: dict[str, float] = {}
+
+    def add(self, host: str) -> float:
+        """List ``host`` after a failure there; return how many seconds it stays listed (inf: for good)."""
+        count = self._failures[host] = self._failures.get(host, 0) + 1
+        if self.cooldown_range is None:
+            self._until[host] = float("inf")
+            return float("inf")
+        lo, hi = self.cooldown_range
+        seconds = min(hi, random.uniform(lo, hi) * 2 ** (count - 1))
+        self._until[host] = self._clock() + seconds
+        return seconds
+
+    def contains(self, host: str) -> bool:
+        """Whether ``host`` is listed now (re-admitting it if its cooldown is over)."""
+        until = self._until.get(host)
+        if until is None:
+            return False
+        if self._clock() >= until:
+            del self._until[host]
+            return False
+        return True

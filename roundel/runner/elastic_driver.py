@@ -1,0 +1,294 @@
+"""``roundelrun``'s elastic mode: keep a job running while hosts come, go and fail.
+
+The driver polls the host discovery script, starts one worker per usable
+slot (up to ``--max-np``), and forms *generations* of the job through the
+rendezvous store (see :mod:`roundel.runner.elastic_rendezvous`):
+
+* at the start, once at least ``--min-np`` slots exist;
+* after a worker fails: its host is blacklisted (no new workers there, for
+  good or for a cooldown), a replacement is started on a free slot if there
+  is one, and the survivors, which see the failure as an error in their
+  training loop, roll back to their last commit and join again;
+* after discovery adds or removes hosts: new workers are started, workers on
+  removed hosts are told to leave, and ``hosts_version`` is bumped so that
+  every rank stops at the same ``commit()`` and joins again.
+
+A generation is formed only when every live worker the driver keeps has
+joined; survivors keep their relative order, so rank 0 always holds current
+state. The job ends with status 0 once the workers of the last generation
+have all exited 0, and with an error (never a hang) when the workers of a
+generation all fail, fewer than ``--min-np`` slots remain for
+``--elastic-timeout`` seconds, workers do not rejoin within that time, or
+more resets than ``--reset-limit`` are needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Callable
+
+from roundel.common.identity import cross_ranks, rendezvous_env
+from roundel.runner import elastic_rendezvous as protocol
+from roundel.runner import spawn
+from roundel.runner.discovery import Blacklist, HostDiscovery
+from roundel.runner.hosts import SlotInfo, is_local_host
+from roundel.runner.rendezvous import RendezvousServer
+
+__all__ = ["ElasticSettings", "run"]
+
+_TICK_S = 0.1
+DISCOVERY_INTERVAL_S = 1.0
+
+
+@dataclasses.dataclass
+class ElasticSettings:
+    """The elastic flags of ``roundelrun``, checked by the launcher."""
+
+    command: list[str]
+    min_np: int
+    max_np: int | None
+    discovery: HostDiscovery
+    blacklist: Blacklist
+    elastic_timeout_s: float
+    reset_limit: int | None
+    settings_env: dict[str, str]
+    start_timeout_s: float
+    output_dir: str | None = None
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    ssh_args: str = ""
+
+
+@dataclasses.dataclass(eq=False)
+class _Member:
+    """One started worker process."""
+
+    serial: int
+    host: str
+    index: int  # slot on its host
+    worker: spawn.Worker
+    last_rank: int | None = None  # rank in the latest generation it belonged to
+    answered: int = 0  # join count already answered
+    leaving: bool = False  # told (or to be told) to leave: its host was removed
+
+    @property
+    def label(self) -> str:
+        return f"{self.host}:{self.index}"
+
+    @property
+    def worker_id(self) -> str:
+        return f"{self.label}#{self.serial}"
+
+
+class _JobFailed(Exception):
+    """The job cannot go on; the message says why."""
+
+
+class _Driver:
+    def __init__(self, settings: ElasticSettings, server: RendezvousServer, secret: bytes,
+                 address_for: Callable[[str], str]):
+        self.s = settings
+        self.server = server
+        self.secret = secret
+        self.address_for = address_for
+        self.group = spawn.WorkerGroup()  # every worker started; its events queue drives the loop
+        self.members: dict[int, _Member] = {}  # live workers by serial
+        self.member_of: dict[spawn.Worker, _Member] = {}
+        self.serial = 0
+        self.hosts: dict[str, int] = {}
+        self.generation = -1
+        self.current: list[_Member] = []  # the latest generation, in rank order
+        self.finished: list[_Member] = []  # members of the latest generation that exited 0
+        self.hosts_version = 0
+        self.forming_since: float | None = time.monotonic()  # a generation is wanted since then
+        self.short_since: float | None = None  # fewer than min_np slots since then
+
+    # ------------------------------------------------------------ processes
+    def _start(self, host: str, index: int) -> None:
+        self.serial += 1
+        serial = self.serial
+        slot = SlotInfo(host, serial, serial + 1, index, 1, 0, 1)  # rank here only keys the launch records
+        label = f"{host}:{index}"
+        address = self.address_for(host)
+        env = dict(os.environ)  # no rank variables: an elastic worker learns its identity when it joins
+        env.update(rendezvous_env(address, self.server.port, self.secret.hex()))
+        env.update(self.s.settings_env)
+        env["PYTHONUNBUFFERED"] = "1"
+        env[protocol.WORKER_ID] = f"{label}#{serial}"
+        env[protocol.TIMEOUT] = repr(self.s.elastic_timeout_s)
+        if is_local_host(host):
+            worker = spawn.start_local(slot, self.s.command, env, self.s.output_dir, label)
+        else:
+            worker = spawn.start_remote(slot, self.s.command, env, (address, self.server.port),
+                                        self.s.start_timeout_s, self.s.ssh_port, self.s.ssh_identity_file,
+                                        self.s.output_dir, extra_ssh_args=self.s.ssh_args, label=label)
+        member = _Member(serial, host, index, worker)
+        self.members[serial] = member
+        self.member_of[worker] = member
+        self.group.add(worker)
+        self._say(f"started worker {label} (#{serial})")
+
+    def _say(self, message: str) -> None:
+        print(f"roundelrun: {message}", file=sys.stderr, flush=True)
+
+    def _on_exit(self, member: _Member) -> None:
+        self.members.pop(member.serial, None)
+        code = spawn.own_exit_code(member.worker, self.server)
+        if member.leaving and code == 0:
+            return
+        if code == 0:
+            if member in self.current:
+                self.finished.append(member)
+            return
+        who = f"worker {member.label}"
+        cooldown = self.s.blacklist.add(member.host)
+        until = "for the rest of the job" if cooldown == float("inf") else f"for {cooldown:.0f} s"
+        self._say(f"{spawn.describe_exit(member.worker, self.server, who)}; host {member.host} "
+                  f"blacklisted {until}")
+        if self.generation < 0:
+            if not self.members:
+                raise _JobFailed("every worker failed before the job could start; see their output above")
+            return
+        if member in self.current:
+            if self.finished:
+                raise _JobFailed(f"{who} failed after other workers had finished")
+            survivors = [m for m in self.current if m.serial in self.members]
+            if not survivors:
+                raise _JobFailed("every worker of the job failed, so no committed state survives")
+            self._want_generation()
+
+    # ------------------------------------------------------------ membership
+    def _usable_hosts(self) -> dict[str, int]:
+        return {h: n for h, n in self.hosts.items() if not self.s.blacklist.contains(h)}
+
+    def _plan(self) -> None:
+        """Start workers on free slots, mark workers of removed hosts as leaving; want a new
+        generation when membership changes."""
+        kept = [m for m in self.members.values() if not m.leaving]
+        changed = False
+        for m in kept:
+            if m.index >= self.hosts.get(m.host, 0):  # host gone or shrunk
+                m.leaving = True
+                changed = True
+                self._say(f"host {m.host} no longer offers slot {m.index}; worker {m.label} will leave")
+        kept = [m for m in kept if not m.leaving]
+        used = {(m.host, m.index) for m in kept}
+        limit = self.s.max_np if self.s.max_np is not None else float("inf")
+        free = [(h, i) for h, n in self._usable_hosts().items() for i in range(n) if (h, i) not in used]
+        for host, index in free:
+            if len(kept) >= limit:
+                break
+            self._start(host, index)
+            kept.append(self.members[self.serial])
+            changed = True
+        if changed and self.generation >= 0:
+            self._want_generation()
+
+    def _want_generation(self) -> None:
+        if self.forming_since is None:
+            self.forming_since = time.monotonic()
+            self.hosts_version += 1
+            self.server.set(protocol.HOSTS_VERSION_KEY, str(self.hosts_version).encode())
+
+    def _joined(self, member: _Member) -> int:
+        raw = self.server.get(protocol.join_key(member.worker_id))
+        return int(raw) if raw is not None else 0
+
+    def _form(self) -> None:
+        """Answer the joins: a new generation once every kept live worker is waiting."""
+        for m in self.members.values():
+            count = self._joined(m)
+            if m.leaving and count > m.answered:
+                self.server.set(protocol.assign_key(m.worker_id, count),
+                                protocol.removal(f"host {m.host} left the job"))
+                m.answered = count
+        kept = [m for m in self.members.values() if not m.leaving]
+        now = time.monotonic()
+        if len(kept) < self.s.min_np:
+            self.short_since = self.short_since or now
+            if now - self.short_since > self.s.elastic_timeout_s:
+                raise _JobFailed(f"only {len(kept)} worker slot(s) for {self.s.elastic_timeout_s:g} s "
+                                 f"(--elastic-timeout), fewer than --min-np {self.s.min_np}")
+            return
+        self.short_since = None
+        waiting = [m for m in kept if self._joined(m) <= m.answered]
+        if waiting:
+            if now - self.forming_since > self.s.elastic_timeout_s:
+                names = ", ".join(m.label for m in waiting)
+                raise _JobFailed(f"worker(s) {names} did not join a new generation within "
+                                 f"{self.s.elastic_timeout_s:g} s (--elastic-timeout)")
+            return
+        if self.generation >= 0 and self.s.reset_limit is not None and self.generation + 1 > self.s.reset_limit:
+            raise _JobFailed(f"the job needed reset number {self.generation + 1}, more than --reset-limit "
+                             f"{self.s.reset_limit}")
+        order = sorted(kept, key=lambda m: (m.last_rank is None, m.last_rank or 0, m.serial))
+        local: dict[str, int] = {}
+        table = []
+        for m in order:
+            table.append((m.host, local.get(m.host, 0)))
+            local[m.host] = local.get(m.host, 0) + 1
+        self.generation += 1
+        for m, identity in zip(order, cross_ranks(table)):
+            count = self._joined(m)
+            assignment = protocol.Assignment(self.generation, identity, self.hosts_version)
+            self.server.set(protocol.assign_key(m.worker_id, count), assignment.encode())
+            m.answered, m.last_rank = count, identity.rank
+        self.current = order
+        self.finished = []
+        self.forming_since = None
+        ranks = ", ".join(f"{m.label}={m.last_rank}" for m in order)
+        self._say(f"generation {self.generation}: {len(order)} worker(s), ranks {ranks}")
+
+    # ------------------------------------------------------------ main loop
+    def run(self) -> int:
+        next_poll = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_poll:
+                self.hosts = self.s.discovery.poll()
+                for host in self.hosts:
+                    if not is_local_host(host):
+                        self.address_for(host)  # raises _JobFailed-worthy ValueError early
+                self._plan()
+                next_poll = now + DISCOVERY_INTERVAL_S
+            try:
+                kind, item = self.group.events.get(timeout=_TICK_S)
+            except queue.Empty:
+                kind = None
+            if kind == "signal":
+                self._say(f"received {spawn.signal_name(item)}; stopping all workers")
+                return 128 + item
+            if kind == "exit":
+                self._on_exit(self.member_of[item])
+            if self.current and all(m in self.finished for m in self.current):
+                return 0
+            if self.forming_since is not None:
+                self._form()
+
+
+def run(settings: ElasticSettings, server: RendezvousServer, secret: bytes,
+        address_for: Callable[[str], str]) -> int:
+    """Run an elastic job to its end; return the launcher's exit status (0 when training finished)."""
+    driver = _Driver(settings, server, secret, address_for)
+    handled = (signal.SIGINT, signal.SIGTERM)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, driver.group.on_signal) for s in handled} if in_main else {}
+    try:
+        return driver.run()
+    except _JobFailed as exc:
+        driver._say(f"error: {exc}; stopping all workers")
+        return 1
+    except ValueError as exc:
+        driver._say(f"error: {exc}; stopping all workers")
+        return 2
+    finally:
+        driver.group.stop()
+        driver.group.drain_output()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

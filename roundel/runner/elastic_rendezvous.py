@@ -1,0 +1,115 @@
+"""How elastic workers and ``roundelrun``'s elastic driver agree on each generation of the job.
+
+A generation is one fixed membership: a communicator of ``size`` ranks. The
+driver starts each worker with a stable id (``host:slot``) instead of a
+rank. Whenever a worker needs a communicator (at its first ``init()`` and at
+every reset) it *joins*: it writes its join count under ``join/<id>`` and
+waits for ``assign/<id>/<count>``. The driver forms the next generation only
+once every live worker it keeps has joined, so no worker is still inside the
+previous generation's collectives, and answers each join with the worker's
+identity in the new generation (or tells a worker it no longer needs to
+exit). Survivors keep their relative order, so the new rank 0 is the oldest
+surviving rank and holds the current state.
+
+``hosts_version`` counts the membership changes the driver has planned;
+rank 0 compares it with the version its generation started at when the
+training loop commits, and every rank then leaves for the next generation
+together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+from roundel.common.errors import RoundelInternalError
+from roundel.common.identity import Identity
+
+__all__ = ["HOSTS_VERSION_KEY", "TIMEOUT", "WORKER_ID", "Assignment", "JoinError", "WorkerRemoved", "assign_key",
+           "hosts_version", "join", "join_key", "removal", "worker_id"]
+
+WORKER_ID = "ROUNDEL_ELASTIC_WORKER_ID"
+"""Environment variable naming an elastic worker (its presence makes ``init()`` join a generation)."""
+
+TIMEOUT = "ROUNDEL_ELASTIC_TIMEOUT"
+"""Environment variable: seconds a joining worker waits for the driver to form a generation."""
+
+HOSTS_VERSION_KEY = "elastic/hosts_version"
+
+
+def join_key(worker_id: str) -> str:
+    return f"elastic/join/{worker_id}"
+
+
+def assign_key(worker_id: str, count: int) -> str:
+    return f"elastic/assign/{worker_id}/{count}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """A worker's place in one generation."""
+
+    generation: int
+    identity: Identity
+    hosts_version: int
+
+    def encode(self) -> bytes:
+        return json.dumps({"generation": self.generation, "hosts_version": self.hosts_version,
+                           "identity": dataclasses.asdict(self.identity)}).encode()
+
+
+class JoinError(RoundelInternalError):
+    """The driver formed no generation for this worker in time (or could not be reached)."""
+
+
+class WorkerRemoved(SystemExit):
+    """This worker is not part of the next generation (its host left the job): it exits with status 0."""
+
+    def __init__(self, reason: str):
+        super().__init__(0)
+        self.reason = reason
+
+
+_joins = 0
+
+
+def join(client, worker_id: str, timeout_s: float) -> Assignment:
+    """Ask the driver for this worker's place in the next generation and wait for it.
+
+    Raises WorkerRemoved when the driver leaves this worker out, and
+    JoinError when no generation is formed within ``timeout_s``.
+    """
+    global _joins
+    _joins += 1
+    count = _joins
+    try:
+        client.set(join_key(worker_id), str(count).encode())
+        answer = json.loads(client.get(assign_key(worker_id, count), timeout_s))
+    except Exception as exc:
+        raise JoinError(
+            f"elastic worker {worker_id} was not given a place in the job within {timeout_s:g} s "
+            f"(--elastic-timeout): {exc}") from exc
+    if "removed" in answer:
+        print(f"roundel: elastic worker {worker_id} leaves the job: {answer['removed']}", file=sys.stderr,
+              flush=True)
+        raise WorkerRemoved(answer["removed"])
+    return Assignment(answer["generation"], Identity(**answer["identity"]), answer["hosts_version"])
+
+
+def removal(reason: str) -> bytes:
+    """The driver's answer to a join from a worker it leaves out."""
+    return json.dumps({"removed": reason}).encode()
+
+
+def hosts_version(client) -> int:
+    """The number of membership changes the driver has planned so far."""
+    if not client.check([HOSTS_VERSION_KEY]):
+        return 0
+    return int(client.get(HOSTS_VERSION_KEY, 0))
+
+
+def worker_id(environ=None) -> str | None:
+    """This process's elastic worker id, or None outside an elastic job."""
+    return (os.environ if environ is None else environ).get(WORKER_ID)

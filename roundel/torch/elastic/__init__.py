@@ -1,0 +1,26 @@
+"""Elastic training for PyTorch: ``hvd.elastic.run``, ``TorchState`` and ``ElasticSampler``."""
+
+from roundel.common.basics import init, shutdown
+from roundel.common.elastic import run_fn
+from roundel.common.errors import HorovodInternalError, HostsUpdatedInterrupt
+from roundel.torch.elastic.sampler import ElasticSampler
+from roundel.torch.elastic.state import ObjectState, State, TorchState
+
+__all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State",
+           "TorchState", "run"]
+
+
+def _reset() -> None:
+    shutdown()
+    init()
+
+
+def run(func):
+    """Decorate a training function ``func(state, ...)`` to survive failures and membership changes.
+
+    On HorovodInternalError the state is restored to its last commit; on
+    HostsUpdatedInterrupt it is kept. Either way the job is re-formed, every
+    rank takes rank 0's state, the state's reset callbacks run, and ``func``
+    is called again with the same state.
+    """
+    return run_fn(func, _reset)

@@ -1,0 +1,146 @@
+"""Elastic PyTorch training under the real launcher: hosts added and removed, workers SIGKILLed.
+
+Every run trains tests/workers/torch_elastic.py (a linear model on 96
+synthetic samples, batches of 4, a commit after every step) while the test
+rewrites the discovery script's output or kills workers, then checks with
+``check_training``: the requested epochs were completed, every rank ended
+with the same parameters, rank 0's committed step only went forward, and
+each epoch covered every sample, repeating at most the work since the last
+commit and the padding of the shards.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elastic_util import ElasticJob, check_training, records, worker_lines
+from launch_util import WORKERS_DIR
+
+WORKER = str(WORKERS_DIR / "torch_elastic.py")
+SAMPLES, BATCH = 96, 4
+
+
+def _job(tmp_path, hosts, *launcher_args, epochs=3, step_sleep=0.05, **env):
+    env = {"EPOCHS": epochs, "SAMPLES": SAMPLES, "BATCH": BATCH, "STEP_SLEEP": step_sleep, **env}
+    return ElasticJob(tmp_path, hosts, WORKER, launcher_args, env)
+
+
+def _repeats_allowed(failures: int, generations: int, largest: int = 3) -> int:
+    # a failure redoes at most the step in flight and the one since the last commit on every rank;
+    # each re-sharding pads with fewer than `largest` samples
+    return failures * 2 * BATCH * largest + generations * largest
+
+
+def test_hosts_added_then_removed(tmp_path):
+    job = _job(tmp_path, "localhost:2\n", "-np", "2", "--elastic-timeout", "60", epochs=4, step_sleep=0.1)
+    job.wait_count("COMMIT", 5)
+    job.set_hosts("localhost:3\n")
+    job.wait_count("generation 1: 3 worker(s)", 1)
+    job.wait_for(lambda lines: sum("COMMIT" in line for line in lines) >= 20, what="training at 3 ranks")
+    job.set_hosts("localhost:2\n")
+    job.wait_count("generation 2: 2 worker(s)", 1)
+    assert job.finish() == 0, job.describe()
+    text = job.text()
+    assert "worker localhost:2 will leave" in text, job.describe()
+    assert "elastic worker localhost:2#3 leaves the job" in text, job.describe()
+    sizes = {r["size"] for _, r in records(text, "SEEN")}
+    assert sizes == {2, 3}, sizes
+    # a planned change loses nothing: no rollback, so only padding repeats samples
+    finals = check_training(text, 4, SAMPLES, BATCH, _repeats_allowed(0, 3))
+    assert len(finals) == 2
+    resets = [payload for _, _, payload in worker_lines(text) if payload.startswith("RESET")]
+    assert resets.count("RESET 3") == 2 and resets.count("RESET 2") == 2, resets
+
+
+def _generations(lines) -> list[tuple[int, list[str]]]:
+    """(line index, member labels in rank order) of every generation the driver announced."""
+    out = []
+    for i, line in enumerate(lines):
+        if "worker(s), ranks " in line:
+            out.append((i, [item.split("=")[0] for item in line.split("ranks ")[1].split(", ")]))
+    return out
+
+
+def test_worker_killed_mid_epoch_ten_times(tmp_path):
+    kills = 10
+    stop = tmp_path / "stop"
+    job = _job(tmp_path, "localhost:3\n", "-np", "2", "--blacklist-cooldown-range", "1", "2",
+               "--elastic-timeout", "60", epochs=1000, step_sleep=0.1, STOP_FILE=stop)
+
+    def full_and_training(lines, after):
+        generations = _generations(lines)
+        if len(generations) <= after or len(generations[-1][1]) != 3:
+            return False
+        return sum("COMMIT" in line for line in lines[generations[-1][0]:]) >= 2
+
+    seen = 0
+    for kill in range(kills):
+        # the replacement started after the cooldown has joined and training goes on at 3 ranks
+        job.wait_for(lambda lines: full_and_training(lines, seen), timeout=90,
+                     what=f"3 ranks training before kill {kill + 1}")
+        seen = len(_generations(job.output()))
+        members = _generations(job.output())[-1][1]
+        job.kill(members[0] if kill % 2 == 0 else members[-1])  # rank 0's worker, then another one
+        job.wait_count("was killed by signal SIGKILL", kill + 1, timeout=60)
+    stop.touch()
+    assert job.finish(timeout=120) == 0, job.describe()
+    text = job.text()
+    assert text.count("blacklisted for") == kills and "for the rest of the job" not in text, job.describe()
+    check_training(text, None, SAMPLES, BATCH, _repeats_allowed(kills, 2 * kills + 1))
+
+
+def test_permanent_blacklist_trains_on_with_the_survivor(tmp_path):
+    job = _job(tmp_path, "localhost:2\n", "--min-np", "1", "--elastic-timeout", "60", epochs=2, step_sleep=0.1)
+    job.wait_count("COMMIT", 4)
+    job.kill("localhost:1")
+    job.wait_count("generation 1: 1 worker(s)", 1)
+    assert job.finish() == 0, job.describe()
+    text = job.text()
+    assert "host localhost blacklisted for the rest of the job" in text, job.describe()
+    assert text.count("started worker") == 2, "a worker was started on the blacklisted host"
+    finals = check_training(text, 2, SAMPLES, BATCH, _repeats_allowed(1, 2))
+    assert finals[0]["size"] == 1
+
+
+def test_all_workers_failing_ends_the_job(tmp_path):
+    job = _job(tmp_path, "localhost:2\n", "-np", "2", "--elastic-timeout", "60", step_sleep=0.2)
+    job.wait_count("COMMIT", 3)
+    job.kill("localhost:0")
+    job.kill("localhost:1")
+    start = time.monotonic()
+    assert job.finish(timeout=60) == 1, job.describe()
+    assert time.monotonic() - start < 30
+    assert "every worker of the job failed, so no committed state survives" in job.text(), job.describe()
+
+
+def test_min_np_not_reached_before_the_elastic_timeout(tmp_path):
+    job = _job(tmp_path, "localhost:1\n", "-np", "2", "--elastic-timeout", "3")
+    assert job.finish(timeout=60) == 1, job.describe()
+    assert ("only 1 worker slot(s) for 3 s (--elastic-timeout), fewer than --min-np 2") in job.text(), job.describe()
+    assert "FINAL" not in job.text()
+
+
+def test_reset_limit_exceeded(tmp_path):
+    job = _job(tmp_path, "localhost:2\n", "-np", "2", "--reset-limit", "1", "--elastic-timeout", "60",
+               epochs=5, step_sleep=0.1)
+    job.wait_count("COMMIT", 3)
+    job.set_hosts("localhost:3\n")
+    job.wait_count("generation 1: 3 worker(s)", 1)
+    job.wait_count("RESET 3", 2)
+    job.set_hosts("localhost:2\n")
+    assert job.finish(timeout=90) == 1, job.describe()
+    assert "the job needed reset number 2, more than --reset-limit 1" in job.text(), job.describe()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--min-np", "3", "--max-np", "2"], "--max-np 2 is below -np/--min-np 3"),
+    (["-np", "2", "-H", "localhost:2"], "--host-discovery-script replaces -H/--hostfile"),
+    (["-np", "2", "--blacklist-cooldown-range", "5", "1"], "need 0 <= LO <= HI"),
+    (["--max-np", "2"], "elastic training needs -np or --min-np"),
+])
+def test_bad_elastic_flags_are_refused(tmp_path, args, message):
+    job = ElasticJob(tmp_path, "localhost:2\n", WORKER, args)
+    assert job.finish(timeout=60) == 2, job.describe()
+    assert message in job.text(), job.describe()
