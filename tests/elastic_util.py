@@ -2,7 +2,8 @@
 
 ``ElasticJob`` writes a discovery script that prints a hosts file the test
 rewrites, starts the launcher, collects its output as it comes, and lets the
-test wait for lines, kill a worker by its label (``host:slot``) and check
+test wait for lines, kill a worker by its label (``host:slot``, found by the
+pid the launcher prints when it starts one) and check
 what the training worker (tests/workers/torch_elastic.py or
 keras_elastic.py) printed.
 """
@@ -27,14 +28,15 @@ _LINE = re.compile(r"^\[([^\]]+)\]<(stdout|stderr)>:(.*)$")
 class ElasticJob:
     """One elastic ``roundelrun`` job; see the module docstring."""
 
-    def __init__(self, tmp_path: Path, hosts: str, script: str, launcher_args=(), env: dict | None = None):
+    def __init__(self, tmp_path: Path, hosts: str, script: str, launcher_args=(), env: dict | None = None,
+                 script_args=()):
         self.hosts_file = tmp_path / "hosts.txt"
         self.set_hosts(hosts)
         discover = tmp_path / "discover.sh"
         discover.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
         discover.chmod(0o755)
         command = [*LAUNCHER, "--host-discovery-script", str(discover), *map(str, launcher_args),
-                   sys.executable, script]
+                   sys.executable, script, *map(str, script_args)]
         self.lines: list[tuple[float, str]] = []  # (time, line) from stdout and stderr, in arrival order
         self._cond = threading.Condition()
         self.started = time.monotonic()
@@ -85,10 +87,10 @@ class ElasticJob:
                       f"{count} line(s) containing {text!r}")
 
     def pid(self, label: str) -> int:
-        """The process id the worker with ``label`` printed last."""
-        pids = [int(payload.split()[1]) for who, stream, payload in worker_lines(self.text())
-                if who == label and payload.startswith("PID ")]
-        assert pids, f"worker {label} printed no PID\n{self.describe()}"
+        """The process id of the latest worker started with ``label`` on this machine."""
+        started = re.compile(rf"^roundelrun: started worker {re.escape(label)} \(#\d+, pid (\d+)\)$")
+        pids = [int(m.group(1)) for line in self.output() if (m := started.match(line))]
+        assert pids, f"no worker {label} was started\n{self.describe()}"
         return pids[-1]
 
     def kill(self, label: str) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from elastic_util import ElasticJob, check_training, records, worker_lines
 from launch_util import WORKERS_DIR
+from netns_util import LAUNCHER_ADDR, SSH_PORT, NetnsHosts, require_tools
 
 WORKER = str(WORKERS_DIR / "torch_elastic.py")
 SAMPLES, BATCH = 96, 4
@@ -144,3 +145,43 @@ def test_bad_elastic_flags_are_refused(tmp_path, args, message):
     job = ElasticJob(tmp_path, "localhost:2\n", WORKER, args)
     assert job.finish(timeout=60) == 2, job.describe()
     assert message in job.text(), job.describe()
+
+
+def test_elastic_mnist_example_survives_a_killed_worker(tmp_path):
+    example = str(WORKERS_DIR.parent.parent / "examples" / "pytorch_mnist_elastic.py")
+    job = ElasticJob(tmp_path, "localhost:2\n", example, ["-np", "2", "--min-np", "1", "--elastic-timeout", "60"],
+                     script_args=["--epochs", "3", "--checkpoint-dir", tmp_path / "ckpt"])
+    job.wait_for(lambda lines: any("epoch 1:" in line for line in lines), timeout=120, what="epoch 1")
+    job.kill("localhost:1")
+    assert job.finish(timeout=240) == 0, job.describe()
+    text = job.text()
+    assert "reset: now 1 rank(s), lr 0.05" in text, job.describe()
+    final = [line for line in text.splitlines() if "final test accuracy" in line]
+    assert len(final) == 1, job.describe()
+    # chance is 0.10 on the ten digit classes
+    assert float(final[0].rsplit(" ", 1)[1]) >= 0.75, job.describe()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"checkpoint-{e}.pt" for e in (1, 2, 3)]
+
+
+def test_network_namespace_hosts_join_and_leave(tmp_path):
+    require_tools()
+    (tmp_path / "netns").mkdir()
+    net = NetnsHosts(2, tmp_path / "netns")
+    try:
+        h1, h2 = net.addrs
+        job = _job(tmp_path, f"{LAUNCHER_ADDR}:1\n{h1}:1\n", "-np", "2", "-p", SSH_PORT, "-i", net.key,
+                   "--elastic-timeout", "90", epochs=3, step_sleep=0.1, **net.ssh_env())
+        job.wait_count("COMMIT", 5, timeout=120)
+        job.set_hosts(f"{LAUNCHER_ADDR}:1\n{h1}:1\n{h2}:1\n")  # a host joins
+        job.wait_count("generation 1: 3 worker(s)", 1, timeout=120)
+        job.wait_for(lambda lines: sum("COMMIT" in line for line in lines) >= 15, what="training at 3 ranks")
+        job.set_hosts(f"{LAUNCHER_ADDR}:1\n{h2}:1\n")  # a host leaves
+        job.wait_count("generation 2: 2 worker(s)", 1, timeout=120)
+        assert job.finish(timeout=180) == 0, job.describe()
+        text = job.text()
+        assert f"host {h1} no longer offers slot 0" in text, job.describe()
+        finals = check_training(text, 3, SAMPLES, BATCH, _repeats_allowed(0, 3))
+        assert len(finals) == 2
+        assert not net.leftovers(), "a worker outlived the job on a simulated host"
+    finally:
+        net.close()

@@ -20,6 +20,11 @@ Four ways a worker can have been started:
   ``export ROUNDEL_SECRET=$(openssl rand -hex 32)``), else one derived from
   the job id, which only keeps jobs apart, not other users out.
 
+An elastic worker (``roundelrun --host-discovery-script``) has no rank in
+its environment, only ``ROUNDEL_ELASTIC_WORKER_ID``: it joins the driver's
+next generation through the store and gets its identity there
+(:mod:`roundel.runner.elastic_rendezvous`).
+
 Under any launcher, ``ROUNDEL_RENDEZVOUS_ADDR``, ``ROUNDEL_RENDEZVOUS_PORT``
 and ``ROUNDEL_SECRET`` together with ``ROUNDEL_RENDEZVOUS_SERVER=external``
 name a store that is already running (``roundelrun --mpi`` passes them).

@@ -132,7 +132,8 @@ class _Driver:
         self.members[serial] = member
         self.member_of[worker] = member
         self.group.add(worker)
-        self._say(f"started worker {label} (#{serial})")
+        where = "over ssh" if worker.remote else f"pid {worker.process.pid}"
+        self._say(f"started worker {label} (#{serial}, {where})")
 
     def _say(self, message: str) -> None:
         print(f"roundelrun: {message}", file=sys.stderr, flush=True)

@@ -327,6 +327,9 @@ def scenario_broadcast():
         assert got == {"rank": root, "payload": "x" * (100 * root + 3), "list": list(range(root * 50))}, got
         text = hvd.broadcast_object("hello from %d " % RANK * (RANK + 1), root_rank=root)
         assert text == "hello from %d " % root * (root + 1), text
+        # unnamed, with a placeholder of another type off the root: matched by call order
+        value = hvd.broadcast_object(root * 10 if RANK == root else None, root_rank=root)
+        assert value == root * 10, value
     objs = hvd.allgather_object({"r": RANK, "s": "y" * (RANK * 1000)})
     assert objs == [{"r": r, "s": "y" * (r * 1000)} for r in range(SIZE)], objs
     strs = hvd.allgather_object("z" * (7 * RANK), name="strings")

@@ -1,6 +1,6 @@
 """Elastic PyTorch training for the elastic tests: a small linear model on synthetic data.
 
-Prints, for the tests to check: ``PID <pid>`` at start; ``SEEN <json>`` for
+Prints, for the tests to check: ``SEEN <json>`` for
 every batch (epoch, global step, rank, size and the dataset indices);
 ``COMMIT <step>`` on rank 0 after each commit; ``RESET <size>`` from the
 reset callback; ``FINAL <json>`` at the end (epoch, step and a fingerprint
@@ -25,7 +25,6 @@ COMMIT_EVERY = int(os.environ.get("COMMIT_EVERY", "1"))
 STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0.05"))
 STOP_FILE = os.environ.get("STOP_FILE")
 
-print(f"PID {os.getpid()}", flush=True)
 hvd.init()
 torch.manual_seed(0)
 features = torch.randn(SAMPLES, 8)

@@ -1,0 +1,72 @@
+"""The elastic driver's parts on their own: discovery output, the blacklist, ElasticSampler in one process."""
+
+import pytest
+import torch
+
+import roundel.torch as hvd
+from roundel.runner.discovery import Blacklist, DiscoveryError, HostDiscovery, parse_discovery_output
+
+
+def test_discovery_output_parsing():
+    text = "# hosts\nhost-a:4\n\nhost-b\n10.0.0.7:2\n"
+    assert parse_discovery_output(text, 3) == {"host-a": 4, "host-b": 3, "10.0.0.7": 2}
+    with pytest.raises(DiscoveryError, match="line 1 .*'host-a:x'"):
+        parse_discovery_output("host-a:x\n", 1)
+    with pytest.raises(DiscoveryError, match="host 'a' is listed twice"):
+        parse_discovery_output("a:1\na:2\n", 1)
+
+
+def test_failing_discovery_script_keeps_the_last_answer(tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho good:2\n")
+    script.chmod(0o755)
+    discovery = HostDiscovery(str(script), 1)
+    assert discovery.poll() == {"good": 2}
+    script.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    assert discovery.poll() == {"good": 2}
+    script.write_text("#!/bin/sh\necho 'bad line with spaces'\n")
+    assert discovery.poll() == {"good": 2}
+
+
+def test_blacklist_forever_and_with_cooldown():
+    now = [100.0]
+    forever = Blacklist(clock=lambda: now[0])
+    assert forever.add("a") == float("inf")
+    now[0] += 1e6
+    assert forever.contains("a") and not forever.contains("b")
+
+    cooling = Blacklist((2.0, 4.0), clock=lambda: now[0])
+    first = cooling.add("a")
+    assert 2.0 <= first <= 4.0
+    assert cooling.contains("a")
+    now[0] += first
+    assert not cooling.contains("a"), "the host is re-admitted after its cooldown"
+    second = cooling.add("a")
+    assert 2.0 <= second <= 4.0 and second >= min(4.0, 2 * 2.0), "a repeat failure cools down longer (capped)"
+
+
+@pytest.fixture
+def single_process_job():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def test_elastic_sampler_remembers_progress_in_an_epoch(single_process_job):
+    dataset = torch.utils.data.TensorDataset(torch.arange(10))
+    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=5)
+    order = list(sampler)
+    assert sorted(order) == list(range(10)) and len(sampler) == 10
+    sampler.record_batch(0, 3)
+    assert sampler.processed_indices == set(order[:3])
+    saved = sampler.state_dict()
+    sampler.set_epoch(0)  # the current epoch again, as a resumed loop calls it: progress kept
+    assert list(sampler) == order[3:]
+    sampler.record_batch(0, 3)  # batch 0 of the re-sharded rest
+    assert sampler.processed_indices == set(order[:6])
+    sampler.load_state_dict(saved)  # back to the commit
+    assert list(sampler) == order[3:]
+    sampler.set_epoch(1)  # a new epoch: all samples again, in another order
+    assert sorted(sampler) == list(range(10)) and list(sampler) != order
+    sampler.record_indices([4, 2])
+    assert sorted(sampler.state_dict()["processed_indices"]) == [2, 4]
