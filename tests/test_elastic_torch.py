@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+import psutil
 import pytest
 
 from elastic_util import ElasticJob, check_training, records, worker_lines
@@ -163,25 +164,32 @@ def test_elastic_mnist_example_survives_a_killed_worker(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"checkpoint-{e}.pt" for e in (1, 2, 3)]
 
 
-def test_network_namespace_hosts_join_and_leave(tmp_path):
+def test_network_namespace_hosts_join_leave_and_fail(tmp_path):
     require_tools()
     (tmp_path / "netns").mkdir()
     net = NetnsHosts(2, tmp_path / "netns")
     try:
         h1, h2 = net.addrs
-        job = _job(tmp_path, f"{LAUNCHER_ADDR}:1\n{h1}:1\n", "-np", "2", "-p", SSH_PORT, "-i", net.key,
-                   "--elastic-timeout", "90", epochs=3, step_sleep=0.1, **net.ssh_env())
+        job = _job(tmp_path, f"{LAUNCHER_ADDR}:1\n{h1}:1\n", "-np", "2", "--min-np", "1", "-p", SSH_PORT,
+                   "-i", net.key, "--elastic-timeout", "90", epochs=3, step_sleep=0.1, **net.ssh_env())
         job.wait_count("COMMIT", 5, timeout=120)
         job.set_hosts(f"{LAUNCHER_ADDR}:1\n{h1}:1\n{h2}:1\n")  # a host joins
         job.wait_count("generation 1: 3 worker(s)", 1, timeout=120)
         job.wait_for(lambda lines: sum("COMMIT" in line for line in lines) >= 15, what="training at 3 ranks")
         job.set_hosts(f"{LAUNCHER_ADDR}:1\n{h2}:1\n")  # a host leaves
         job.wait_count("generation 2: 2 worker(s)", 1, timeout=120)
+        job.wait_for(lambda lines: sum("COMMIT" in line for line in lines) >= 25, what="training at 2 ranks")
+        # the worker on the remote host is killed there
+        workers = [p for p in map(psutil.Process, net.pids(net.names[1])) if "torch_elastic.py" in " ".join(p.cmdline())]
+        assert len(workers) == 1, workers
+        workers[0].kill()
+        job.wait_count("generation 3: 1 worker(s)", 1, timeout=120)
         assert job.finish(timeout=180) == 0, job.describe()
         text = job.text()
         assert f"host {h1} no longer offers slot 0" in text, job.describe()
-        finals = check_training(text, 3, SAMPLES, BATCH, _repeats_allowed(0, 3))
-        assert len(finals) == 2
+        assert f"worker {h2}:0 was killed by signal SIGKILL; host {h2} blacklisted" in text, job.describe()
+        finals = check_training(text, 3, SAMPLES, BATCH, _repeats_allowed(1, 4))
+        assert len(finals) == 1
         assert not net.leftovers(), "a worker outlived the job on a simulated host"
     finally:
         net.close()
