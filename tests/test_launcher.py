@@ -273,3 +273,32 @@ def test_launcher_does_not_import_frameworks():
     code = "import sys, roundel.runner.launch; print(sorted({'torch', 'tensorflow', 'jax'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
     assert result.stdout == b"[]\n", result.stderr
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_workers_end_when_the_launcher_is_killed(tmp_path, elastic):
+    # SIGKILL gives roundelrun no chance to stop its workers; they must not train on forever
+    code = ("import os, time, roundel.torch as hvd; hvd.init(); "
+            "open(os.path.join(%r, str(os.getpid())), 'w').close(); time.sleep(120)" % str(tmp_path))
+    launcher_args = ["-np", "2"]
+    if elastic:
+        script = tmp_path / "discover.sh"
+        script.write_text("#!/bin/sh\necho localhost:2\n")
+        script.chmod(0o755)
+        launcher_args += ["--host-discovery-script", str(script)]
+    proc = subprocess.Popen([*LAUNCHER, *launcher_args, sys.executable, "-c", code],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "the workers did not start"
+            time.sleep(0.1)
+        pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
+        proc.kill()
+        proc.wait()
+        gone = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)[1]
+        assert not gone, f"workers {[p.pid for p in gone]} outlived the killed launcher"
+    finally:
+        for p in tmp_path.iterdir():
+            if p.name.isdigit() and psutil.pid_exists(int(p.name)):
+                os.kill(int(p.name), signal.SIGKILL)

@@ -34,12 +34,15 @@ sizes are then worked out by exchanging host names through the store.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import json
 import os
 import re
+import signal
 import socket
+import sys
 import time
 from datetime import timedelta
 from typing import Mapping
@@ -53,6 +56,7 @@ from roundel.runner.rendezvous import RendezvousClient, RendezvousServer, new_se
 __all__ = ["Bootstrap", "advertise_address", "discover", "slurm_first_host", "slurm_port"]
 
 EXTERNAL_SERVER = "ROUNDEL_RENDEZVOUS_SERVER"
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclasses.dataclass
@@ -109,6 +113,24 @@ class Bootstrap:
         ident.validate()
         self.identity = ident
         return ident
+
+
+def follow_launcher(env: Mapping[str, str]) -> None:
+    """Make this worker get SIGTERM when the roundelrun that started it dies, even by SIGKILL (Linux).
+
+    Only for a worker whose parent is that roundelrun (not one started
+    through a wrapper such as a shell, nor over ssh, where the remote side
+    stops the worker when the connection closes).
+    """
+    launcher = env.get(identity_env.LAUNCHER_PID)
+    if not launcher or not sys.platform.startswith("linux") or os.getppid() != int(launcher):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launcher):  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _roundelrun_store(env: Mapping[str, str]) -> tuple[str, int, bytes]:
@@ -282,6 +304,7 @@ def discover(prefix: str, timeout_s: float, environ: Mapping[str, str] | None = 
     RoundelInternalError when the ranks cannot agree on a store.
     """
     env = os.environ if environ is None else environ
+    follow_launcher(env)
     worker_id = elastic_rendezvous.worker_id(env)
     if worker_id is not None:
         return Bootstrap(*_roundelrun_store(env), None, None, worker_id=worker_id)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Mapping, TextIO
 
-from roundel.common.identity import rendezvous_env
+from roundel.common.identity import LAUNCHER_PID, rendezvous_env
 from roundel.runner.hosts import SlotInfo
 
 __all__ = ["GRACE_SECONDS", "RemoteWorker", "Worker", "WorkerGroup", "describe_exit", "exit_status", "rank_output_dir",
@@ -155,9 +155,11 @@ def start_local(slot: SlotInfo, command: list[str], env: Mapping[str, str],
 
     Raises OSError if the command cannot be started or the output directory not created.
     """
+    env = dict(env)
+    env[LAUNCHER_PID] = str(os.getpid())  # the worker follows this process when it dies
     process = subprocess.Popen(
         command,
-        env=dict(env),
+        env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
