@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from elastic_util import ElasticJob, check_training, records, worker_lines
-from launch_util import WORKERS_DIR
+from launch_util import LAUNCHER, WORKERS_DIR, describe, run_command
 from netns_util import LAUNCHER_ADDR, SSH_PORT, NetnsHosts, require_tools
 
 WORKER = str(WORKERS_DIR / "torch_elastic.py")
@@ -193,3 +193,13 @@ def test_network_namespace_hosts_join_leave_and_fail(tmp_path):
         assert not net.leftovers(), "a worker outlived the job on a simulated host"
     finally:
         net.close()
+
+
+def test_command_not_found(tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:1\n")
+    script.chmod(0o755)
+    result = run_command([*LAUNCHER, "-np", "1", "--host-discovery-script", script, "no-such-command-xyz"],
+                         timeout=60)
+    assert result.returncode == 127, describe(result)
+    assert "cannot start a worker: [Errno 2] No such file or directory" in result.stderr, describe(result)

@@ -83,7 +83,11 @@ class _Member:
 
     @property
     def worker_id(self) -> str:
-        return f"{self.label}#{self.serial}"
+        return _worker_id(self.label, self.serial)
+
+
+def _worker_id(label: str, serial: int) -> str:
+    return f"{label}#{serial}"
 
 
 class _JobFailed(Exception):
@@ -120,7 +124,7 @@ class _Driver:
         env.update(rendezvous_env(address, self.server.port, self.secret.hex()))
         env.update(self.s.settings_env)
         env["PYTHONUNBUFFERED"] = "1"
-        env[protocol.WORKER_ID] = f"{label}#{serial}"
+        env[protocol.WORKER_ID] = _worker_id(label, serial)
         env[protocol.TIMEOUT] = repr(self.s.elastic_timeout_s)
         if is_local_host(host):
             worker = spawn.start_local(slot, self.s.command, env, self.s.output_dir, label)
@@ -288,6 +292,9 @@ def run(settings: ElasticSettings, server: RendezvousServer, secret: bytes,
     except ValueError as exc:
         driver._say(f"error: {exc}; stopping all workers")
         return 2
+    except OSError as exc:
+        driver._say(f"cannot start a worker: {exc}; stopping all workers")
+        return 127
     finally:
         driver.group.stop()
         driver.group.drain_output()
