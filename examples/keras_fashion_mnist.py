@@ -14,7 +14,8 @@ The walkthrough's steps, as numbered there:
  7. MetricAverageCallback: epoch metrics averaged over the ranks
  8. checkpoints on rank 0 only; --resume finds the last one and rank 0 broadcasts the epoch to resume from
  9. learning-rate warm-up (LearningRateWarmupCallback) and schedule (LearningRateScheduleCallback)
-10. a large-batch optimizer: Keras's LAMB (--optimizer lamb). NovoGrad is not provided by roundel yet.
+10. a large-batch optimizer: NovoGrad (--optimizer novograd, roundel.keras.optimizers.NovoGrad, in place of
+    tensorflow_addons' tfa.optimizers.NovoGrad) or Keras's LAMB (--optimizer lamb)
 
 XLA: the train step is compiled with jit_compile=False (roundel's collectives are Python ops).
 """
@@ -46,14 +47,18 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", help="directory holding the four IDX files (mnist / fashion-mnist)")
     p.add_argument("--batch-size", type=int, default=32, help="batch size per rank")
     p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--base-lr", type=float, default=0.01, help="learning rate for one rank (scaled by size)")
+    p.add_argument("--base-lr", type=float, default=None,
+                   help="learning rate for one rank (scaled by size); default 0.01, for novograd 0.1")
     p.add_argument("--warmup-epochs", type=float, default=2)
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--optimizer", choices=("sgd", "adam", "lamb"), default="sgd")
+    p.add_argument("--optimizer", choices=("sgd", "adam", "novograd", "lamb"), default="sgd")
     p.add_argument("--fp16-allreduce", action="store_true")
     p.add_argument("--checkpoint-dir", help="rank 0 saves checkpoint-{epoch}.keras here after every epoch")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.base_lr is None:
+        args.base_lr = 0.1 if args.optimizer == "novograd" else 0.01  # NovoGrad steps each layer by about lr
+    return args
 
 
 def build_model():
@@ -108,14 +113,16 @@ def main(argv=None):
         model = hvd.load_model(resume_path, compression=hvd.Compression.fp16 if args.fp16_allreduce
                                else hvd.Compression.none)
         if verbose:
-            print(f"resumed from {resume_path} (epoch {resume_epoch})", flush=True)
+            print(f"resumed from {resume_path} (epoch {resume_epoch}, {type(model.optimizer).__name__})", flush=True)
     else:
         model = build_model()
         if args.optimizer == "sgd":
             opt = keras.optimizers.SGD(scaled_lr, momentum=args.momentum)
         elif args.optimizer == "adam":
             opt = keras.optimizers.Adam(scaled_lr)
-        else:                                                       # step 10
+        elif args.optimizer == "novograd":                          # step 10: NovoGrad or LAMB
+            opt = hvd.optimizers.NovoGrad(scaled_lr, weight_decay=1e-3, grad_averaging=True)
+        else:
             opt = keras.optimizers.Lamb(scaled_lr)
         opt = hvd.DistributedOptimizer(opt, compression=hvd.Compression.fp16 if args.fp16_allreduce
                                        else hvd.Compression.none)

@@ -1,4 +1,5 @@
-"""The Keras and TensorFlow 2 examples run to completion at 2 ranks on the bundled digits data.
+"""The Keras and TensorFlow 2 examples run to completion at 2 ranks on the bundled digits data (and the
+Keras synthetic benchmark on random data).
 
 Chance on the 10 digit classes is 0.10; each example must reach a test
 accuracy of at least 0.60 (in practice about 0.9 on this small budget).
@@ -34,14 +35,31 @@ def test_tensorflow2_mnist():
 
 
 def test_keras_fashion_mnist_with_resume(tmp_path):
+    """With the walkthrough's step 10, NovoGrad (saved in the checkpoints, loaded again on --resume)."""
     first = run_job(2, EXAMPLES / "keras_fashion_mnist.py", "--epochs", "2", "--warmup-epochs", "1",
-                    "--checkpoint-dir", tmp_path, timeout=180)
+                    "--optimizer", "novograd", "--checkpoint-dir", tmp_path, timeout=180)
     accuracy = _accuracy(first)
     assert accuracy >= MIN_ACCURACY, f"test accuracy {accuracy} < {MIN_ACCURACY}\n" + describe(first)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1.keras", "checkpoint-2.keras"]
     resumed = run_job(2, EXAMPLES / "keras_fashion_mnist.py", "--epochs", "3", "--warmup-epochs", "1",
-                      "--checkpoint-dir", tmp_path, "--resume", timeout=180)
-    assert any("resumed from" in line and "(epoch 2)" in line
+                      "--optimizer", "novograd", "--checkpoint-dir", tmp_path, "--resume", timeout=180)
+    assert any("resumed from" in line and "(epoch 2, NovoGrad)" in line
                for line in rank_lines(resumed.stdout, 0, "stdout")), describe(resumed)
     assert _accuracy(resumed) >= MIN_ACCURACY
     assert (tmp_path / "checkpoint-3.keras").exists()
+
+
+def test_keras_synthetic_benchmark():
+    """Small CNN at 2 ranks, tiny settings: Horovod's output lines, total = 2 x per-CPU figure."""
+    result = run_job(2, EXAMPLES / "keras_synthetic_benchmark.py", "--model", "small_cnn", "--batch-size", "8",
+                     "--num-classes", "10", "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
+                     "--num-iters", "2", timeout=180)
+    assert result.returncode == 0, describe(result)
+    out = "\n".join(rank_lines(result.stdout, 0, "stdout"))
+    assert not rank_lines(result.stdout, 1, "stdout"), "rank 1 printed\n" + describe(result)
+    assert "Model: small_cnn" in out and "Number of CPUs: 2" in out, out
+    assert len(re.findall(r"^Iter #\d+: [0-9.]+ img/sec per CPU$", out, re.M)) == 2, out
+    per_cpu = re.search(r"^Img/sec per CPU: ([0-9.]+) \+-([0-9.]+)$", out, re.M)
+    total = re.search(r"^Total img/sec on 2 CPU\(s\): ([0-9.]+) \+-([0-9.]+)$", out, re.M)
+    assert per_cpu and total, out
+    assert float(per_cpu.group(1)) > 0 and abs(float(total.group(1)) - 2 * float(per_cpu.group(1))) <= 0.15, out

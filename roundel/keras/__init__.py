@@ -1,8 +1,9 @@
 """roundel for Keras 3: ``import roundel.keras as hvd`` in place of ``import horovod.keras as hvd``.
 
-Works with Keras 3's TensorFlow backend (fully) and its PyTorch backend
-(``DistributedOptimizer`` and the callbacks are tested there; ``load_model``
-only on TensorFlow). ``roundel.tensorflow.keras`` is the same module.
+Works with Keras 3's TensorFlow backend and its PyTorch backend
+(``DistributedOptimizer``, the callbacks and ``load_model`` on both).
+``roundel.tensorflow.keras`` is the same module. ``optimizers.NovoGrad`` is
+the walkthrough's NovoGrad (Keras 3 has LAMB but no NovoGrad).
 
 Not supported: XLA-compiled train steps (``model.compile(jit_compile=True)``)
 with ``DistributedOptimizer``; the collectives run as Python ops, which XLA
@@ -26,7 +27,7 @@ from roundel.common.errors import (
 )
 from roundel.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from roundel.common.process_sets import ProcessSet, global_process_set
-from roundel.keras import callbacks
+from roundel.keras import callbacks, elastic, optimizers
 from roundel.keras.core import (
     Compression, DistributedOptimizer, allgather, allgather_object, allreduce, broadcast,
     broadcast_global_variables, broadcast_object, broadcast_variables, load_model, reducescatter,
@@ -39,6 +40,6 @@ __all__ = [
     "allreduce", "broadcast", "broadcast_global_variables", "broadcast_object", "broadcast_variables",
     "callbacks", "cross_rank", "cross_size", "cuda_built", "gloo_built", "gloo_enabled", "global_process_set",
     "init", "is_homogeneous", "is_initialized", "keras", "load_model", "local_rank", "local_size", "mpi_built",
-    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "remove_process_set",
-    "rocm_built", "shutdown", "size",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "optimizers", "rank", "reducescatter",
+    "remove_process_set", "rocm_built", "shutdown", "size",
 ]

@@ -16,8 +16,13 @@ import numpy as np
 from roundel.common.errors import RoundelError
 from roundel.common.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
+from roundel.gradient_groups import group_indices
 from roundel.torch import functions as _torch_functions
 from roundel.torch import mpi_ops as _torch_ops
+
+if keras.backend.backend() == "tensorflow":
+    import torch
+    torch.set_num_threads(1)  # torch only moves the engine's buffers here; see roundel.tensorflow.mpi_ops
 
 
 class Compression:
@@ -147,16 +152,56 @@ def _in_xla_context() -> bool:
 
 
 class _DistributedOptimizerMixin:
-    """Mixed in before the wrapped optimizer's class: ``apply`` reduces gradients first."""
+    """Mixed in before the wrapped optimizer's class: gradients are reduced before they are used.
+
+    Without gradient accumulation ``apply`` reduces them first (so a wrapped
+    ``LossScaleOptimizer`` checks the reduced gradients). With it (Keras's
+    ``gradient_accumulation_steps``, which ``backward_passes_per_step`` sets)
+    Keras calls ``_clip_gradients`` and ``_backend_update_step`` only on update
+    steps, with the accumulated gradients: they are reduced there, then clipped.
+    """
 
     def apply(self, grads, trainable_variables=None):
-        grads = self._roundel_reduce(list(grads))
+        if not self.gradient_accumulation_steps:
+            variables = self._trainable_variables if trainable_variables is None else trainable_variables
+            grads = self._roundel_reduce(list(grads), list(variables))
         return super().apply(grads, trainable_variables)
 
-    def _roundel_reduce(self, grads):
+    def _clip_gradients(self, grads):
+        if self.gradient_accumulation_steps:
+            return grads  # clipped after the reduction, in _backend_update_step
+        return super()._clip_gradients(grads)
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        if self.gradient_accumulation_steps:
+            trainable_variables = list(trainable_variables)
+            grads = self._roundel_reduce(list(grads), trainable_variables)
+            steps = self._roundel["backward_passes_per_step"]
+            if steps > 1 and not self._roundel["average_aggregated_gradients"]:
+                grads = [g * steps for g in grads]  # Keras averages the accumulated gradients; Horovod sums
+            grads = super()._clip_gradients(grads)
+        super()._backend_update_step(grads, trainable_variables, learning_rate)
+
+    def _roundel_groups(self, variables):
+        """``groups=`` as lists of positions in ``variables`` (None without ``groups=``)."""
+        if self._roundel["groups"] is None:
+            return None
+        position = {self._var_key(v): i for i, v in enumerate(variables)}
+        known = position.keys() | self._trainable_variables_indices.keys()
+        index_groups = []
+        for group in self._roundel["groups"]:
+            for v in group:
+                if self._var_key(v) not in known:
+                    raise ValueError(f"DistributedOptimizer groups=: variable {v.path!r} is not one this "
+                                     "optimizer trains")
+            index_groups.append([position[self._var_key(v)] for v in group if self._var_key(v) in position])
+        return index_groups
+
+    def _roundel_reduce(self, grads, variables):
         settings = self._roundel
         if settings["process_set"].size() <= 1:
             return grads
+        groups = self._roundel_groups(variables)
         if _backend() == "tensorflow":
             if _in_xla_context():
                 raise RoundelError(
@@ -166,13 +211,14 @@ class _DistributedOptimizerMixin:
             from roundel.tensorflow.gradient_tape import reduce_gradients
             return reduce_gradients(grads, settings["compression"], settings["op"],
                                     settings["gradient_predivide_factor"], settings["sparse_as_dense"],
-                                    settings["num_groups"], settings["process_set"], name="keras.gradients")
+                                    settings["num_groups"], settings["process_set"], name="keras.gradients",
+                                    groups=groups)
         if _backend() == "torch":
-            return _reduce_torch(grads, settings)
+            return _reduce_torch(grads, settings, groups)
         raise NotImplementedError(f"roundel.keras supports the tensorflow and torch backends, not {_backend()!r}")
 
 
-def _reduce_torch(grads, settings):
+def _reduce_torch(grads, settings, groups):
     op = settings["op"]
     prescale = postscale = 1.0
     process_set = settings["process_set"]
@@ -181,12 +227,8 @@ def _reduce_torch(grads, settings):
         prescale = 1.0 / settings["gradient_predivide_factor"]
         postscale = settings["gradient_predivide_factor"] / process_set.size()
     present = [i for i, g in enumerate(grads) if g is not None]
-    if not present:
-        return grads
-    num_groups = settings["num_groups"]
-    from roundel.tensorflow.gradient_tape import _split  # pure Python; no TF op is built
     results = list(grads)
-    for number, group in enumerate(_split(present, num_groups)):
+    for number, group in enumerate(group_indices(present, settings["num_groups"], groups)):
         reduced = _torch_ops.grouped_allreduce([grads[i].detach() for i in group],
                                                name=f"keras.gradients.group{number}",
                                                compression=settings["compression"], op=op,
@@ -197,44 +239,86 @@ def _reduce_torch(grads, settings):
     return results
 
 
+def _variable_groups(groups, num_groups):
+    """Check ``groups=`` (an int, or lists of Keras variables); returns (variable groups or None, num_groups)."""
+    if groups is not None and num_groups:
+        raise ValueError("pass either groups= or num_groups=, not both")
+    if groups is None or isinstance(groups, int):
+        count = int(num_groups or 0) if groups is None else groups
+        if count < 0:
+            raise ValueError(f"num_groups={count} must be >= 0")
+        return None, count
+    message = "groups= must be an int or a list of lists of the model's variables"
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
+        raise ValueError(message)
+    seen = set()
+    for group in groups:
+        for v in group:
+            if not isinstance(v, keras.Variable):
+                raise ValueError(f"{message}; got a {type(v).__name__}")
+            if id(v) in seen:
+                raise ValueError(f"groups=: variable {v.path!r} is in more than one group")
+            seen.add(id(v))
+    return [list(g) for g in groups], 0
+
+
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=ReduceOp.Average,
                          backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=global_process_set, scale_local_gradients=True):
-    """A copy of the Keras 3 ``optimizer`` whose ``apply``/``apply_gradients`` first averages the gradients.
+    """A copy of the Keras 3 ``optimizer`` whose updates first average the gradients across ranks.
 
     The copy is made from ``optimizer.get_config()`` and is an instance of a
     subclass of the optimizer's class, with the same name and module, so a
     saved model loads as the plain optimizer (``load_model`` re-wraps it).
     Usable in ``model.compile``/``model.fit`` (also with ``steps_per_execution``
-    > 1) and in custom loops. Raises ``RoundelError`` inside an XLA-compiled
-    step (compile with ``jit_compile=False``). ``backward_passes_per_step`` > 1
-    is not supported: use Keras's ``gradient_accumulation_steps``; ``groups``
-    is not supported: use ``num_groups``.
+    > 1) and in custom loops (``apply``/``apply_gradients``). Raises
+    ``RoundelError`` inside an XLA-compiled step (compile with ``jit_compile=False``).
+
+    ``backward_passes_per_step`` N > 1 accumulates gradients locally for N
+    steps (with Keras's ``gradient_accumulation_steps=N``; the weights and
+    ``iterations`` change every Nth step) and reduces them only then; the
+    update uses their sum, or with ``average_aggregated_gradients`` their mean.
+    An optimizer made with Keras's ``gradient_accumulation_steps`` is reduced
+    on its update steps too (mean). Gradients are reduced in ``num_groups``
+    fused allreduces (0: one), or in ``groups``: lists of the model's
+    variables whose gradients go together, the others each alone (an int
+    ``groups`` is ``num_groups``). Raises ValueError for bad arguments.
+    ``device_*`` and ``scale_local_gradients`` are accepted for Horovod
+    compatibility and ignored.
     """
     if isinstance(optimizer, _DistributedOptimizerMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")
-    if backward_passes_per_step != 1:
-        raise NotImplementedError("backward_passes_per_step > 1 is not supported by roundel.keras; create the "
-                                  "optimizer with Keras's gradient_accumulation_steps= instead")
-    if groups is not None:
-        raise NotImplementedError("groups= is not supported by roundel.keras; use num_groups=")
-    if int(num_groups or 0) < 0:
-        raise ValueError(f"num_groups={num_groups} must be >= 0")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
+    variable_groups, num_groups = _variable_groups(groups, num_groups)
     base = optimizer.__class__
     cls = type(base.__name__, (_DistributedOptimizerMixin, base),
                {"__module__": base.__module__, "__qualname__": base.__qualname__,
                 "__doc__": f"{base.__name__} that averages gradients across ranks (roundel)."})
+    registered = keras.saving.get_registered_name(base)
+    if registered != base.__name__:  # a registered custom class: saved under its name, loaded as the base
+        package, _, short_name = registered.rpartition(">")
+        keras.saving.register_keras_serializable(package, short_name)(cls)
+        keras.saving.get_custom_objects()[registered] = base
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
+    if backward_passes_per_step > 1:
+        if config.get("gradient_accumulation_steps"):
+            raise ValueError("the optimizer already has gradient_accumulation_steps="
+                             f"{config['gradient_accumulation_steps']}; do not pass backward_passes_per_step too")
+        config["gradient_accumulation_steps"] = backward_passes_per_step
     wrapped = cls.from_config(config)
     wrapped._roundel = {
         "compression": _resolve_compression(compression),
         "op": resolve_op(op),
         "gradient_predivide_factor": float(gradient_predivide_factor),
         "sparse_as_dense": bool(sparse_as_dense),
-        "num_groups": int(num_groups or 0),
+        "num_groups": num_groups,
+        "groups": variable_groups,
+        "backward_passes_per_step": backward_passes_per_step,
+        "average_aggregated_gradients": bool(average_aggregated_gradients),
         "process_set": process_set,
     }
     if wrapped._roundel["gradient_predivide_factor"] != 1.0 and wrapped._roundel["op"] != ReduceOp.Average:
@@ -246,8 +330,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none, **kwargs):
     """``keras.models.load_model`` whose compiled optimizer comes back wrapped in ``DistributedOptimizer``.
 
-    The loaded optimizer's state (iterations, slots) is kept. ``custom_optimizers``
-    (a list of optimizer classes) are made known to the loader as custom objects.
+    Works on Keras's TensorFlow and PyTorch backends. The loaded optimizer's
+    state (iterations, slots) is kept. ``custom_optimizers`` (a list of
+    optimizer classes) are made known to the loader as custom objects. An
+    optimizer saved with ``backward_passes_per_step`` N comes back with Keras's
+    ``gradient_accumulation_steps=N``, which averages the N gradients.
     """
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or ():

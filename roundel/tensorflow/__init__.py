@@ -20,6 +20,7 @@ from roundel.tensorflow.compression import Compression
 from roundel.tensorflow.functions import (
     allgather_object, broadcast_global_variables, broadcast_object, broadcast_variables,
 )
+from roundel.tensorflow import elastic
 from roundel.tensorflow.gradient_tape import DistributedGradientTape
 from roundel.tensorflow.mpi_ops import (
     allgather, allreduce, alltoall, barrier, broadcast, grouped_allgather, grouped_allreduce,

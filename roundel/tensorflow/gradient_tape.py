@@ -8,34 +8,20 @@ _do_not_convert = tf.autograph.experimental.do_not_convert
 
 from roundel.common.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
+from roundel.gradient_groups import group_indices
 from roundel.tensorflow import mpi_ops
 from roundel.tensorflow.compression import Compression
 
 
 @_do_not_convert
-def _split(indices: list, num_groups: int) -> list[list]:
-    """``indices`` cut into ``num_groups`` consecutive groups (one group when ``num_groups`` is 0)."""
-    if num_groups < 0:
-        raise ValueError(f"num_groups={num_groups} must be >= 0")
-    if not indices:
-        return []
-    count = min(num_groups, len(indices)) if num_groups else 1
-    size, extra = divmod(len(indices), count)
-    groups, start = [], 0
-    for i in range(count):
-        end = start + size + (1 if i < extra else 0)
-        groups.append(indices[start:end])
-        start = end
-    return groups
-
-
-@_do_not_convert
 def reduce_gradients(grads, compression=Compression.none, op=ReduceOp.Average, gradient_predivide_factor=1.0,
-                     sparse_as_dense=False, num_groups=0, process_set=global_process_set, name="gradients"):
+                     sparse_as_dense=False, num_groups=0, process_set=global_process_set, name="gradients",
+                     groups=None):
     """Allreduce a list of gradients (None entries stay None); returns the reduced list.
 
-    Dense gradients go in ``num_groups`` grouped allreduces (0: one group);
-    ``tf.IndexedSlices`` are allgathered unless ``sparse_as_dense``.
+    Dense gradients go in ``num_groups`` grouped allreduces (0: one group), or
+    in the groups of ``groups`` (lists of positions in ``grads``, see
+    ``roundel.gradient_groups``); ``tf.IndexedSlices`` are allgathered unless ``sparse_as_dense``.
     ``gradient_predivide_factor`` f splits Average into scaling by 1/f before
     the sum and f/size after it.
     """
@@ -64,7 +50,7 @@ def reduce_gradients(grads, compression=Compression.none, op=ReduceOp.Average, g
                 results[i] = reduced
         else:
             dense.append(i)
-    for group_number, group in enumerate(_split(dense, int(num_groups or 0))):
+    for group_number, group in enumerate(group_indices(dense, int(num_groups or 0), groups)):
         reduced = mpi_ops.grouped_allreduce(
             [grads[i] for i in group], compression=compression, op=op, prescale_factor=prescale,
             postscale_factor=postscale, process_set=process_set,

@@ -3,6 +3,8 @@
 import sys as _sys
 
 from roundel.keras import *  # noqa: F401,F403
-from roundel.keras import __all__, callbacks  # noqa: F401
+from roundel.keras import __all__, callbacks, elastic, optimizers  # noqa: F401
 
 _sys.modules[__name__ + ".callbacks"] = callbacks
+_sys.modules[__name__ + ".elastic"] = elastic
+_sys.modules[__name__ + ".optimizers"] = optimizers

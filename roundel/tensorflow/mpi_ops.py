@@ -18,6 +18,13 @@ So a rank submits all the collectives of a step before it blocks on any, and
 ranks whose executors reach the ops in different orders still match them by
 name; a blocked wait never holds the inter-op thread another submit needs.
 
+Importing this module sets torch to one intra-op thread
+(``torch.set_num_threads(1)``): in a TensorFlow process torch only packs and
+unpacks the engine's buffers, and with more threads torch's OpenMP workers
+spin on the cores TensorFlow computes on (measured on 2 cores: a small CNN's
+training step took about 40% longer). It must happen before the engine's
+threads first use torch, so before ``hvd.init()`` has run any collective.
+
 Names: a ``name=`` you pass is used as is. Inside ``tf.function`` a missing
 name is derived from the function's name and the input tensor's graph name
 (stable across ranks that trace the same code); eagerly a missing name comes
@@ -39,6 +46,8 @@ from roundel.common import basics
 from roundel.common.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
 from roundel.torch import mpi_ops as _ops
+
+torch.set_num_threads(1)  # see the module notes
 
 _BF16 = tf.bfloat16.as_numpy_dtype
 _SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,

@@ -49,39 +49,184 @@ def weights_equal_across_ranks(model, what):
         assert np.array_equal(w, every[0]), f"{what}: rank {r}'s weights differ from rank 0's"
 
 
+def global_data(per_update=1):
+    """The 1-process reference's data: update u's batch is every rank's local batches of that update, concatenated."""
+    xs, ys = zip(*[data(r) for r in range(SIZE)])
+    rows = PER_RANK * per_update
+    updates = range(STEPS // per_update)
+    return (np.concatenate([x[u * rows:(u + 1) * rows] for u in updates for x in xs]),
+            np.concatenate([y[u * rows:(u + 1) * rows] for u in updates for y in ys]))
+
+
+def fit_matches_reference(label, make_opt, make_reference_opt=None, spe=1, eager=False, per_update=1, **wrap):
+    """Fit 2 epochs with ``DistributedOptimizer(make_opt(), **wrap)``; assert the weights equal the 1-process
+    reference (``make_reference_opt`` or ``make_opt``, batches of ``per_update`` steps of every rank)."""
+    spe = spe if BACKEND == "tensorflow" else 1  # Keras's torch backend allows only 1
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(make_opt(), **wrap), loss="mse", steps_per_execution=spe,
+                  run_eagerly=eager)
+    model.fit(*data(RANK), batch_size=PER_RANK, epochs=2, shuffle=False, verbose=0)
+    reference = make_model()  # eagerly: a few tiny steps cost less than tracing them
+    reference.compile(optimizer=(make_reference_opt or make_opt)(), loss="mse", run_eagerly=True)
+    reference.fit(*global_data(per_update), batch_size=PER_RANK * SIZE * per_update, epochs=2, shuffle=False,
+                  verbose=0)
+    diff = max(np.abs(a - b).max() for a, b in zip(model.get_weights(), reference.get_weights()))
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        assert np.allclose(got, want, rtol=TOL, atol=TOL), \
+            f"{label} (steps_per_execution={spe}): weights differ from the 1-process reference by {diff}"
+    moved = max(np.abs(a - b).max() for a, b in zip(model.get_weights(), make_model().get_weights()))
+    assert moved > 1e-3, f"{label}: training did not change the weights"
+    iterations = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+    assert iterations == 2 * STEPS // per_update, f"{label}: {iterations} optimizer steps"
+    weights_equal_across_ranks(model, label)
+    print(f"{label}: max |diff| = {diff:.2e}", file=sys.stderr)
+    return model
+
+
 def scenario_fit_equivalence():
     """2-rank fit with DistributedOptimizer == 1 process on the concatenated batch, step for step."""
-    xs, ys = zip(*[data(r) for r in range(SIZE)])
-    # The global batch of step s is every rank's s-th local batch, concatenated in rank order.
-    gx = np.concatenate([np.concatenate([x[s * PER_RANK:(s + 1) * PER_RANK] for x in xs]) for s in range(STEPS)])
-    gy = np.concatenate([np.concatenate([y[s * PER_RANK:(s + 1) * PER_RANK] for y in ys]) for s in range(STEPS)])
-    for opt_name, make_opt, spe, eager in (("sgd", lambda: keras.optimizers.SGD(0.1), 1, False),
-                                           ("adam", lambda: keras.optimizers.Adam(0.01), 2, False),
-                                           ("sgd-momentum-eager", lambda: keras.optimizers.SGD(0.05, momentum=0.9),
-                                            1, True)):
-        spe = spe if BACKEND == "tensorflow" else 1  # Keras's torch backend allows only 1
-        model = make_model()
-        model.compile(optimizer=hvd.DistributedOptimizer(make_opt()), loss="mse", steps_per_execution=spe,
-                      run_eagerly=eager)
-        model.fit(xs[RANK], ys[RANK], batch_size=PER_RANK, epochs=2, shuffle=False, verbose=0)
-        reference = make_model()
-        reference.compile(optimizer=make_opt(), loss="mse", run_eagerly=eager)
-        reference.fit(gx, gy, batch_size=PER_RANK * SIZE, epochs=2, shuffle=False, verbose=0)
-        for got, want in zip(model.get_weights(), reference.get_weights()):
-            assert np.allclose(got, want, rtol=TOL, atol=TOL), \
-                f"{opt_name} (steps_per_execution={spe}): weights differ from the 1-process reference by " \
-                f"{np.abs(got - want).max()}"
-        assert int(model.optimizer.iterations.numpy() if hasattr(model.optimizer.iterations, "numpy")
-                   else model.optimizer.iterations) == 2 * STEPS
-        weights_equal_across_ranks(model, opt_name)
-        print(f"fit_equivalence {opt_name}: max |diff| = "
-              f"{max(np.abs(a - b).max() for a, b in zip(model.get_weights(), reference.get_weights())):.2e}",
-              file=sys.stderr)
+    fit_matches_reference("sgd", lambda: keras.optimizers.SGD(0.1))
+    fit_matches_reference("adam", lambda: keras.optimizers.Adam(0.01), spe=2)
+    fit_matches_reference("sgd-momentum-eager", lambda: keras.optimizers.SGD(0.05, momentum=0.9), eager=True)
+    # Loss scaling checks and unscales the reduced gradients.
+    fit_matches_reference("loss-scale", lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+                          eager=True)
     # The wrapped optimizer is the same class name and config as the original.
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.003))
     assert isinstance(opt, keras.optimizers.Adam) and type(opt).__name__ == "Adam"
     assert abs(float(keras.ops.convert_to_numpy(opt.learning_rate)) - 0.003) < 1e-9
     expect_raises(ValueError, lambda: hvd.DistributedOptimizer(opt), "already", what="double wrap")
+
+
+def novograd_reference(weights, steps, lr, beta_1, beta_2, epsilon, weight_decay, grad_averaging, amsgrad):
+    """NovoGrad (Ginsburg et al., 2019) in float64 NumPy: ``weights`` after applying each gradient list in ``steps``."""
+    weights = [w.astype(np.float64) for w in weights]
+    m = [np.zeros_like(w) for w in weights]
+    v, v_max = [0.0] * len(weights), [0.0] * len(weights)
+    for t, grads in enumerate(steps):
+        for i, g in enumerate(grads):
+            norm = float(np.sum(g.astype(np.float64) ** 2))
+            v[i] = norm if t == 0 else beta_2 * v[i] + (1 - beta_2) * norm
+            v_max[i] = max(v_max[i], v[i])
+            d = g / (np.sqrt(v_max[i] if amsgrad else v[i]) + epsilon) + weight_decay * weights[i]
+            m[i] = beta_1 * m[i] + (1 - beta_1 if grad_averaging else 1) * d
+            weights[i] = weights[i] - lr * m[i]
+    return weights
+
+
+def scenario_novograd():
+    """NovoGrad against a NumPy reference; NovoGrad and Keras's Lamb through DistributedOptimizer in fit."""
+    from roundel.keras.optimizers import NovoGrad
+    r = rng(0, "novograd")
+    start = [r.standard_normal((3, 4)).astype(np.float32), r.standard_normal(4).astype(np.float32)]
+    # Step 3's gradients are small, so v falls and amsgrad (max v) differs from plain NovoGrad.
+    steps = [[(r.standard_normal(w.shape) * (0.1 if t == 2 else 1.0)).astype(np.float32) for w in start]
+             for t in range(5)]
+    results = {}
+    for grad_averaging in (False, True):
+        for amsgrad in (False, True):
+            settings = dict(beta_1=0.8, beta_2=0.5, epsilon=1e-6, weight_decay=0.01, grad_averaging=grad_averaging,
+                            amsgrad=amsgrad)
+            variables = [keras.Variable(w) for w in start]
+            opt = NovoGrad(0.1, **settings)
+            for grads in steps:
+                opt.apply([keras.ops.convert_to_tensor(g) for g in grads], variables)
+            want = novograd_reference(start, steps, 0.1, **settings)
+            got = [keras.ops.convert_to_numpy(v) for v in variables]
+            for g, w in zip(got, want):
+                assert np.allclose(g, w, rtol=1e-5, atol=1e-6), \
+                    f"NovoGrad {settings}: {np.abs(g - w).max()} from the NumPy reference"
+            results[grad_averaging, amsgrad] = got[0]
+            again = NovoGrad.from_config(opt.get_config())
+            assert again.get_config() == opt.get_config() and again.novograd_weight_decay == 0.01
+    assert not np.allclose(results[False, False], results[False, True]), "amsgrad made no difference"
+    assert not np.allclose(results[False, False], results[True, False]), "grad_averaging made no difference"
+    for bad, needle in ((dict(beta_1=1.0), "beta_1"), (dict(beta_2=-0.1), "beta_2"), (dict(epsilon=0.0), "epsilon"),
+                        (dict(weight_decay=-1e-3), "weight_decay")):
+        expect_raises(ValueError, lambda: NovoGrad(**bad), needle, what=f"NovoGrad({bad})")
+    assert hvd.optimizers.NovoGrad is NovoGrad
+    fit_matches_reference("novograd", lambda: NovoGrad(0.05, weight_decay=1e-3, grad_averaging=True), spe=2)
+    fit_matches_reference("lamb", lambda: keras.optimizers.Lamb(0.01))
+
+
+def counting(opt, attribute="_roundel_reduce"):
+    """Count calls of ``opt``'s ``attribute`` (its reductions); returns the list the calls are appended to."""
+    calls, original = [], getattr(opt, attribute)
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(opt, attribute, spy)
+    return calls
+
+
+def scenario_accumulation():
+    """backward_passes_per_step=2 == 1 process on batches of 2 steps x every rank; one reduction per update."""
+    fit_matches_reference("sgd-sum", lambda: keras.optimizers.SGD(0.1), lambda: keras.optimizers.SGD(0.2),
+                          per_update=2, backward_passes_per_step=2)
+    fit_matches_reference("adam-average", lambda: keras.optimizers.Adam(0.01), spe=2, per_update=2,
+                          backward_passes_per_step=2, average_aggregated_gradients=True)
+    # Clipping applies to the reduced gradients (Keras's own accumulation: their mean).
+    fit_matches_reference("clipped", lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.5),
+                          lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.5), per_update=2,
+                          backward_passes_per_step=2, average_aggregated_gradients=True)
+    # Eagerly, count the reductions: one per update (4 of 8 steps), not one per step.
+    model = make_model()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    calls = counting(opt)
+    model.compile(optimizer=opt, loss="mse", run_eagerly=True)
+    model.fit(*data(RANK), batch_size=PER_RANK, epochs=2, shuffle=False, verbose=0)
+    assert len(calls) == STEPS, f"{len(calls)} reductions in {2 * STEPS} steps with backward_passes_per_step=2"
+    expect_raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0),
+                  "backward_passes_per_step", what="backward_passes_per_step=0")
+    expect_raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=2),
+                                                               backward_passes_per_step=2),
+                  "gradient_accumulation_steps", what="both accumulations")
+
+
+def scenario_groups():
+    """groups= and num_groups: the gradients go in the allreduce groups asked for; training as one group."""
+    import roundel.torch.mpi_ops as torch_ops
+    module = torch_ops
+    if BACKEND == "tensorflow":
+        import roundel.tensorflow.mpi_ops as module
+    sizes, original = [], module.grouped_allreduce
+
+    def spy(tensors, *args, **kwargs):
+        sizes.append(len(tensors))
+        return original(tensors, *args, **kwargs)
+
+    module.grouped_allreduce = spy
+    reference = make_model()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", run_eagerly=True)
+    reference.fit(*global_data(), batch_size=PER_RANK * SIZE, epochs=1, shuffle=False, verbose=0)
+    try:
+        cases = (("groups", lambda m: {"groups": [[m.layers[0].kernel, m.layers[1].kernel]]}, [2, 1, 1]),
+                 ("num_groups", lambda m: {"num_groups": 2}, [2, 2]),  # variables: kernel, bias, kernel, bias
+                 ("groups-int", lambda m: {"groups": 3}, [2, 1, 1]))
+        for label, kwargs, per_step in cases:
+            model = make_model()
+            model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), **kwargs(model)),
+                          loss="mse", run_eagerly=True)
+            del sizes[:]
+            model.fit(*data(RANK), batch_size=PER_RANK, epochs=1, shuffle=False, verbose=0)
+            assert sizes == per_step * STEPS, f"{label}: allreduce group sizes {sizes}, expected {per_step} per step"
+            for got, want in zip(model.get_weights(), reference.get_weights()):
+                assert np.allclose(got, want, rtol=TOL, atol=TOL), f"{label}: weights differ from the reference"
+    finally:
+        module.grouped_allreduce = original
+    model, other = make_model(), make_model()
+    kernel = model.layers[0].kernel
+    for kwargs, needle in (({"groups": [[kernel], [kernel]]}, "more than one group"),
+                           ({"groups": [["kernel"]]}, "list of lists"), ({"groups": [kernel]}, "list of lists"),
+                           ({"groups": [[kernel]], "num_groups": 2}, "not both"), ({"groups": -1}, ">= 0")):
+        expect_raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), **kwargs), needle,
+                      what=f"DistributedOptimizer({kwargs})")
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(),
+                                                     groups=[[other.layers[0].kernel]]), loss="mse", run_eagerly=True)
+    expect_raises(ValueError, lambda: model.fit(*data(RANK, steps=1), batch_size=PER_RANK, verbose=0),
+                  "not one this optimizer trains", what="groups= with another model's variable")
 
 
 def scenario_compression():
@@ -185,27 +330,40 @@ def scenario_jit_error():
 
 
 def scenario_load_model():
+    """hvd.load_model re-wraps the saved optimizer (Adam; roundel's NovoGrad) with its state; saves again."""
+    from roundel.keras.optimizers import NovoGrad
     x, y = data(RANK)
-    model = make_model()
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
-    model.fit(x, y, batch_size=PER_RANK, epochs=1, verbose=0)
     path = os.path.join(tempfile.gettempdir(), f"roundel_keras_{os.environ.get('ROUNDEL_RENDEZVOUS_PORT', 'x')}"
                         f"_{os.getppid()}.keras")
-    if RANK == 0:
-        model.save(path)
-    hvd.allgather_object(None, name="saved")  # acts as a barrier
-    loaded = hvd.load_model(path)
-    assert type(loaded.optimizer).__mro__[1].__name__ == "_DistributedOptimizerMixin", type(loaded.optimizer).__mro__
-    assert int(keras.ops.convert_to_numpy(loaded.optimizer.iterations)) == STEPS
-    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
-        assert np.allclose(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)), "optimizer state lost"
-    loaded.fit(x, y, batch_size=PER_RANK, epochs=1, verbose=0)
-    model.fit(x, y, batch_size=PER_RANK, epochs=1, verbose=0)
-    for a, b in zip(loaded.get_weights(), model.get_weights()):
-        assert np.allclose(a, b, rtol=1e-5, atol=1e-6), "loaded model trains differently from the original"
-    hvd.allgather_object(None, name="loaded")
-    if RANK == 0:
-        os.remove(path)
+    for make_opt in (lambda: keras.optimizers.Adam(0.01), lambda: NovoGrad(0.01, weight_decay=1e-3, amsgrad=True)):
+        model = make_model()
+        model.compile(optimizer=hvd.DistributedOptimizer(make_opt()), loss="mse", run_eagerly=True)
+        model.fit(x, y, batch_size=PER_RANK, epochs=1, shuffle=False, verbose=0)
+        if RANK == 0:
+            model.save(path)
+        hvd.allgather_object(None, name="saved")  # acts as a barrier
+        loaded = hvd.load_model(path)
+        label = type(model.optimizer).__name__
+        assert type(loaded.optimizer).__mro__[1].__name__ == "_DistributedOptimizerMixin", \
+            type(loaded.optimizer).__mro__
+        assert isinstance(loaded.optimizer, type(make_opt())) and \
+            loaded.optimizer.get_config() == model.optimizer.get_config(), f"{label}: another optimizer came back"
+        assert int(keras.ops.convert_to_numpy(loaded.optimizer.iterations)) == STEPS
+        for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+            assert np.allclose(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)), \
+                f"{label}: optimizer state lost"
+        loaded.fit(x, y, batch_size=PER_RANK, epochs=1, shuffle=False, verbose=0)
+        model.fit(x, y, batch_size=PER_RANK, epochs=1, shuffle=False, verbose=0)
+        for a, b in zip(loaded.get_weights(), model.get_weights()):
+            assert np.allclose(a, b, rtol=1e-5, atol=1e-6), f"{label}: loaded model trains differently"
+        hvd.allgather_object(None, name="loaded")
+        if RANK == 0:  # the re-wrapped optimizer saves and loads again
+            loaded.save(path)
+            again = keras.models.load_model(path)
+            assert type(again.optimizer).__name__ == label and \
+                int(keras.ops.convert_to_numpy(again.optimizer.iterations)) == 2 * STEPS
+            os.remove(path)
+        hvd.allgather_object(None, name="removed")
 
 
 SCENARIOS = {
@@ -216,6 +374,9 @@ SCENARIOS = {
     "lr_callbacks": scenario_lr_callbacks,
     "jit_error": scenario_jit_error,
     "load_model": scenario_load_model,
+    "novograd": scenario_novograd,
+    "accumulation": scenario_accumulation,
+    "groups": scenario_groups,
 }
 
 if __name__ == "__main__":

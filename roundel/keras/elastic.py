@@ -1,0 +1,180 @@
+"""Elastic training for Keras 3: ``hvd.elastic.run``, ``KerasState`` and the commit/update callbacks.
+
+    state = hvd.elastic.KerasState(model, epoch=0, batch=0)
+    callbacks = [hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state),
+                 hvd.elastic.CommitStateCallback(state, batches_per_commit=10)]   # commit last
+
+    @hvd.elastic.run
+    def train(state):
+        model.fit(data, initial_epoch=state.epoch, epochs=EPOCHS, callbacks=callbacks)
+
+After every reset ``KerasState`` drops the model's compiled train, test and
+predict functions, so the next ``fit`` traces them again for the new number
+of ranks (a traced step keeps what ``hvd.size()`` was when it was traced).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from roundel.common import elastic as common
+from roundel.common.basics import init, shutdown
+from roundel.common.errors import HorovodInternalError, HostsUpdatedInterrupt
+from roundel.keras.core import broadcast_object, broadcast_variables
+
+__all__ = ["CommitStateCallback", "HorovodInternalError", "HostsUpdatedInterrupt", "KerasState", "ObjectState",
+           "State", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
+
+
+def _reset() -> None:
+    shutdown()
+    init()
+
+
+def run(func):
+    """Decorate a training function ``func(state, ...)`` to survive failures and membership changes.
+
+    As ``roundel.torch.elastic.run``; on the TensorFlow backend a failed
+    collective inside a compiled step (a ``tf.errors.OpError``) counts as
+    HorovodInternalError.
+    """
+    if keras.backend.backend() == "tensorflow":
+        from roundel.tensorflow.elastic import run as tf_run
+        return tf_run(func)
+    return common.run_fn(func, _reset)
+
+
+class State(common.State):
+    """Base class for custom elastic state objects (implement save, restore and sync)."""
+
+    def __init__(self):
+        super().__init__(broadcast_object)
+
+
+class ObjectState(common.ObjectState):
+    """Picklable attributes (``epoch=0, batch=0``) saved, restored and synced from rank 0."""
+
+    def __init__(self, **kwargs):
+        super().__init__(broadcast_object, **kwargs)
+
+
+class VariablesState(common.ObjectState):
+    """ObjectState plus a list of variables, saved as NumPy copies and broadcast from rank 0 by ``sync()``.
+
+    ``bcast_variables(variables, root_rank)`` is the framework's ``broadcast_variables``.
+    """
+
+    def __init__(self, bcast_object, bcast_variables, variables, **kwargs):
+        self._variables = list(variables)
+        self._bcast_variables = bcast_variables
+        self._saved_values = self._values()
+        super().__init__(bcast_object, **kwargs)
+
+    def _values(self) -> list:
+        return [np.array(v, copy=True) for v in self._variables]
+
+    def save(self) -> None:
+        self._saved_values = self._values()
+        super().save()
+
+    def restore(self) -> None:
+        for v, value in zip(self._variables, self._saved_values):
+            v.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        if self._variables:
+            self._bcast_variables(self._variables, root_rank=0)
+            self._saved_values = self._values()
+        super().sync()
+
+
+class KerasState(VariablesState):
+    """Elastic state of a Keras 3 job: ``KerasState(model, optimizer=None, epoch=0, batch=0, ...)``.
+
+    Holds the built ``model``'s weights and the variables of ``optimizer``
+    (default ``model.optimizer``; a ``DistributedOptimizer`` is fine), which
+    is built for the model's trainable variables here if it is not yet, so
+    its slots exist before the first step; its learning rate is not part
+    of the state (set it for ``hvd.size()`` in a reset callback, as new
+    ranks do when they start). Other keywords are picklable
+    values handled as by ``ObjectState``. ``model`` and ``optimizer`` are
+    attributes. After every reset the model's traced functions are dropped
+    so that the next ``fit``/``evaluate``/``predict`` traces them again.
+    """
+
+    def __init__(self, model, optimizer=None, **kwargs):
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        variables = list(model.weights)
+        if self.optimizer is not None:
+            if not self.optimizer.built:
+                self.optimizer.build(model.trainable_variables)
+            # the learning rate is left to each rank (like Horovod's hyperparameters): a reset callback
+            # rescales it on the ranks that reset, while ranks that just joined set it themselves
+            variables += [v for v in self.optimizer.variables if v is not self.optimizer.learning_rate]
+        super().__init__(broadcast_object, broadcast_variables, variables, **kwargs)
+
+    def on_reset(self) -> None:
+        self.model.train_function = self.model.test_function = self.model.predict_function = None
+        super().on_reset()
+
+
+class CommitStateCallback(keras.callbacks.Callback):
+    """``state.commit()`` after every ``batches_per_commit`` training batches and at the end of every epoch.
+
+    Put it after the Update*StateCallbacks in the callback list, so that
+    what is committed includes the batch just finished.
+    """
+
+    def __init__(self, state, batches_per_commit: int = 1):
+        super().__init__()
+        if batches_per_commit < 1:
+            raise ValueError(f"batches_per_commit={batches_per_commit} must be >= 1")
+        self.state = state
+        self.batches_per_commit = batches_per_commit
+        self._since_commit = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._since_commit += 1
+        if self._since_commit >= self.batches_per_commit:
+            self._since_commit = 0
+            self.state.commit()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._since_commit = 0
+        self.state.commit()
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """Keep ``state.batch`` = the batches of the current epoch done so far (0 at the end of an epoch).
+
+    A ``fit`` that resumes an epoch a reset interrupted (``steps_per_epoch``
+    of what is left) counts on from the ``state.batch`` it started with.
+    """
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+        self._first = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._first = self.state.batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.state.batch = self._first + batch + 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """Keep ``state.epoch`` = the number of epochs finished (``fit``'s next ``initial_epoch``)."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = epoch + 1

@@ -1,0 +1,93 @@
+"""Elastic training for TensorFlow 2: ``hvd.elastic.run``, ``TensorFlowState`` and ``TensorFlowKerasState``.
+
+A collective that fails inside a ``tf.function`` reaches Python as a
+``tf.errors.OpError`` whose message carries roundel's error; ``run`` treats
+it as HorovodInternalError. A ``tf.function`` of your own keeps the
+``hvd.size()`` it was traced with (``DistributedGradientTape`` skips the
+reduction when traced at one rank): trace it again after a reset, e.g. by
+creating it in the training function or in a reset callback.
+``TensorFlowKerasState`` does this for the model's Keras functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import tensorflow as tf
+
+from roundel.common import elastic as common
+from roundel.common.basics import init, shutdown
+from roundel.common.errors import HorovodInternalError, HostsUpdatedInterrupt, RoundelInternalError
+from roundel.keras.elastic import KerasState, VariablesState
+from roundel.tensorflow.functions import broadcast_object, broadcast_variables
+
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "TensorFlowKerasState",
+           "TensorFlowState", "run"]
+
+_INTERNAL_ERROR = re.compile(r"(?:Roundel|Horovod)InternalError: ([^\n]*)")
+
+
+def _reset() -> None:
+    shutdown()
+    init()
+
+
+def _raising_internal_errors(func):
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except tf.errors.OpError as exc:
+            match = _INTERNAL_ERROR.search(exc.message or "")
+            if match is None:
+                raise
+            raise RoundelInternalError(match.group(1)) from exc
+
+    return wrapper
+
+
+def run(func):
+    """Decorate a training function ``func(state, ...)`` to survive failures and membership changes.
+
+    On HorovodInternalError (also when raised by a collective inside a
+    ``tf.function``) the state is restored to its last commit; on
+    HostsUpdatedInterrupt it is kept. Either way the job is re-formed, every
+    rank takes rank 0's state, the reset callbacks run, and ``func`` is
+    called again with the same state.
+    """
+    return common.run_fn(_raising_internal_errors(func), _reset)
+
+
+class State(common.State):
+    """Base class for custom elastic state objects (implement save, restore and sync)."""
+
+    def __init__(self):
+        super().__init__(broadcast_object)
+
+
+class ObjectState(common.ObjectState):
+    """Picklable attributes (``epoch=0, batch=0``) saved, restored and synced from rank 0."""
+
+    def __init__(self, **kwargs):
+        super().__init__(broadcast_object, **kwargs)
+
+
+class TensorFlowState(VariablesState):
+    """Elastic state of ``tf.Variable``s: ``TensorFlowState(variables, epoch=0, ...)``.
+
+    The variables (the same list, in the same order, on every rank) are
+    copied at ``commit()``, assigned back by ``restore()`` and broadcast
+    from rank 0 by ``sync()``; other keywords are picklable values handled
+    as by ``ObjectState``.
+    """
+
+    def __init__(self, variables=None, **kwargs):
+        super().__init__(broadcast_object, broadcast_variables, variables or [], **kwargs)
+
+
+class TensorFlowKerasState(KerasState):
+    """Elastic state of a Keras model and optimizer: ``TensorFlowKerasState(model, optimizer=None, epoch=0, ...)``.
+
+    The same as ``roundel.keras.elastic.KerasState``.
+    """
