@@ -30,8 +30,9 @@ random batch of ``--batch-size`` images per rank (no data loading is timed),
 with ``--threads`` PyTorch threads per process (default: usable cores / 2, so
 a 2-rank job and the 1-rank baseline get the same CPU per rank and the
 baseline measures the work without communication). The 2-rank jobs talk over
-loopback (``GLOO_SOCKET_IFNAME=lo`` unless already set); DDP runs with its
-defaults (25 MB buckets, ``broadcast_buffers=True``), as a user gets it.
+loopback (``GLOO_SOCKET_IFNAME=lo`` unless already set); both run with their
+defaults, as a user gets them: DDP with 25 MiB buckets and
+``broadcast_buffers=True``, ``DistributedOptimizer`` with 25 MiB buckets too.
 
 In a job: ``--warmup`` untimed steps, then ``--measurements`` timed spans of
 ``--steps`` steps each (``--rounds`` x ``--measurements`` spans per run with

@@ -1,13 +1,16 @@
-"""DistributedOptimizer and state broadcast under the real launcher.
+"""DistributedOptimizer and state broadcast under the real launcher, and its gradient buckets.
 
 The worker trains the same model distributed and in one process on the
 concatenated batch and requires equal parameters: 1e-5 in float32, 2e-2 with
 fp16/bf16 compression; Adasum is checked against a NumPy version of the
-pairwise formula (rtol 1e-5).
+pairwise formula (rtol 1e-5). The bucket tests need no launcher: building the
+optimizer runs no collective.
 """
 
 import pytest
+import torch
 
+import roundel.torch as hvd
 from launch_util import assert_checks_passed, run_job
 
 
@@ -15,3 +18,54 @@ from launch_util import assert_checks_passed, run_job
 def test_distributed_optimizer(np_):
     result = run_job(np_, "torch_optimizer.py", timeout=180)
     assert_checks_passed(result, np_, "torch_optimizer")
+
+
+def _bucket_names(model, **kwargs):
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), **kwargs)
+    return [b.name for b in opt._buckets]
+
+
+def _model():
+    # parameters of 4 KiB, 4 B, 1 MiB and 1 KiB, registered in this order
+    return torch.nn.ModuleDict({"a": torch.nn.Linear(32, 32, bias=False), "b": torch.nn.Linear(1, 1, bias=False),
+                                "c": torch.nn.Linear(512, 512, bias=False), "d": torch.nn.Linear(16, 16, bias=False)})
+
+
+def test_buckets_follow_reverse_registration_order_the_first_one_small():
+    assert _bucket_names(_model()) == ["allreduce.bucket.d.weight.2", "allreduce.bucket.b.weight.2"]
+    assert _bucket_names(_model(), bucket_cap_mb=0.001) == [
+        "allreduce.bucket.d.weight.2", "allreduce.bucket.b.weight.2"]
+    assert _bucket_names(_model(), bucket_cap_mb=0.0001) == [
+        "allreduce.d.weight", "allreduce.c.weight", "allreduce.bucket.b.weight.2"]
+
+
+def test_no_buckets_with_cap_zero_or_adasum_and_groups_stay_together():
+    singles = ["allreduce.d.weight", "allreduce.c.weight", "allreduce.b.weight", "allreduce.a.weight"]
+    assert _bucket_names(_model(), bucket_cap_mb=0) == singles
+    assert _bucket_names(_model(), op=hvd.Adasum) == singles
+    model = _model()
+    assert _bucket_names(model, groups=[[model["a"].weight, model["d"].weight]], bucket_cap_mb=0) == [
+        "allreduce.bucket.a.weight.2", "allreduce.c.weight", "allreduce.b.weight"]
+    assert _bucket_names(model, groups=[[model["a"].weight, model["d"].weight]], op=hvd.Adasum)[0] == \
+        "grouped_allreduce.a.weight"
+    model["b"].weight.data = model["b"].weight.data.double()  # one dtype per flat buffer
+    assert _bucket_names(model) == ["allreduce.bucket.d.weight.2", "allreduce.b.weight", "allreduce.a.weight"]
+
+
+def test_frozen_parameters_are_not_bucketed():
+    model = _model()
+    model["c"].weight.requires_grad_(False)
+    assert _bucket_names(model) == ["allreduce.bucket.d.weight.3"]
+
+
+@pytest.mark.parametrize("bad", [-1, "25", True, float("nan"), None])
+def test_bucket_cap_is_validated(bad):
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=.* must be a number >= 0"):
+        _bucket_names(_model(), bucket_cap_mb=bad)
+
+
+def test_groups_may_not_repeat_a_parameter():
+    model = _model()
+    with pytest.raises(ValueError, match="more than once"):
+        _bucket_names(model, groups=[[model["a"].weight], [model["a"].weight, model["b"].weight]])

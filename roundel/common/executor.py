@@ -202,20 +202,16 @@ class Executor:
     def _pack(self, tensors: list, dtype: torch.dtype) -> torch.Tensor:
         total = sum(t.numel() for t in tensors)
         buffer = self._buffer(dtype, tensors[0].device if tensors else torch.device("cpu"), total)
-        offset = 0
-        for tensor in tensors:
-            n = tensor.numel()
-            buffer[offset:offset + n].view(tensor.shape).copy_(tensor)
-            offset += n
+        if tensors:  # one call, not one copy per tensor
+            with torch.no_grad():
+                torch.cat([t.reshape(-1) for t in tensors], out=buffer)
         return buffer
 
     @staticmethod
     def _unpack(buffer: torch.Tensor, outputs: list) -> None:
-        offset = 0
-        for output in outputs:
-            n = output.numel()
-            output.copy_(buffer[offset:offset + n].view(output.shape))
-            offset += n
+        views = buffer.split([output.numel() for output in outputs])
+        with torch.no_grad():
+            torch._foreach_copy_(outputs, [view.view(output.shape) for view, output in zip(views, outputs)])
 
     # -------------------------------------------------------------- allreduce
     def _allreduce(self, batch, works, backend, ranks):

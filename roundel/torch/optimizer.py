@@ -1,10 +1,15 @@
 """``DistributedOptimizer``: reduce gradients across ranks while ``backward()`` runs.
 
-Each trainable parameter gets a post-accumulate-grad hook. When its gradient
+Each trainable parameter gets a post-accumulate-grad hook. The parameters are
+packed into buckets as PyTorch DDP packs them: in reverse registration order
+(about the order in which backward produces their gradients), about
+``bucket_cap_mb`` each, the first one small. When every gradient of a bucket
 is final for the step (after ``backward_passes_per_step`` passes), the hook
-starts an asynchronous allreduce at once, so communication overlaps the rest
-of the backward pass; ``step()`` waits for all of them and then applies the
-wrapped optimizer's update.
+copies them into the bucket's flat buffer and starts one asynchronous
+allreduce of it, so communication overlaps the rest of the backward pass and
+the engine matches a few names per step instead of one per parameter.
+``step()`` waits for them, copies the results back into the gradients, and
+applies the wrapped optimizer's update.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from roundel.common.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
 from roundel.torch.compression import Compression
 from roundel.torch.mpi_ops import allgather_async, allreduce_async_, grouped_allreduce_async_, synchronize
+
+_FIRST_BUCKET_BYTES = 1024 * 1024
+_MIB = 1024 * 1024
 
 
 class GradientSyncError(RoundelError, AssertionError):
@@ -65,24 +73,78 @@ def _split_groups(params: list, groups) -> list[tuple]:
             start = end
         return [g for g in result if g]
     result = [tuple(g) for g in groups]
-    known = set(params)
+    known, seen = set(params), set()
     for group in result:
         for p in group:
             if p not in known:
                 raise ValueError("groups= lists a tensor that is not a trainable parameter of this optimizer")
-    return result
+            if p in seen:
+                raise ValueError("groups= lists a parameter more than once; each may be in one group only")
+            seen.add(p)
+    return [g for g in result if g]
+
+
+def _split_by_size(params: list, cap_bytes: float) -> list[tuple]:
+    """Consecutive parameters (in backward order) in buckets, each closed once it reaches the cap.
+
+    The first bucket closes at 1 MiB, so that communication starts early, as
+    in DDP. A bucket holds one dtype on one device, so that it fits one flat
+    buffer.
+    """
+    buckets, current, size, limit = [], [], 0, min(cap_bytes, _FIRST_BUCKET_BYTES)
+    for p in params:
+        if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
+            buckets.append(tuple(current))
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= limit:
+            buckets.append(tuple(current))
+            current, size, limit = [], 0, cap_bytes
+    return buckets + [tuple(current)] if current else buckets
+
+
+class _Bucket:
+    """Parameters whose gradients are reduced together, once per step."""
+
+    __slots__ = ("params", "name", "sizes", "flat", "ready", "started")
+
+    def __init__(self, params: tuple, names: dict, flat: bool):
+        self.params = params
+        flat = flat and len({(p.dtype, p.device) for p in params}) == 1  # else one request per gradient
+        first = names[params[0]]
+        if len(params) == 1:
+            self.name = f"allreduce.{first}"
+        elif flat:
+            self.name = f"allreduce.bucket.{first}.{len(params)}"
+        else:
+            self.name = f"grouped_allreduce.{first}"
+        self.sizes = [p.numel() for p in params] if flat else None
+        self.flat = None  # the flat gradient buffer, allocated on first use
+        self.ready = 0  # gradients final for this step
+        self.started = False
+
+
+def _write_back(targets: list, results) -> None:
+    """Copy each result into its gradient (None: a sparse gradient, finished apart)."""
+    for target, result in zip(targets, results):
+        if target is not None and result.data_ptr() != target.data_ptr():
+            target.copy_(result.view(target.shape))
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the wrapped optimizer's class by ``DistributedOptimizer``."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, bucket_cap_mb):
         super(self.__class__, self).__init__(params)
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
         if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
             raise ValueError("gradient_predivide_factor only applies to op=Average")
+        if isinstance(bucket_cap_mb, bool) or not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb >= 0):
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number >= 0 (megabytes per bucket; "
+                             "0 reduces each gradient on its own)")
         self._names = _named_parameters(self.param_groups, named_parameters)
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
@@ -90,41 +152,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.gradient_predivide_factor = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
         self._process_set = process_set
-        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        trainable.sort(key=lambda p: self._names[p])  # the same order on every rank
-        self._trainable = trainable
-        self._groups = _split_groups(trainable, groups)
-        self._group_of = {p: g for g in self._groups for p in g}
-        self._group_ready: dict[tuple, int] = {g: 0 for g in self._groups}
-        self._passes_left = {p: backward_passes_per_step for p in trainable}
-        self._pending: dict = {}  # parameter or group -> (handle, contexts)
+        trainable = {p for group in self.param_groups for p in group["params"] if p.requires_grad}
+        explicit = _split_groups(sorted(trainable, key=self._names.get), groups)  # the same on every rank
+        grouped = {p for group in explicit for p in group}
+        rest = [p for p in reversed(self._names) if p in trainable and p not in grouped]  # backward order
+        cap = 0 if op == ReduceOp.Adasum else bucket_cap_mb * _MIB  # Adasum combines each gradient alone
+        self._buckets = [_Bucket(g, self._names, flat=op != ReduceOp.Adasum)
+                         for g in explicit + _split_by_size(rest, cap)]
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._passes_left = dict.fromkeys(self._bucket_of, backward_passes_per_step)
+        self._pending: list = []  # per started reduction: a function that waits and writes the gradients
         self._synchronized = False
         self._should_synchronize = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
 
     # ---------------------------------------------------------------- hooks
-    def _scale_factors(self) -> tuple[float, float]:
-        if self.op == ReduceOp.Average:
-            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        return 1.0, 1.0
-
     def _on_grad_ready(self, p) -> None:
-        if self._passes_left[p] <= 0:
+        left = self._passes_left[p]
+        if left <= 0:
             raise GradientSyncError(
                 f"the gradient of '{self._names[p]}' was computed more than backward_passes_per_step="
                 f"{self.backward_passes_per_step} times before optimizer.step(); raise "
                 "backward_passes_per_step to accumulate more passes locally")
-        self._passes_left[p] -= 1
-        if self._passes_left[p] > 0:
-            return
-        group = self._group_of.get(p)
-        if group is None:
-            self._pending[p] = self._start(p)
-            return
-        self._group_ready[group] += 1
-        if self._group_ready[group] == len(group):
-            self._group_ready[group] = 0
-            self._pending[group] = self._start_group(group)
+        self._passes_left[p] = left - 1
+        if left == 1:
+            bucket = self._bucket_of[p]
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._start(bucket)
 
     def _prepare_grad(self, p) -> None:
         if p.grad is None:
@@ -132,27 +187,45 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif p.grad.is_sparse and self._sparse_as_dense:
             p.grad = p.grad.to_dense()
 
-    def _start(self, p):
-        self._prepare_grad(p)
-        if p.grad.is_sparse:
-            return self._start_sparse(p)
-        compressed, ctx = self._compression.compress(p.grad)
-        prescale, postscale = self._scale_factors()
-        handle = allreduce_async_(compressed, name=f"allreduce.{self._names[p]}", op=self.op,
-                                  prescale_factor=prescale, postscale_factor=postscale,
-                                  process_set=self._process_set)
-        return handle, ctx, compressed
+    def _allreduce_async(self, tensors, name) -> int:
+        prescale, postscale = 1.0, 1.0
+        if self.op == ReduceOp.Average:
+            prescale, postscale = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        start = grouped_allreduce_async_ if isinstance(tensors, list) else allreduce_async_
+        return start(tensors, name=name, op=self.op, prescale_factor=prescale, postscale_factor=postscale,
+                     process_set=self._process_set)
 
-    def _start_group(self, group):
-        for p in group:
+    def _start(self, bucket: _Bucket) -> None:
+        bucket.started = True
+        targets = []  # the dense gradients that receive the results; None for a sparse one
+        for p in bucket.params:
             self._prepare_grad(p)
-        compressed = [self._compression.compress(p.grad) for p in group]
-        prescale, postscale = self._scale_factors()
-        handle = grouped_allreduce_async_([c[0] for c in compressed],
-                                          name=f"grouped_allreduce.{self._names[group[0]]}", op=self.op,
-                                          prescale_factor=prescale, postscale_factor=postscale,
-                                          process_set=self._process_set)
-        return handle, [c[1] for c in compressed], [c[0] for c in compressed]
+            if p.grad.is_sparse:
+                self._pending.append(self._start_sparse(p))
+            targets.append(None if p.grad.is_sparse else p.grad)
+        if len(targets) == 1 and targets[0] is None:
+            return
+        # a sparse gradient's place in a bucket carries zeros, so that the bucket is the same on every rank
+        grads = [torch.zeros_like(p) if t is None else t for p, t in zip(bucket.params, targets)]
+        compression = self._compression
+        if len(grads) == 1:
+            compressed, ctx = compression.compress(grads[0])
+            handle = self._allreduce_async(compressed, bucket.name)
+            self._pending.append(lambda: _write_back(targets, [compression.decompress(synchronize(handle), ctx)]))
+        elif bucket.sizes is not None:
+            if bucket.flat is None:
+                bucket.flat = grads[0].new_empty(sum(bucket.sizes))
+            with torch.no_grad():
+                torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
+            compressed, ctx = compression.compress(bucket.flat)
+            handle = self._allreduce_async(compressed, bucket.name)
+            self._pending.append(lambda: _write_back(
+                targets, compression.decompress(synchronize(handle), ctx).split(bucket.sizes)))
+        else:
+            compressed = [compression.compress(g) for g in grads]
+            handle = self._allreduce_async([c for c, _ in compressed], bucket.name)
+            self._pending.append(lambda: _write_back(
+                targets, [compression.decompress(r, c[1]) for r, c in zip(synchronize(handle), compressed)]))
 
     def _start_sparse(self, p):
         grad = p.grad.coalesce()
@@ -160,48 +233,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         indices = allgather_async(grad.indices().t().contiguous(), name=f"sparse.indices.{name}",
                                   process_set=self._process_set)
         values = allgather_async(grad.values(), name=f"sparse.values.{name}", process_set=self._process_set)
-        return (indices, values), None, grad
+
+        def finish():
+            gathered = synchronize(values)
+            if self.op == ReduceOp.Average:
+                gathered = gathered / self._process_set.size()
+            p.grad = torch.sparse_coo_tensor(synchronize(indices).t(), gathered, grad.shape,
+                                             check_invariants=True).coalesce()
+
+        return finish
 
     # ----------------------------------------------------------- public API
     def synchronize(self) -> None:
         """Wait for every gradient reduction of this step (starting those whose hooks did not fire)."""
-        started = set()
-        for key in self._pending:
-            started.update(key if isinstance(key, tuple) else (key,))
-        for p in self._trainable:  # unused parameters: every rank must still take part
-            if p not in started:
-                group = self._group_of.get(p)
-                if group is None:
-                    self._pending[p] = self._start(p)
-                elif group not in self._pending:
-                    self._group_ready[group] = 0
-                    self._pending[group] = self._start_group(group)
-                started.update(group or (p,))
-        for key, (handle, ctx, sent) in self._pending.items():
-            if isinstance(key, tuple):
-                outputs = synchronize(handle)
-                for p, output, c in zip(key, outputs, ctx):
-                    self._finish_dense(p, output, c)
-            elif isinstance(handle, tuple):
-                self._finish_sparse(key, handle, sent)
-            else:
-                self._finish_dense(key, synchronize(handle), ctx)
-        self._pending.clear()
-        for p in self._trainable:
-            self._passes_left[p] = self.backward_passes_per_step
+        try:
+            for bucket in self._buckets:
+                if not bucket.started:  # unused parameters: every rank must still take part
+                    self._start(bucket)
+            for finish in self._pending:
+                finish()
+        finally:
+            self._reset()
         self._synchronized = True
 
-    def _finish_dense(self, p, output, ctx) -> None:
-        result = self._compression.decompress(output, ctx)
-        if result.data_ptr() != p.grad.data_ptr():
-            p.grad.copy_(result)
-
-    def _finish_sparse(self, p, handles, grad) -> None:
-        indices = synchronize(handles[0]).t()
-        values = synchronize(handles[1])
-        if self.op == ReduceOp.Average:
-            values = values / self._process_set.size()
-        p.grad = torch.sparse_coo_tensor(indices, values, grad.shape, check_invariants=True).coalesce()
+    def _reset(self) -> None:
+        self._pending.clear()
+        for bucket in self._buckets:
+            bucket.ready, bucket.started = 0, False
+        self._passes_left = dict.fromkeys(self._passes_left, self.backward_passes_per_step)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -226,17 +285,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear gradients; an error while reductions of this step are still in flight."""
-        if self._pending:
+        if self._pending or any(bucket.ready for bucket in self._buckets):
             raise GradientSyncError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(); the gradient reductions still in flight would race with it")
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def load_state_dict(self, state_dict):
-        self._pending.clear()
+        self._reset()
         self._synchronized = False
-        for p in self._trainable:
-            self._passes_left[p] = self.backward_passes_per_step
         return super(self.__class__, self).load_state_dict(state_dict)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -244,20 +301,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if passes < 1:
             raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
         self.backward_passes_per_step = passes
-        for p in self._trainable:
-            self._passes_left[p] = passes
+        self._passes_left = dict.fromkeys(self._passes_left, passes)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=ReduceOp.Average, gradient_predivide_factor=1.0,
-                         num_groups=0, groups=None, sparse_as_dense=False, process_set=global_process_set):
+                         num_groups=0, groups=None, sparse_as_dense=False, process_set=global_process_set,
+                         bucket_cap_mb=25):
     """Wrap ``optimizer`` so that gradients are averaged (or summed, or Adasum-combined) across ranks.
 
     Returns an instance of a subclass of the optimizer's own class, built on
     its parameter groups (so learning-rate schedulers and ``state_dict`` work
-    as before). ``groups`` is a count or a list of parameter lists whose
-    gradients are reduced together; ``num_groups`` is the older count form.
-    Raises ValueError for missing or duplicate ``named_parameters``.
+    as before). Gradients are reduced in buckets, each as one flat buffer:
+    ``groups`` (a count, or lists of parameters; ``num_groups`` is the older
+    count form) sets buckets explicitly, and the other gradients go in buckets
+    of about ``bucket_cap_mb`` MiB (25, as PyTorch DDP), the first one small.
+    ``bucket_cap_mb=0`` reduces each gradient on its own, and so does
+    ``op=Adasum``, which combines each gradient separately.
+    Compression applies to a bucket's flat buffer, so it must work element by
+    element (as ``fp16`` and ``bf16`` do) unless ``bucket_cap_mb=0``.
+    Raises ValueError for missing or duplicate ``named_parameters``, a
+    parameter in two ``groups``, or a negative ``bucket_cap_mb``.
     """
     op = resolve_op(op)
     if groups is not None and num_groups:
@@ -265,4 +329,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups if groups is not None else num_groups, sparse_as_dense,
-               process_set)
+               process_set, bucket_cap_mb)

@@ -98,6 +98,12 @@ def check_equivalence():
     assert_close(model, ref, TOL, "groups=1")
     model, ref = train_pair(sgd, gradient_predivide_factor=2.0)
     assert_close(model, ref, TOL, "gradient_predivide_factor=2")
+    for cap in (0, 0.0001):  # each gradient on its own; two buckets of two parameters
+        for passes in (1, 2):
+            model, ref = train_pair(adam, passes=passes, bucket_cap_mb=cap)
+            assert_close(model, ref, TOL, f"bucket_cap_mb={cap}, backward_passes_per_step={passes}")
+    model, ref = train_pair(sgd, compression=hvd.Compression.fp16, bucket_cap_mb=0.0001)
+    assert_close(model, ref, FP16_TOL, "fp16 compression in two buckets")
 
 
 def check_sum_op():
@@ -215,28 +221,44 @@ def check_training_loop_rules():
 
 
 def check_unused_and_frozen():
-    """A parameter unused on one rank and a frozen one: no hang, gradients agree."""
-    model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 3), "b": torch.nn.Linear(3, 3), "frozen": torch.nn.Linear(3, 3)})
-    for p in model["frozen"].parameters():
-        p.requires_grad_(False)
-    hvd.broadcast_parameters(model.state_dict(), 0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
-    x = torch.ones(2, 3)
-    out = model["a"](x) if hvd.rank() == 0 else model["b"](model["a"](x))
-    out.sum().backward()
-    opt.step()
-    assert_same_on_all_ranks(model, "unused parameter")
+    """A parameter unused on one rank and a frozen one: no hang, gradients agree (with and without buckets)."""
+    for cap in (25, 0):
+        model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 3), "b": torch.nn.Linear(3, 3),
+                                     "frozen": torch.nn.Linear(3, 3)})
+        for p in model["frozen"].parameters():
+            p.requires_grad_(False)
+        hvd.broadcast_parameters(model.state_dict(), 0)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), bucket_cap_mb=cap)
+        x = torch.ones(2, 3)
+        out = model["a"](x) if hvd.rank() == 0 else model["b"](model["a"](x))
+        out.sum().backward()
+        if hvd.rank() == 0:  # a bucket waits for the unused gradients: still part of this step
+            try:
+                opt.zero_grad()
+            except AssertionError as exc:
+                assert "zero_grad" in str(exc)
+            else:
+                raise AssertionError(f"zero_grad() with a bucket partly ready did not raise (cap {cap})")
+        opt.step()
+        assert_same_on_all_ranks(model, f"unused parameter (bucket_cap_mb={cap})")
 
 
 def check_sparse():
-    for dense in (False, True):
+    """A sparse gradient alone and in a bucket with a dense one (whose gradient is all ones on every rank)."""
+    for dense, cap in ((False, 0), (True, 0), (False, 25), (True, 25)):
         torch.manual_seed(0)
         emb = torch.nn.Embedding(10, 4, sparse=True)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
-                                       named_parameters=emb.named_parameters(), sparse_as_dense=dense)
+        lin = torch.nn.Linear(4, 4)
+        lin_start = [p.detach().clone() for p in lin.parameters()]
+        named = list(emb.named_parameters(prefix="emb")) + list(lin.named_parameters(prefix="lin"))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=1.0), named_parameters=named,
+                                       sparse_as_dense=dense, bucket_cap_mb=cap)
         idx = torch.tensor([hvd.rank(), 5])
-        emb(idx).sum().backward()
+        (emb(idx).sum() + lin(torch.ones(1, 4)).sum()).backward()
         opt.step()
+        for p, p0 in zip(lin.parameters(), lin_start):
+            assert torch.allclose(p.detach(), p0 - 1.0), f"dense gradient beside a sparse one (cap {cap}) is off"
         expected = torch.zeros(10, 4)
         for r in range(hvd.size()):
             expected[r] += 1.0 / hvd.size()
