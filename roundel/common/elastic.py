@@ -22,7 +22,7 @@ from roundel.common import basics
 from roundel.common.errors import HostsUpdatedInterrupt, RoundelInternalError
 from roundel.runner import elastic_rendezvous
 
-__all__ = ["ObjectState", "State", "run_fn"]
+__all__ = ["ObjectState", "State", "reset", "run_fn"]
 
 log = logging.getLogger("roundel")
 
@@ -107,11 +107,16 @@ class ObjectState(State):
             self._apply_saved()
 
 
-def run_fn(func, reset):
+def reset() -> None:
+    """Leave the current communicator and join the next generation of the job."""
+    basics.shutdown()
+    basics.init()
+
+
+def run_fn(func):
     """Wrap ``func(state, ...)`` so that failures and membership changes reset and retry it.
 
-    ``reset()`` leaves the current communicator and joins the next
-    generation. The wrapped function returns ``func``'s result once it
+    The wrapped function returns ``func``'s result once it
     returns normally; it raises what ``func`` raises other than
     HorovodInternalError and HostsUpdatedInterrupt, and re-raises the error
     of a reset that cannot join a new generation.

@@ -19,17 +19,11 @@ import keras
 import numpy as np
 
 from roundel.common import elastic as common
-from roundel.common.basics import init, shutdown
 from roundel.common.errors import HorovodInternalError, HostsUpdatedInterrupt
 from roundel.keras.core import broadcast_object, broadcast_variables
 
 __all__ = ["CommitStateCallback", "HorovodInternalError", "HostsUpdatedInterrupt", "KerasState", "ObjectState",
            "State", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
-
-
-def _reset() -> None:
-    shutdown()
-    init()
 
 
 def run(func):
@@ -42,7 +36,7 @@ def run(func):
     if keras.backend.backend() == "tensorflow":
         from roundel.tensorflow.elastic import run as tf_run
         return tf_run(func)
-    return common.run_fn(func, _reset)
+    return common.run_fn(func)
 
 
 class State(common.State):

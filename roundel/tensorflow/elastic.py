@@ -17,7 +17,6 @@ import re
 import tensorflow as tf
 
 from roundel.common import elastic as common
-from roundel.common.basics import init, shutdown
 from roundel.common.errors import HorovodInternalError, HostsUpdatedInterrupt, RoundelInternalError
 from roundel.keras.elastic import KerasState, VariablesState
 from roundel.tensorflow.functions import broadcast_object, broadcast_variables
@@ -26,11 +25,6 @@ __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "Stat
            "TensorFlowState", "run"]
 
 _INTERNAL_ERROR = re.compile(r"(?:Roundel|Horovod)InternalError: ([^\n]*)")
-
-
-def _reset() -> None:
-    shutdown()
-    init()
 
 
 def _raising_internal_errors(func):
@@ -56,7 +50,7 @@ def run(func):
     rank takes rank 0's state, the reset callbacks run, and ``func`` is
     called again with the same state.
     """
-    return common.run_fn(_raising_internal_errors(func), _reset)
+    return common.run_fn(_raising_internal_errors(func))
 
 
 class State(common.State):

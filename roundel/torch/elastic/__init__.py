@@ -1,6 +1,5 @@
 """Elastic training for PyTorch: ``hvd.elastic.run``, ``TorchState`` and ``ElasticSampler``."""
 
-from roundel.common.basics import init, shutdown
 from roundel.common.elastic import run_fn
 from roundel.common.errors import HorovodInternalError, HostsUpdatedInterrupt
 from roundel.torch.elastic.sampler import ElasticSampler
@@ -8,11 +7,6 @@ from roundel.torch.elastic.state import ObjectState, State, TorchState
 
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State",
            "TorchState", "run"]
-
-
-def _reset() -> None:
-    shutdown()
-    init()
 
 
 def run(func):
@@ -23,4 +17,4 @@ def run(func):
     rank takes rank 0's state, the state's reset callbacks run, and ``func``
     is called again with the same state.
     """
-    return run_fn(func, _reset)
+    return run_fn(func)

@@ -27,47 +27,34 @@ class ObjectState(common.ObjectState):
         super().__init__(broadcast_object, **kwargs)
 
 
-class _ModelHandler:
-    def __init__(self, model: torch.nn.Module):
-        self.value = model
+class _StateDictHandler:
+    """Saves a deep copy of ``value.state_dict()`` and loads it back; subclasses say how to sync."""
+
+    def __init__(self, value):
+        self.value = value
         self.save()
 
     def save(self) -> None:
-        self._saved = {k: v.detach().clone() for k, v in self.value.state_dict().items()}
+        self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
         self.value.load_state_dict(self._saved)
+
+
+class _ModelHandler(_StateDictHandler):
+    def save(self) -> None:
+        self._saved = {k: v.detach().clone() for k, v in self.value.state_dict().items()}
 
     def sync(self) -> None:
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class _OptimizerHandler:
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.value = optimizer
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
-
+class _OptimizerHandler(_StateDictHandler):
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
-class _SamplerHandler:
-    def __init__(self, sampler: ElasticSampler):
-        self.value = sampler
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
-
+class _SamplerHandler(_StateDictHandler):
     def sync(self) -> None:
         # the processed indices are the same on every rank; rank 0's also re-shard for the new size
         self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0,
