@@ -1,7 +1,5 @@
 """The rendezvous store: operations, blocking gets, concurrency and hostile peers."""
 
-import hashlib
-import hmac
 import os
 import socket
 import struct
@@ -9,11 +7,13 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 
 from roundel.common.errors import RoundelError
 from roundel.runner import rendezvous
+from roundel.runner import rendezvous_wire as wire
 from roundel.runner.rendezvous import (
     RendezvousClient,
     RendezvousError,
@@ -21,6 +21,7 @@ from roundel.runner.rendezvous import (
     RendezvousTimeout,
     new_secret,
 )
+from roundel.transport.store_adapter import RendezvousStore
 
 
 @pytest.fixture
@@ -53,13 +54,10 @@ def assert_dropped(sock):
         pass
 
 
-def authenticated_socket(server, secret):
-    """A raw socket past the handshake, following the protocol in rendezvous.py's docstring."""
+def authenticated_channel(server, secret):
+    """A raw connection past the handshake (rendezvous_wire's protocol), to send hand-made frames."""
     sock = socket.create_connection((server.host, server.port), timeout=5)
-    nonce = sock.recv(32, socket.MSG_WAITALL)
-    sock.sendall(hmac.new(secret, b"client" + nonce, hashlib.sha256).digest() + os.urandom(32))
-    assert len(sock.recv(32, socket.MSG_WAITALL)) == 32
-    return sock
+    return wire.client_handshake(sock, secret, time.monotonic() + 5)
 
 
 def test_new_secret():
@@ -221,27 +219,34 @@ def test_huge_length_is_dropped(server, client, secret):
     sock.sendall(struct.pack("!BdII", 1, -1.0, 0xFFFFFFFF, 0xFFFFFFFF) * 4 + b"\0" * 64)
     assert_dropped(sock)
     sock.close()
-    # After authentication: over the message size limit, dropped without reading it.
-    sock = authenticated_socket(server, secret)
-    sock.sendall(struct.pack("!BdII", 1, -1.0, 16, 1 << 31))
-    assert_dropped(sock)
-    sock.close()
+    # After authentication: a frame over the message size limit is dropped without reading it.
+    channel = authenticated_channel(server, secret)
+    channel.sock.sendall(struct.pack("!I", 1 << 31))
+    assert_dropped(channel.sock)
+    channel.close()
     client.set("after-huge", b"ok")
     assert client.get("after-huge") == b"ok"
 
 
 def test_malformed_requests_are_dropped(server, client, secret):
-    for payload in (
-        struct.pack("!BdII", 99, -1.0, 1, 0) + b"k",  # unknown op
-        struct.pack("!BdII", 1, -1.0, 2, 0) + b"\xff\xfe",  # key not UTF-8
-        struct.pack("!BdII", 3, -1.0, 1, 3) + b"kabc",  # add with a malformed amount
-        struct.pack("!Bd", 1, -1.0),  # truncated header, then half-close
+    """Well-authenticated frames whose contents are malformed: the connection is dropped."""
+    for body in (
+        struct.pack("!BdI", 99, -1.0, 1) + b"k",  # unknown op
+        struct.pack("!BdI", 1, -1.0, 2) + b"\xff\xfe",  # key not UTF-8
+        struct.pack("!BdI", 3, -1.0, 1) + b"kabc",  # add with a malformed amount
+        struct.pack("!BdI", 1, -1.0, 50) + b"short",  # key longer than the frame
+        struct.pack("!Bd", 1, -1.0),  # truncated request header
+        b"",  # empty frame
     ):
-        sock = authenticated_socket(server, secret)
-        sock.sendall(payload)
-        sock.shutdown(socket.SHUT_WR)
-        assert_dropped(sock)
-        sock.close()
+        channel = authenticated_channel(server, secret)
+        channel.send(body)
+        assert_dropped(channel.sock)
+        channel.close()
+    channel = authenticated_channel(server, secret)
+    channel.sock.sendall(struct.pack("!I", 10) + b"half")  # half a frame, then half-close
+    channel.sock.shutdown(socket.SHUT_WR)
+    assert_dropped(channel.sock)
+    channel.close()
     assert client.add("after-malformed", 2) == 2
 
 
@@ -319,3 +324,25 @@ def test_closed_client_raises(client):
     client.close()
     with pytest.raises(RendezvousError, match="closed"):
         client.set("a", b"1")
+
+
+def test_store_adapter_semantics(server, client):
+    """What Gloo's bootstrap relies on: c10d's get/wait/check/add, with timeouts bounding the whole call."""
+    store = RendezvousStore(client, "p/", timedelta(seconds=1))
+    store.set("a", "text")
+    store.set("b", b"bytes")
+    assert store.get("a") == b"text" and server.get("p/b") == b"bytes"
+    assert store.check(["a", "b"]) and not store.check(["a", "missing"])
+    assert store.add("n", 3) == 3 and store.add("n", -1) == 2
+    store.wait(["a", "b"])
+    start = time.monotonic()
+    with pytest.raises(RendezvousTimeout):
+        store.wait(["missing1", "missing2", "missing3"], timedelta(seconds=0.5))
+    assert time.monotonic() - start < 1.4  # one deadline for all keys, not 0.5 s each
+    with pytest.raises(RendezvousTimeout):
+        store.get("missing")
+    threading.Timer(0.5, server.set, ("p/later", b"x")).start()
+    store.set_timeout(timedelta(0))  # c10d: zero means no timeout
+    assert store.get("later") == b"x"
+    assert store.delete_key("a") and not store.delete_key("a")
+    assert store.num_keys() == client.num_keys()

@@ -4,27 +4,39 @@
 :class:`RendezvousClient` (directly, or through a ``torch.distributed`` Store
 adapter that Gloo calls from its own threads).
 
-Wire protocol (TCP, all integers big-endian):
+Wire protocol (TCP; see rendezvous_wire.py for the handshake and framing):
+after a handshake in which both sides prove they hold the job's secret, each
+request and response is one frame tagged with a per-connection, per-direction
+session key and an implicit sequence number. A request body is ``!BdI`` (op
+code, seconds to wait, key length), the key (UTF-8) and the value; a response
+body is ``!B`` (status) and the payload. The server never parses anything but
+these fixed fields, and only after the frame's tag checks.
 
-1. Handshake, proving on both sides that the peer holds the job's secret:
-   the server sends a 32-byte random nonce ``ns``; the client answers
-   ``HMAC-SHA256(secret, b"client" + ns)`` followed by its own 32-byte nonce
-   ``nc``; the server checks it (dropping the connection on mismatch) and
-   answers ``HMAC-SHA256(secret, b"server" + nc)``, which the client checks.
-2. Requests: header ``!BdII`` (op code, timeout in seconds or -1 for none,
-   key length, value length), then the key (UTF-8) and the value.
-3. Responses: header ``!BI`` (status, payload length), then the payload.
+Bounds:
 
-The server never deserializes anything but these fixed fields; a peer that
-fails the handshake, sends a malformed or oversized message, or goes silent
-during the handshake is dropped without affecting anyone else.
+- Server: at most MAX_PENDING_HANDSHAKES unauthenticated connections at once
+  (more are closed at once), each with HANDSHAKE_TIMEOUT_S to finish the
+  handshake however slowly it sends; a request or response frame, once begun,
+  must arrive within rendezvous_wire.FRAME_DEADLINE_S (plus one second per MiB).
+  Idle authenticated connections stay open (workers pool them for the whole
+  job); TCP keepalive and TCP_USER_TIMEOUT drop those whose peer vanished.
+  Failed ``accept`` calls (out of file descriptors, memory) are logged,
+  rate-limited, and retried after a short pause.
+- Client: every answer is awaited at most RESPONSE_GRACE_S, plus the server-side
+  wait of a ``get``; a ``get`` is served as waits of at most GET_POLL_S each,
+  so whatever its timeout, a stopped, crashed or unreachable server is
+  reported (RendezvousError) within GET_POLL_S + RESPONSE_GRACE_S = 15 s.
+  The first connection is retried for ``connect_timeout`` (the server may
+  still be starting); a later one (more threads than pooled connections, or
+  one lost) for at most RESPONSE_GRACE_S. TCP keepalive and TCP_USER_TIMEOUT
+  are set on every authenticated socket.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import errno
 import logging
+import math
 import queue
 import secrets
 import socket
@@ -33,6 +45,7 @@ import threading
 import time
 
 from roundel.common.errors import RoundelError
+from roundel.runner import rendezvous_wire as wire
 
 __all__ = [
     "RendezvousClient",
@@ -45,11 +58,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-HANDSHAKE_TIMEOUT_S = 10.0
-_NONCE_BYTES = 32
+HANDSHAKE_TIMEOUT_S = 5.0
+MAX_PENDING_HANDSHAKES = 64
+GET_POLL_S = 5.0
+RESPONSE_GRACE_S = 10.0
+ACCEPT_BACKOFF_S = (0.05, 0.2)  # first and longest pause after a failed accept
+LOG_INTERVAL_S = 10.0
 
-_REQUEST = struct.Struct("!BdII")
-_RESPONSE = struct.Struct("!BI")
+_REQUEST = struct.Struct("!BdI")
+_STATUS = struct.Struct("!B")
 _I64 = struct.Struct("!q")
 _U32 = struct.Struct("!I")
 
@@ -68,21 +85,6 @@ class RendezvousTimeout(RendezvousError, TimeoutError):
 def new_secret() -> bytes:
     """A fresh random 32-byte job secret (the launcher hands it to workers hex-encoded)."""
     return secrets.token_bytes(32)
-
-
-def _proof(secret: bytes, role: bytes, nonce: bytes) -> bytes:
-    return hmac.new(secret, role + nonce, hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Read exactly n bytes; raise ConnectionError if the peer closes first."""
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ConnectionError(f"peer closed the connection after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
 
 
 def _pack_keys(keys: list[str]) -> bytes:
@@ -105,11 +107,33 @@ def _unpack_keys(data: bytes) -> list[str]:
     return keys
 
 
+class _RateLimitedLog:
+    """Logs each kind of message at most once per LOG_INTERVAL_S, counting the ones it held back."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -math.inf) < LOG_INTERVAL_S:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        log.warning("%s%s", message, f" ({held} more like this since the last report)" if held else "")
+
+
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+
 class RendezvousServer:
     """Key-value store served over TCP to clients that hold ``secret``.
 
     Each connection is served on its own daemon thread; a blocking ``get``
-    waits on a condition variable until the key is set or its timeout passes.
+    waits on a condition variable until the key is set or its wait passes.
     """
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0):
@@ -123,6 +147,8 @@ class RendezvousServer:
         self._accept_thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
+        self._pending = 0  # connections accepted but not yet authenticated
+        self._log = _RateLimitedLog()
 
     def start(self) -> int:
         """Bind, start serving in the background, and return the port actually bound."""
@@ -168,56 +194,90 @@ class RendezvousServer:
             return self._data.get(key)
 
     def _accept_loop(self) -> None:
-        while True:
+        backoff = 0.0
+        while not self._stopping:
+            if backoff:
+                time.sleep(backoff)
             try:
                 conn, addr = self._listener.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._stopping:
+                    return
+                backoff = self._accept_failed(exc, backoff)
+                continue
             if self._stopping:
                 conn.close()
                 return
-            threading.Thread(
-                target=self._serve, args=(conn, addr), name="roundel-rendezvous-conn", daemon=True
-            ).start()
+            backoff = 0.0
+            with self._conns_lock:
+                admitted = self._pending < MAX_PENDING_HANDSHAKES
+                if admitted:
+                    self._pending += 1
+            if not admitted:
+                conn.close()
+                self._log.warning("refused", f"rendezvous server on port {self.port}: refused a connection from "
+                                  f"{addr[0]}: {MAX_PENDING_HANDSHAKES} connections are already mid-handshake "
+                                  "(a flood of unauthenticated connections?)")
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn, addr), name="roundel-rendezvous-conn",
+                                 daemon=True).start()
+            except RuntimeError as exc:  # the process cannot start another thread
+                with self._conns_lock:
+                    self._pending -= 1
+                conn.close()
+                self._log.warning("thread", f"rendezvous server on port {self.port}: dropped a connection from "
+                                  f"{addr[0]}: cannot start a thread to serve it ({exc}); retrying")
+                backoff = ACCEPT_BACKOFF_S[0]
+
+    def _accept_failed(self, exc: OSError, backoff: float) -> float:
+        """Log a failed accept (rate-limited) and return the pause before the next one."""
+        if exc.errno in (errno.ECONNABORTED, errno.EINTR, errno.EAGAIN, errno.EPROTO):
+            return 0.0  # that connection is gone; the next one may be fine
+        hint = (" Raise the open-file limit (ulimit -n) of this process if it persists."
+                if exc.errno in _OUT_OF_RESOURCES else "")
+        self._log.warning(f"accept-{exc.errno}", f"rendezvous server on port {self.port}: accept failed ({exc}); "
+                          f"retrying.{hint}")
+        low, high = ACCEPT_BACKOFF_S
+        return min(high, max(low, backoff * 2))
 
     def _serve(self, conn: socket.socket, addr) -> None:
         with self._conns_lock:
             self._conns.add(conn)
+        pending = True
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            if not self._handshake(conn):
+            channel = wire.server_handshake(conn, self._secret, time.monotonic() + HANDSHAKE_TIMEOUT_S)
+            with self._conns_lock:
+                self._pending -= 1
+            pending = False
+            if channel is None:
                 log.debug("rendezvous: dropped %s: failed authentication", addr)
                 return
-            conn.settimeout(None)
+            wire.enable_liveness_probes(conn)
             while not self._stopping:
-                header = conn.recv(_REQUEST.size, socket.MSG_WAITALL)
-                if not header:
+                try:
+                    body = channel.receive(_REQUEST.size + MAX_MESSAGE_BYTES, first_byte_timeout=None)
+                except wire.PeerClosed:
                     return
-                if len(header) < _REQUEST.size:
-                    raise ConnectionError("truncated request header")
-                op, timeout, key_len, value_len = _REQUEST.unpack(header)
-                if key_len + value_len > MAX_MESSAGE_BYTES:
-                    raise ValueError(f"request of {key_len + value_len} bytes exceeds {MAX_MESSAGE_BYTES}")
-                key = _recv_exact(conn, key_len).decode()
-                value = _recv_exact(conn, value_len)
-                status, payload = self._handle(op, timeout, key, value)
-                conn.sendall(_RESPONSE.pack(status, len(payload)) + payload)
+                status, payload = self._handle(*self._parse(body))
+                channel.send(_STATUS.pack(status) + payload)
         except Exception as exc:  # anything a hostile or broken peer can cause
             log.debug("rendezvous: dropped %s: %s", addr, exc)
         finally:
             with self._conns_lock:
                 self._conns.discard(conn)
+                if pending:
+                    self._pending -= 1
             conn.close()
 
-    def _handshake(self, conn: socket.socket) -> bool:
-        nonce = secrets.token_bytes(_NONCE_BYTES)
-        conn.sendall(nonce)
-        answer = _recv_exact(conn, 32 + _NONCE_BYTES)
-        if not hmac.compare_digest(answer[:32], _proof(self._secret, b"client", nonce)):
-            return False
-        conn.sendall(_proof(self._secret, b"server", answer[32:]))
-        return True
+    @staticmethod
+    def _parse(body: bytes) -> tuple[int, float, str, bytes]:
+        op, timeout, key_len = _REQUEST.unpack_from(body)
+        if _REQUEST.size + key_len > len(body):
+            raise ValueError("request key runs past the end of the frame")
+        key = body[_REQUEST.size:_REQUEST.size + key_len].decode()
+        return op, timeout, key, body[_REQUEST.size + key_len:]
 
     def _handle(self, op: int, timeout: float, key: str, value: bytes) -> tuple[int, bytes]:
         with self._cond:
@@ -226,11 +286,12 @@ class RendezvousServer:
                 self._cond.notify_all()
                 return _OK, b""
             if op == _OP_GET:
-                # Negative, infinite or NaN timeouts all mean "wait until set".
-                deadline = time.monotonic() + timeout if 0 <= timeout < 1e9 else None
+                # Never wait longer than GET_POLL_S, so a thread is never held by a vanished client;
+                # negative or NaN waits mean the longest.
+                deadline = time.monotonic() + (min(timeout, GET_POLL_S) if timeout >= 0 else GET_POLL_S)
                 while key not in self._data and not self._stopping:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
                         return _TIMED_OUT, b""
                     self._cond.wait(remaining)
                 if self._stopping:
@@ -261,7 +322,8 @@ class RendezvousClient:
     Requests from concurrent threads go over separate pooled connections, so
     one thread blocked in ``get`` never holds up another.
     Raises RendezvousError if the server cannot be reached within
-    ``connect_timeout`` seconds or refuses the secret.
+    ``connect_timeout`` seconds or refuses the secret, and whenever the server
+    does not answer a request within its bound (see the module docstring).
     """
 
     def __init__(self, host: str, port: int, secret: bytes, connect_timeout: float = 30.0):
@@ -269,10 +331,11 @@ class RendezvousClient:
         self.port = port
         self._secret = secret
         self._connect_timeout = connect_timeout
-        self._idle: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
-        self._all: set[socket.socket] = set()
+        self._idle: queue.SimpleQueue[wire.Channel] = queue.SimpleQueue()
+        self._all: set[wire.Channel] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._was_connected = False
         self._idle.put(self._connect())
 
     def set(self, key: str, value: bytes) -> None:
@@ -282,16 +345,21 @@ class RendezvousClient:
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value under ``key``, waiting until it is set.
 
-        Raises RendezvousTimeout if ``timeout`` seconds pass first.
+        Raises RendezvousTimeout if ``timeout`` seconds pass first, and
+        RendezvousError if the server stops answering (within GET_POLL_S +
+        RESPONSE_GRACE_S seconds, whatever ``timeout`` is).
         """
-        wait = -1.0 if timeout is None else max(0.0, float(timeout))
-        status, payload = self._request(_OP_GET, key, b"", wait)
-        if status == _TIMED_OUT:
-            raise RendezvousTimeout(
-                f"rendezvous key {key!r} was not set within {wait:g} seconds; "
-                "check that every rank of the job started and reached the same point"
-            )
-        return payload
+        deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+        while True:
+            wait = GET_POLL_S if deadline is None else min(GET_POLL_S, max(0.0, deadline - time.monotonic()))
+            status, payload = self._request(_OP_GET, key, b"", wait)
+            if status != _TIMED_OUT:
+                return payload
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RendezvousTimeout(
+                    f"rendezvous key {key!r} was not set within {max(0.0, float(timeout)):g} seconds; "
+                    "check that every rank of the job started and reached the same point"
+                )
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the counter under ``key`` (missing = 0); return the new value."""
@@ -313,86 +381,108 @@ class RendezvousClient:
         """Close every connection; later requests raise RendezvousError."""
         with self._lock:
             self._closed = True
-            conns = list(self._all)
+            channels = list(self._all)
             self._all.clear()
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            conn.close()
+        for channel in channels:
+            channel.close()
 
     def _where(self) -> str:
         return f"the rendezvous server at {self.host}:{self.port}"
 
-    def _connect(self) -> socket.socket:
-        deadline = time.monotonic() + self._connect_timeout
+    def _unreachable(self, seconds: float, detail) -> RendezvousError:
+        return RendezvousError(
+            f"could not reach {self._where()} within {seconds:g} seconds ({detail}); "
+            "check that roundelrun is still running and that ROUNDEL_RENDEZVOUS_ADDR and "
+            "ROUNDEL_RENDEZVOUS_PORT name an address this host can reach (firewall, network)"
+        )
+
+    def _connect(self) -> wire.Channel:
+        """A new authenticated connection, retried while the server may be starting or busy.
+
+        The first connection is retried for connect_timeout seconds; later ones
+        (the server was up) for at most RESPONSE_GRACE_S.
+        """
+        seconds = min(self._connect_timeout, RESPONSE_GRACE_S) if self._was_connected else self._connect_timeout
+        deadline = time.monotonic() + seconds
         delay = 0.05
         while True:
             try:
-                sock = socket.create_connection(
-                    (self.host, self.port), timeout=max(0.1, deadline - time.monotonic())
-                )
-                break
-            except OSError as exc:
+                channel = self._open(deadline)
+                self._was_connected = True
+                return channel
+            except OSError as exc:  # refused, reset, timed out, or closed by a busy server
                 if time.monotonic() + delay >= deadline:
-                    raise RendezvousError(
-                        f"could not reach {self._where()} within {self._connect_timeout:g} seconds ({exc}); "
-                        "check that roundelrun is still running and that ROUNDEL_RENDEZVOUS_ADDR and "
-                        "ROUNDEL_RENDEZVOUS_PORT name an address this host can reach (firewall, network)"
-                    ) from None
+                    raise self._unreachable(seconds, exc) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    def _open(self, deadline: float) -> wire.Channel:
+        """One attempt at connecting and authenticating; OSError means it is worth another try."""
+        sock = socket.create_connection((self.host, self.port), timeout=max(0.1, deadline - time.monotonic()))
         try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nonce = secrets.token_bytes(_NONCE_BYTES)
-            sock.sendall(_proof(self._secret, b"client", _recv_exact(sock, _NONCE_BYTES)) + nonce)
-            try:
-                answer = _recv_exact(sock, 32)
-            except ConnectionError:
-                raise RendezvousError(
-                    f"{self._where()} refused this client: the job secret does not match "
-                    "(check ROUNDEL_SECRET; it must be the one roundelrun handed to this job)"
-                ) from None
-            if not hmac.compare_digest(answer, _proof(self._secret, b"server", nonce)):
-                raise RendezvousError(f"{self._where()} does not hold this job's secret; refusing to use it")
-            sock.settimeout(None)
-        except OSError as exc:
+            channel = wire.client_handshake(sock, self._secret, time.monotonic() + HANDSHAKE_TIMEOUT_S)
+            wire.enable_liveness_probes(sock)
+        except wire.SecretRejected:
             sock.close()
-            raise RendezvousError(f"handshake with {self._where()} failed: {exc}") from None
-        except RendezvousError:
+            raise RendezvousError(
+                f"{self._where()} refused this client: the job secret does not match "
+                "(check ROUNDEL_SECRET; it must be the one roundelrun handed to this job)"
+            ) from None
+        except wire.ImpostorServer:
+            sock.close()
+            raise RendezvousError(f"{self._where()} does not hold this job's secret; refusing to use it") from None
+        except BaseException:
             sock.close()
             raise
         with self._lock:
             if self._closed:
                 sock.close()
                 raise RendezvousError("the rendezvous client is closed")
-            self._all.add(sock)
-        return sock
+            self._all.add(channel)
+        return channel
 
-    def _request(self, op: int, key: str, value: bytes, timeout: float = -1.0) -> tuple[int, bytes]:
+    def _discard(self, channel: wire.Channel) -> None:
+        with self._lock:
+            self._all.discard(channel)
+        channel.close()
+
+    def _request(self, op: int, key: str, value: bytes, wait: float = 0.0) -> tuple[int, bytes]:
         raw_key = key.encode()
         if len(raw_key) + len(value) > MAX_MESSAGE_BYTES:
             raise RendezvousError(f"rendezvous request for key {key!r} exceeds {MAX_MESSAGE_BYTES} bytes")
         if self._closed:
             raise RendezvousError("the rendezvous client is closed")
         try:
-            sock = self._idle.get_nowait()
+            channel = self._idle.get_nowait()
         except queue.Empty:
-            sock = self._connect()
+            channel = self._connect()
+        bound = wait + RESPONSE_GRACE_S
         try:
-            sock.sendall(_REQUEST.pack(op, timeout, len(raw_key), len(value)) + raw_key + value)
-            status, length = _RESPONSE.unpack(_recv_exact(sock, _RESPONSE.size))
-            payload = _recv_exact(sock, length)
-        except OSError as exc:
-            with self._lock:
-                self._all.discard(sock)
-            sock.close()
+            channel.send(_REQUEST.pack(op, wait, len(raw_key)) + raw_key + value)
+            body = channel.receive(_STATUS.size + MAX_MESSAGE_BYTES, first_byte_timeout=bound)
+        except (OSError, ValueError) as exc:
+            self._discard(channel)
             if self._closed:
                 raise RendezvousError("the rendezvous client is closed") from None
-            raise RendezvousError(f"lost the connection to {self._where()}: {exc}") from None
-        self._idle.put(sock)
+            raise self._request_failed(key, bound, exc) from None
+        self._idle.put(channel)
+        (status,) = _STATUS.unpack_from(body)
+        payload = body[_STATUS.size:]
         if status == _FAILED:
             raise RendezvousError(f"{self._where()} failed the request for key {key!r}: {payload.decode()}")
         return status, payload
+
+    def _request_failed(self, key: str, bound: float, exc: Exception) -> RendezvousError:
+        if isinstance(exc, wire.IntegrityError):
+            return RendezvousError(
+                f"an answer from {self._where()} (key {key!r}) failed its integrity check: it was altered or "
+                "corrupted on the way; check the network path to the launcher and that nothing else answers "
+                "on that address")
+        if isinstance(exc, TimeoutError):
+            return RendezvousError(
+                f"{self._where()} did not answer within {bound:g} seconds (key {key!r}); check that roundelrun "
+                "(or the rank that serves the store) is still running and not stopped, and that this host "
+                f"can still reach {self.host}:{self.port}")
+        return RendezvousError(f"lost the connection to {self._where()} (key {key!r}): {exc}; check that roundelrun "
+                               "(or the rank that serves the store) is still running")

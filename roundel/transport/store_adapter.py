@@ -7,19 +7,26 @@ of an open TCPStore.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
 
 class RendezvousStore(dist.Store):
-    """A c10d Store backed by a ``RendezvousClient``; keys live under ``prefix``."""
+    """A c10d Store backed by a ``RendezvousClient``; keys live under ``prefix``.
+
+    As in c10d, a timeout of zero means no timeout. A wait for a missing key
+    raises ``RendezvousTimeout`` when its timeout passes, and any request raises
+    ``RendezvousError`` when the store stops answering (see rendezvous.py for
+    that bound), so Gloo's bootstrap never waits on a vanished launcher.
+    """
 
     def __init__(self, client, prefix: str, timeout: timedelta):
         super().__init__()
         self._client = client
         self._prefix = prefix
-        self._timeout = timeout.total_seconds()
+        self._timeout = _seconds(timeout)
 
     def _key(self, key: str) -> str:
         return self._prefix + key
@@ -39,9 +46,12 @@ class RendezvousStore(dist.Store):
         return self._client.check([self._key(k) for k in keys])
 
     def wait(self, keys, timeout=None):
-        seconds = self._timeout if timeout is None else timeout.total_seconds()
+        """Wait until every one of ``keys`` is set; ``timeout`` bounds the whole wait, not each key."""
+        seconds = self._timeout if timeout is None else _seconds(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
         for key in keys:
-            self._client.get(self._key(key), timeout=seconds)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._client.get(self._key(key), timeout=left)
 
     def delete_key(self, key):
         return self._client.delete(self._key(key))
@@ -50,4 +60,10 @@ class RendezvousStore(dist.Store):
         return self._client.num_keys()
 
     def set_timeout(self, timeout):
-        self._timeout = timeout.total_seconds()
+        self._timeout = _seconds(timeout)
+
+
+def _seconds(timeout: timedelta) -> float | None:
+    """c10d's timeout in seconds; None for zero (c10d's "no timeout")."""
+    seconds = timeout.total_seconds()
+    return seconds if seconds > 0 else None
