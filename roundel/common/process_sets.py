@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from roundel.common.communicator import is_mpi_comm, mpi_comm_ranks
+
 
 class ProcessSet:
     """A set of global ranks; pass it as ``process_set=`` to any collective.
 
-    Create it with the member ranks and register it on every rank with
-    ``init(process_sets=[...])`` or ``add_process_set(...)``.
+    Create it with the member ranks, or an mpi4py communicator (its
+    ``COMM_WORLD`` ranks become the members), and register it on every rank
+    with ``init(process_sets=[...])`` or ``add_process_set(...)``.
     """
 
-    def __init__(self, ranks):
+    def __init__(self, ranks_or_comm):
+        self.mpi_comm = ranks_or_comm if is_mpi_comm(ranks_or_comm) else None
+        ranks = mpi_comm_ranks(ranks_or_comm) if self.mpi_comm is not None else ranks_or_comm
         self.ranks = sorted(set(int(r) for r in ranks))
         self.process_set_id: int | None = None
         self._my_rank: int | None = None

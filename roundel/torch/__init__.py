@@ -22,7 +22,7 @@ from roundel.torch.mpi_ops import (
     alltoall_async, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
     grouped_allgather_async, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
     grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async, join, poll, reducescatter,
-    reducescatter_async, synchronize,
+    reducescatter_async, sparse_allreduce_async, synchronize,
 )
 from roundel.torch.optimizer import DistributedOptimizer
 from roundel.torch.sync_batch_norm import SyncBatchNorm

@@ -19,11 +19,13 @@ import warnings
 
 import torch
 
+from roundel.common import basics
 from roundel.common.errors import RoundelError
 from roundel.common.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
 from roundel.torch.compression import Compression
-from roundel.torch.mpi_ops import allgather_async, allreduce_async_, grouped_allreduce_async_, synchronize
+from roundel.torch.adasum_optimizer import _DistributedAdasumOptimizer
+from roundel.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async, synchronize
 
 _FIRST_BUCKET_BYTES = 1024 * 1024
 _MIB = 1024 * 1024
@@ -34,7 +36,10 @@ class GradientSyncError(RoundelError, AssertionError):
 
 
 def _named_parameters(optimizer_groups, named_parameters) -> dict:
-    """Map each parameter to its name; raise ValueError for bad, duplicate or missing names."""
+    """Map each parameter to its name; raise ValueError for bad, duplicate or missing names.
+
+    Without ``named_parameters`` the names are Horovod's: ``allreduce.noname.<group>.<index>``.
+    """
     if named_parameters is None:
         return {p: f"allreduce.noname.{g}.{i}" for g, group in enumerate(optimizer_groups)
                 for i, p in enumerate(group["params"])}
@@ -145,7 +150,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(bucket_cap_mb, bool) or not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb >= 0):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number >= 0 (megabytes per bucket; "
                              "0 reduces each gradient on its own)")
-        self._names = _named_parameters(self.param_groups, named_parameters)
+        self._parameter_names = _named_parameters(self.param_groups, named_parameters)
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -153,15 +158,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sparse_as_dense = sparse_as_dense
         self._process_set = process_set
         trainable = {p for group in self.param_groups for p in group["params"] if p.requires_grad}
-        explicit = _split_groups(sorted(trainable, key=self._names.get), groups)  # the same on every rank
+        explicit = _split_groups(sorted(trainable, key=self._parameter_names.get), groups)  # the same on every rank
         grouped = {p for group in explicit for p in group}
-        rest = [p for p in reversed(self._names) if p in trainable and p not in grouped]  # backward order
+        rest = [p for p in reversed(self._parameter_names) if p in trainable and p not in grouped]  # backward order
         cap = 0 if op == ReduceOp.Adasum else bucket_cap_mb * _MIB  # Adasum combines each gradient alone
-        self._buckets = [_Bucket(g, self._names, flat=op != ReduceOp.Adasum)
+        self._buckets = [_Bucket(g, self._parameter_names, flat=op != ReduceOp.Adasum)
                          for g in explicit + _split_by_size(rest, cap)]
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._passes_left = dict.fromkeys(self._bucket_of, backward_passes_per_step)
         self._pending: list = []  # per started reduction: a function that waits and writes the gradients
+        self._densified: list = []  # parameters whose sparse gradient is reduced dense (sparse_as_dense)
         self._synchronized = False
         self._should_synchronize = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
@@ -171,7 +177,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         left = self._passes_left[p]
         if left <= 0:
             raise GradientSyncError(
-                f"the gradient of '{self._names[p]}' was computed more than backward_passes_per_step="
+                f"the gradient of '{self._parameter_names[p]}' was computed more than backward_passes_per_step="
                 f"{self.backward_passes_per_step} times before optimizer.step(); raise "
                 "backward_passes_per_step to accumulate more passes locally")
         self._passes_left[p] = left - 1
@@ -186,6 +192,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         elif p.grad.is_sparse and self._sparse_as_dense:
             p.grad = p.grad.to_dense()
+            self._densified.append(p)  # handed back to the optimizer sparse, as Horovod does
 
     def _allreduce_async(self, tensors, name) -> int:
         prescale, postscale = 1.0, 1.0
@@ -228,18 +235,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 targets, [compression.decompress(r, c[1]) for r, c in zip(synchronize(handle), compressed)]))
 
     def _start_sparse(self, p):
-        grad = p.grad.coalesce()
-        name = self._names[p]
-        indices = allgather_async(grad.indices().t().contiguous(), name=f"sparse.indices.{name}",
-                                  process_set=self._process_set)
-        values = allgather_async(grad.values(), name=f"sparse.values.{name}", process_set=self._process_set)
+        wait = sparse_allreduce_async(p.grad, name=f"sparse.{self._parameter_names[p]}", op=self.op,
+                                      process_set=self._process_set)
 
         def finish():
-            gathered = synchronize(values)
-            if self.op == ReduceOp.Average:
-                gathered = gathered / self._process_set.size()
-            p.grad = torch.sparse_coo_tensor(synchronize(indices).t(), gathered, grad.shape,
-                                             check_invariants=True).coalesce()
+            p.grad = wait()
 
         return finish
 
@@ -252,12 +252,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._start(bucket)
             for finish in self._pending:
                 finish()
+            for p in self._densified:
+                p.grad = p.grad.to_sparse()
         finally:
             self._reset()
         self._synchronized = True
 
     def _reset(self) -> None:
         self._pending.clear()
+        self._densified.clear()
         for bucket in self._buckets:
             bucket.ready, bucket.started = 0, False
         self._passes_left = dict.fromkeys(self._passes_left, self.backward_passes_per_step)
@@ -281,6 +284,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self.synchronize()
         self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def _local_step(self, closure=None):
+        """The wrapped optimizer's update alone, without reducing gradients."""
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
@@ -316,8 +323,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     ``groups`` (a count, or lists of parameters; ``num_groups`` is the older
     count form) sets buckets explicitly, and the other gradients go in buckets
     of about ``bucket_cap_mb`` MiB (25, as PyTorch DDP), the first one small.
-    ``bucket_cap_mb=0`` reduces each gradient on its own, and so does
-    ``op=Adasum``, which combines each gradient separately.
+    ``bucket_cap_mb=0`` reduces each gradient on its own.
+    ``op=Adasum`` (with more than one rank) is Horovod's delta-based Adasum
+    optimizer: as soon as a gradient is ready, the wrapped optimizer updates
+    that parameter locally, and ``step()`` applies the Adasum combination of
+    every rank's parameter change (see ``roundel.torch.adasum_optimizer``).
     Compression applies to a bucket's flat buffer, so it must work element by
     element (as ``fp16`` and ``bf16`` do) unless ``bucket_cap_mb=0``.
     Raises ValueError for missing or duplicate ``named_parameters``, a
@@ -326,6 +336,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     op = resolve_op(op)
     if groups is not None and num_groups:
         raise ValueError("pass groups= or num_groups=, not both")
+    if op == ReduceOp.Adasum and basics.size() > 1:
+        if gradient_predivide_factor != 1.0:
+            raise ValueError("gradient_predivide_factor only applies to op=Average")
+        cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedAdasumOptimizer.__dict__))
+        names = _named_parameters(optimizer.param_groups, named_parameters)
+        return cls(optimizer.param_groups, names, compression, backward_passes_per_step, process_set)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups if groups is not None else num_groups, sparse_as_dense,

@@ -387,13 +387,15 @@ def scenario_alltoall():
         tag = f"a2a.even.{shape}"
         mine = make(RANK, tag, shape, torch.float64)
         rows = shape[0] // SIZE
-        out, received = hvd.alltoall(mine, name=tag)
+        out = hvd.alltoall(mine, name=tag)  # without splits: the tensor alone, as in Horovod
         ref = np.concatenate([to_np(make(j, tag, shape, torch.float64))[RANK * rows:(RANK + 1) * rows]
                               for j in range(SIZE)])
         check(out, ref, tag)
+        out, received = hvd.synchronize(hvd.alltoall_async(mine, name=tag + ".async"))  # async: always the pair
+        check(out, ref, tag + " async")
         check(received, np.full(SIZE, rows), tag + " received splits")
     # unnamed
-    out, _ = hvd.alltoall(torch.arange(SIZE, dtype=torch.int64) + 10 * RANK)
+    out = hvd.alltoall(torch.arange(SIZE, dtype=torch.int64) + 10 * RANK)
     check(out, np.array([10 * j + RANK for j in range(SIZE)]), "alltoall unnamed")
 
 
@@ -501,13 +503,13 @@ def scenario_join():
         for i, h in enumerate(handles):
             check(hvd.synchronize(h), np.sum([to_np(make_float(r, f"join.async.{i}", (3,))) for r in live], axis=0),
                   f"join async {i}")
-        # allgather: the joined rank contributes no rows
+        # allgather and broadcast raise while a rank has joined, as in Horovod
         tag = "join.gather"
-        got = hvd.allgather(make_float(RANK, tag, (RANK + 1, 2)), name=tag)
-        check(got, np.concatenate([to_np(make_float(r, tag, (r + 1, 2))) for r in live]), tag)
-        # broadcast from a rank that has not joined
+        expect_raises(RuntimeError, lambda: hvd.allgather(make_float(RANK, tag, (RANK + 1, 2)), name=tag),
+                      "join()", what="allgather while a rank has joined")
         tag = "join.bcast"
-        check(hvd.broadcast(make_float(RANK, tag, (3,)), 0, name=tag), to_np(make_float(0, tag, (3,))), tag)
+        expect_raises(RuntimeError, lambda: hvd.broadcast(make_float(RANK, tag, (3,)), 0, name=tag),
+                      "join()", what="broadcast while a rank has joined")
         # broadcast from the joined rank fails clearly
         expect_raises(ValueError, lambda: hvd.broadcast(torch.zeros(3), last, name="join.bcast.joined"),
                       "join", what="broadcast from a joined root")
@@ -655,14 +657,16 @@ def scenario_autograd():
     y = hvd.allgather(x, name=tag)
     (y * w(RANK, tag, (total, 2))).sum().backward()
     offset = sum(r + 1 for r in range(RANK))
-    check(x.grad, np.sum([to_np(w(r, tag, (total, 2))) for r in range(SIZE)], axis=0)[offset:offset + RANK + 1], tag)
+    # Horovod's definition: the average of every rank's output gradient, this rank's rows
+    check(x.grad, np.mean([to_np(w(r, tag, (total, 2))) for r in range(SIZE)], axis=0)[offset:offset + RANK + 1], tag)
     # broadcast
     root = SIZE - 1
     tag = "grad.bc"
     x = make_float(RANK, tag, (4,)).requires_grad_()
     y = hvd.broadcast(x, root, name=tag)
     (y * w(RANK, tag, (4,))).sum().backward()
-    expected = np.sum([to_np(w(r, tag, (4,))) for r in range(SIZE)], axis=0) if RANK == root else np.zeros(4)
+    # Horovod's definition: the root gets the average of every rank's output gradient, the others zeros
+    expected = np.mean([to_np(w(r, tag, (4,))) for r in range(SIZE)], axis=0) if RANK == root else np.zeros(4)
     check(x.grad, expected, tag)
     # alltoall with uneven splits
     tag = "grad.a2a"
@@ -687,7 +691,7 @@ def scenario_autograd():
         y = hvd.reducescatter(x, name=tag, op=OPS[op_name], prescale_factor=pre, postscale_factor=post)
         assert y.shape == (counts[RANK], 2)
         (y * w(RANK, tag, (counts[RANK], 2))).sum().backward()
-        scale = pre * post / (SIZE if op_name == "Average" else 1)
+        scale = pre * post * (SIZE if op_name == "Sum" else 1)  # Horovod's definition
         expected = np.concatenate([to_np(w(k, tag, (counts[k], 2))) for k in range(SIZE)]) * scale
         check(x.grad, expected, tag)
 
