@@ -134,3 +134,55 @@ def test_interrupt_stops_every_host(hosts, tmp_path, signum):
     assert "rank 3 got SIGTERM" in out
     assert not hosts.leftovers(), "processes left in the namespaces"
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_only_needed_variables_reach_a_remote_worker(hosts):
+    h1 = hosts.addrs[0]
+    code = ("import os; print('ENV', os.environ.get('AWS_SECRET_ACCESS_KEY'), os.environ.get('MY_EXPORT'), "
+            "os.environ.get('MY_VALUE'), os.environ.get('HOROVOD_RANK'), os.environ.get('OMP_NUM_THREADS'))")
+    result = run(hosts, "-np", 1, "-H", f"{h1}:1", "-x", "MY_EXPORT", "-x", "MY_VALUE=v", sys.executable, "-c", code,
+                 env={"AWS_SECRET_ACCESS_KEY": "x", "MY_EXPORT": "exported", "OMP_NUM_THREADS": "2"})
+    assert result.returncode == 0, describe(result)
+    assert rank_lines(result.stdout, 0, "stdout") == ["ENV None exported v 0 2"]
+
+
+def test_strict_host_key_checking_yes_with_a_known_key(hosts, tmp_path):
+    h1 = hosts.addrs[0]
+    host_key = (hosts.dir / "host_key.pub").read_text().split()
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[{h1}]:{SSH_PORT} {host_key[0]} {host_key[1]}\n")
+    own_known = {"ROUNDEL_SSH_ARGS": f"-o UserKnownHostsFile={known} -o LogLevel=ERROR"}
+    code = "import os; print('ON', os.environ['ROUNDEL_HOSTNAME'])"
+    result = run(hosts, "--ssh-strict-host-key-checking", "yes", "-np", 1, "-H", f"{h1}:1", sys.executable, "-c",
+                 code, env=own_known)
+    assert result.returncode == 0, describe(result)
+    assert rank_lines(result.stdout, 0, "stdout") == [f"ON {h1}"]
+    known.write_text("")  # the key is unknown now: "yes" refuses the host, where accept-new would add it
+    refused = run(hosts, "--ssh-strict-host-key-checking", "yes", "-np", 1, "-H", f"{h1}:1", "true", env=own_known)
+    assert refused.returncode == 255, describe(refused)
+    assert "Host key verification failed" in refused.stderr, describe(refused)
+    assert known.read_text() == ""
+    assert not hosts.leftovers()
+
+
+STOPPER = """
+import os, signal, sys, time
+rank = int(os.environ["ROUNDEL_RANK"])
+if rank == 1:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL can end it, stopped or not
+    os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(60)
+time.sleep(3)
+sys.exit(1)
+"""
+
+
+def test_stopped_remote_worker_is_killed_when_the_job_stops(hosts):
+    h1, h2 = hosts.addrs
+    start = time.monotonic()
+    result = run(hosts, "-np", 2, "-H", f"{h1}:1,{h2}:1", sys.executable, "-c", STOPPER, timeout=90)
+    assert result.returncode == 1, describe(result)
+    assert time.monotonic() - start < 45
+    assert result.stderr.strip().splitlines()[-1] == \
+        f"roundelrun: rank 0 (host {h1}) exited with code 1; stopped the other ranks"
+    assert not hosts.leftovers(), "processes left in the namespaces"

@@ -87,7 +87,7 @@ class LauncherIdentity:
     host names and local ranks through the rendezvous store.
     """
 
-    launcher: str  # "torchrun", "openmpi", "mpich", "srun"
+    launcher: str  # "horovod", "torchrun", "openmpi", "mpich", "srun"
     rank: int
     size: int
     local_rank: int | None
@@ -109,7 +109,9 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> LauncherIdentit
     """The identity another launcher gave this process, or None if none did.
 
     Checked in this order (an inner launcher's variables shadow an outer
-    one's): torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    one's): Horovod's Gloo variables (``HOROVOD_RANK``, ``HOROVOD_SIZE``,
+    ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE`` with
+    ``HOROVOD_GLOO_RENDEZVOUS_ADDR``, as Horovod's launcher sets them), torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE`` with ``MASTER_ADDR``/``MASTER_PORT``), Open MPI
     (``OMPI_COMM_WORLD_RANK``/``SIZE``/``LOCAL_RANK``/``LOCAL_SIZE``), MPICH's
     Hydra (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``,
@@ -120,7 +122,11 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> LauncherIdentit
     """
     env = os.environ if environ is None else environ
     found = None
-    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env:
+    if "HOROVOD_RANK" in env and "HOROVOD_SIZE" in env and "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env:
+        name = "Horovod's Gloo launcher"
+        found = LauncherIdentity("horovod", _int_var(env, "HOROVOD_RANK", name), _int_var(env, "HOROVOD_SIZE", name),
+                                 _opt_int(env, "HOROVOD_LOCAL_RANK", name), _opt_int(env, "HOROVOD_LOCAL_SIZE", name))
+    elif "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env:
         name = "torchrun"
         found = LauncherIdentity(name, _int_var(env, "RANK", name), _int_var(env, "WORLD_SIZE", name),
                                  _opt_int(env, "LOCAL_RANK", name), _opt_int(env, "LOCAL_WORLD_SIZE", name))

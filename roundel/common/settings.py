@@ -2,8 +2,11 @@
 
 Each setting has a ``ROUNDEL_*`` variable and accepts the ``HOROVOD_*`` name that
 Horovod job scripts already set; when both are present the ``ROUNDEL_*`` one
-wins. ``roundelrun`` flags are turned into these variables for the workers, so
-the launcher and the workers validate with the same code.
+wins. Each ``HOROVOD_*`` variable has Horovod 0.28.1's meaning and default
+(``HOROVOD_GLOO_TIMEOUT_SECONDS`` excepted: 60 s rather than 30, for loaded
+machines). ``roundelrun`` flags are turned into these variables for the
+workers (:mod:`roundel.runner.flags`), so the launcher and the workers
+validate with the same code.
 """
 
 from __future__ import annotations
@@ -31,9 +34,21 @@ class Settings:
     stall_shutdown_time_s: float = 0.0
     collective_timeout_s: float = 60.0
     start_timeout_s: float = 30.0
+    heartbeat_timeout_s: float = 15.0
     timeline_filename: str = ""
+    timeline_mark_cycles: bool = False
     autotune: bool = False
+    autotune_log: str = ""
+    autotune_warmup_samples: int = 3
+    autotune_steps_per_sample: int = 10
+    autotune_bayes_opt_max_samples: int = 20
+    autotune_gaussian_process_noise: float = 0.8
+    hierarchical_allreduce: bool = False
+    hierarchical_allgather: bool = False
+    torus_allreduce: bool = False
+    elastic_timeout_s: float = 600.0
     log_level: str = "warning"
+    log_hide_time: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -119,6 +134,13 @@ def _text(var: str, raw: str) -> str:
     return raw
 
 
+def _fraction(var: str, raw: str) -> float:
+    value = _float(0.0, "0.8")(var, raw)
+    if value > 1:
+        raise SettingsError(f"{var}={raw!r} must be between 0 and 1; for example 0.8")
+    return value
+
+
 _SPECS = (
     _Spec("fusion_threshold", "FUSION_THRESHOLD", _int(0, "67108864 (64 MiB; 0 disables fusion)")),
     _Spec("cycle_time_ms", "CYCLE_TIME", _float(0.0, "1 (milliseconds)")),
@@ -128,35 +150,19 @@ _SPECS = (
     _Spec("stall_shutdown_time_s", "STALL_SHUTDOWN_TIME_SECONDS", _float(0.0, "600 (0 never shuts down)")),
     _Spec("collective_timeout_s", "GLOO_TIMEOUT_SECONDS", _float(0.0, "60", strictly_above=True)),
     _Spec("start_timeout_s", "START_TIMEOUT", _float(0.0, "30", strictly_above=True)),
+    _Spec("heartbeat_timeout_s", "HEARTBEAT_TIMEOUT_SECONDS", _float(0.0, "15", strictly_above=True)),
     _Spec("timeline_filename", "TIMELINE", _text),
+    _Spec("timeline_mark_cycles", "TIMELINE_MARK_CYCLES", _bool),
     _Spec("autotune", "AUTOTUNE", _bool),
+    _Spec("autotune_log", "AUTOTUNE_LOG", _text),
+    _Spec("autotune_warmup_samples", "AUTOTUNE_WARMUP_SAMPLES", _int(0, "3")),
+    _Spec("autotune_steps_per_sample", "AUTOTUNE_STEPS_PER_SAMPLE", _int(0, "10")),
+    _Spec("autotune_bayes_opt_max_samples", "AUTOTUNE_BAYES_OPT_MAX_SAMPLES", _int(0, "20")),
+    _Spec("autotune_gaussian_process_noise", "AUTOTUNE_GAUSSIAN_PROCESS_NOISE", _fraction),
+    _Spec("hierarchical_allreduce", "HIERARCHICAL_ALLREDUCE", _bool),
+    _Spec("hierarchical_allgather", "HIERARCHICAL_ALLGATHER", _bool),
+    _Spec("torus_allreduce", "TORUS_ALLREDUCE", _bool),
+    _Spec("elastic_timeout_s", "ELASTIC_TIMEOUT", _float(0.0, "600", strictly_above=True)),
     _Spec("log_level", "LOG_LEVEL", _log_level),
+    _Spec("log_hide_time", "LOG_HIDE_TIME", _bool),
 )
-
-
-def env_for_flags(
-    fusion_threshold_mb: float | None = None,
-    cycle_time_ms: float | None = None,
-    cache_capacity: int | None = None,
-    disable_cache: bool = False,
-    timeline_filename: str | None = None,
-    verbose: bool = False,
-) -> dict[str, str]:
-    """Turn ``roundelrun`` flags into the worker environment; raise SettingsError if a value is bad."""
-    env: dict[str, str] = {}
-    if fusion_threshold_mb is not None:
-        if fusion_threshold_mb < 0:
-            raise SettingsError(f"--fusion-threshold-mb {fusion_threshold_mb:g} must be >= 0 (0 disables fusion)")
-        env["ROUNDEL_FUSION_THRESHOLD"] = str(int(fusion_threshold_mb * MIB))
-    if cycle_time_ms is not None:
-        env["ROUNDEL_CYCLE_TIME"] = repr(float(cycle_time_ms))
-    if cache_capacity is not None:
-        env["ROUNDEL_CACHE_CAPACITY"] = str(cache_capacity)
-    if disable_cache:
-        env["ROUNDEL_CACHE_CAPACITY"] = "0"
-    if timeline_filename:
-        env["ROUNDEL_TIMELINE"] = timeline_filename
-    if verbose:
-        env["ROUNDEL_LOG_LEVEL"] = "debug"
-    Settings.from_env(env)
-    return env

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import re
 import socket
 
 import psutil
 
 from roundel.common.identity import Identity
 
-__all__ = ["SlotInfo", "assign_slots", "format_hosts", "is_local_host", "parse_hostfile", "parse_hosts"]
+__all__ = ["SlotInfo", "assign_slots", "format_hosts", "is_local_host", "parse_hostfile", "parse_hosts",
+           "validate_hostname"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +45,25 @@ class SlotInfo:
         )
 
 
-def _check_host(name: str, where: str) -> str:
-    if not name or any(c.isspace() for c in name) or "," in name:
-        raise ValueError(f"{where}: {name!r} is not a host name")
+_HOST_CHARS = re.compile(r"[A-Za-z0-9._:%\[\]@-]+")
+
+
+def validate_hostname(name: str, where: str = "host") -> str:
+    """Return ``name`` if it is safe to hand to ssh as a host; raise ValueError naming it otherwise.
+
+    A host name (or ``user@host``, IPv4, IPv6 address) may hold letters, digits
+    and ``. _ - : % [ ] @``, and must not start with ``-`` (ssh would read it as
+    an option). Whitespace, shell metacharacters and control characters are refused.
+    """
+    if not name:
+        raise ValueError(f"{where}: '' is not a host name (an empty entry in the host list?)")
+    if name.startswith("-"):
+        raise ValueError(f"{where}: host name {name!r} starts with '-', which ssh would take for an option; "
+                         "fix the host list")
+    if not _HOST_CHARS.fullmatch(name):
+        bad = sorted({c for c in name if not _HOST_CHARS.fullmatch(c)})
+        raise ValueError(f"{where}: host name {name!r} contains {', '.join(map(repr, bad))}; host names may hold "
+                         "only letters, digits and . _ - : % [ ] @")
     return name
 
 
@@ -79,7 +97,7 @@ def parse_hosts(spec: str) -> list[tuple[str, int]]:
         name, sep, slots = item.rpartition(":")
         if not sep:
             name, slots = item, "1"
-        hosts.append((_check_host(name, where), _check_slots(slots, name, where)))
+        hosts.append((validate_hostname(name, where), _check_slots(slots, name, where)))
     return _no_duplicates(hosts, where)
 
 
@@ -96,7 +114,7 @@ def parse_hostfile(path: str) -> list[tuple[str, int]]:
             fields = line.split("#", 1)[0].split()
             if not fields:
                 continue
-            name, slots = _check_host(fields[0], where), 1
+            name, slots = validate_hostname(fields[0], where), 1
             for field in fields[1:]:
                 key, sep, value = field.partition("=")
                 if key != "slots" or not sep:

@@ -20,21 +20,27 @@ __all__ = ["interface_address", "is_loopback", "resolve", "route_source", "reach
 INTERFACE_VARS = ("ROUNDEL_NETWORK_INTERFACE", "HOROVOD_GLOO_IFACE")
 
 
-def interface_address(name: str) -> str:
-    """The first IPv4 (else IPv6) address of network interface ``name``.
+def interface_address(names: str) -> str:
+    """The first IPv4 (else IPv6) address of the first interface of ``names`` (one name, or a
+    comma-separated list such as ``eth0,ib0``) that exists on this machine and has an address.
 
-    Raises ValueError naming the interfaces that exist when ``name`` is not one
-    of them or has no address.
+    Hosts whose interfaces are named differently can share one list: each uses
+    the ones it has. Raises ValueError naming the interfaces that exist when
+    none of ``names`` does or has an address.
     """
     addrs = psutil.net_if_addrs()
-    if name not in addrs:
-        raise ValueError(f"network interface {name!r} does not exist on {socket.gethostname()} "
-                         f"(interfaces: {', '.join(sorted(addrs))})")
-    for family in (socket.AF_INET, socket.AF_INET6):
-        for entry in addrs[name]:
-            if entry.family == family:
-                return entry.address.split("%", 1)[0]
-    raise ValueError(f"network interface {name!r} has no IP address")
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    for name in wanted:
+        for family in (socket.AF_INET, socket.AF_INET6):
+            for entry in addrs.get(name, ()):
+                if entry.family == family:
+                    return entry.address.split("%", 1)[0]
+    listed = ", ".join(repr(n) for n in wanted)
+    if not any(name in addrs for name in wanted):
+        what = f"network interface {listed} does not exist" if len(wanted) == 1 else \
+            f"none of the network interfaces {listed} exists"
+        raise ValueError(f"{what} on {socket.gethostname()} (interfaces: {', '.join(sorted(addrs))})")
+    raise ValueError(f"network interface(s) {listed} have no IP address on {socket.gethostname()}")
 
 
 def resolve(host: str) -> str:

@@ -34,9 +34,13 @@ UNREACHABLE_EXIT = 254
 
 
 def _stop_group(process: subprocess.Popen, done: threading.Event) -> None:
+    """SIGTERM the worker's group (with SIGCONT, so a stopped worker handles it), then after
+    GRACE_SECONDS SIGKILL, which ends stopped processes too."""
     for signum, wait in ((signal.SIGTERM, GRACE_SECONDS), (signal.SIGKILL, None)):
         try:
             os.killpg(process.pid, signum)
+            if signum == signal.SIGTERM:
+                os.killpg(process.pid, signal.SIGCONT)
         except (ProcessLookupError, PermissionError):
             return
         if wait is not None and done.wait(wait):
@@ -58,6 +62,8 @@ def _reap_group(pgid: int) -> None:
     while True:
         try:
             os.killpg(pgid, signum)
+            if signum == signal.SIGTERM:
+                os.killpg(pgid, signal.SIGCONT)
         except (ProcessLookupError, PermissionError):
             return
         if signum == signal.SIGKILL:

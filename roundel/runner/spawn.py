@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import BinaryIO, Mapping, TextIO
 
 from roundel.common.identity import LAUNCHER_PID, rendezvous_env
-from roundel.runner.hosts import SlotInfo
+from roundel.runner.hosts import SlotInfo, validate_hostname
 
-__all__ = ["GRACE_SECONDS", "RemoteWorker", "Worker", "WorkerGroup", "describe_exit", "exit_status", "rank_output_dir",
-           "signal_name", "ssh_command", "start_local", "start_remote", "worker_env"]
+__all__ = ["FORWARDED_NAMES", "FORWARDED_PREFIXES", "FORWARD_VARS", "GRACE_SECONDS", "RemoteWorker", "STRICT_HOST_KEY_CHECKING", "Worker", "WorkerGroup",
+           "describe_exit", "exit_status", "prefix_output_with_timestamp", "rank_output_dir", "remote_env",
+           "signal_name", "ssh_command", "start_local", "start_remote", "strict_host_key_args", "worker_env"]
 
 GRACE_SECONDS = 5.0
 """How long workers get between SIGTERM and SIGKILL when the job is stopped."""
@@ -37,6 +38,16 @@ GRACE_SECONDS = 5.0
 _OUTPUT_DRAIN_SECONDS = 2.0
 
 _write_lock = threading.Lock()
+_timestamps = threading.Event()
+
+
+def prefix_output_with_timestamp(enabled: bool) -> None:
+    """Put the local time (``time.asctime()``) before the ``[rank]<stream>:`` prefix of every relayed
+    line from now on, as ``horovodrun --prefix-output-with-timestamp`` does."""
+    if enabled:
+        _timestamps.set()
+    else:
+        _timestamps.clear()
 
 
 def worker_env(
@@ -74,13 +85,14 @@ def _relay(pipe: BinaryIO, prefix: bytes, stream: TextIO, log: BinaryIO | None =
                     log.flush()
                 except (OSError, ValueError):
                     pass
+            stamped = (time.asctime().encode() + prefix) if _timestamps.is_set() else prefix
             try:
                 with _write_lock:
                     if out is not None:
-                        out.write(prefix + line)
+                        out.write(stamped + line)
                         out.flush()
                     else:
-                        stream.write((prefix + line).decode(errors="replace"))
+                        stream.write((stamped + line).decode(errors="replace"))
                         stream.flush()
             except (OSError, ValueError):
                 pass  # our own output is gone (closed pipe); keep draining so the worker never blocks
@@ -183,18 +195,27 @@ class RemoteWorker(Worker):
         if signum == signal.SIGKILL:
             super().signal_group(signum)
             return
+        if signum == signal.SIGCONT:
+            return  # the remote side sends SIGCONT along with its own SIGTERM
         try:
             self.process.stdin.close()
         except (OSError, ValueError):
             pass
 
 
+STRICT_HOST_KEY_CHECKING = ("yes", "no", "accept-new")
+"""The values of ``--ssh-strict-host-key-checking`` (ssh's ``StrictHostKeyChecking``)."""
+
+
 def ssh_command(host: str, remote_command: str, port: int | None = None, identity_file: str | None = None,
                 connect_timeout: float | None = None, extra_args: str = "") -> list[str]:
     """The ssh invocation that runs ``remote_command`` on ``host``: ``BatchMode`` (never a password
-    prompt), new host keys accepted and remembered, known ones checked; ``extra_args`` (shell words,
-    e.g. from ``ROUNDEL_SSH_ARGS``) go before the host."""
-    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new"]
+    prompt), ``extra_args`` (shell words: ``--ssh-strict-host-key-checking``'s option, then
+    ``ROUNDEL_SSH_ARGS``), then ``StrictHostKeyChecking=accept-new`` (new host keys accepted and
+    remembered, known ones checked) as the default, since ssh keeps the first value given for an option.
+    ``--`` ends ssh's options before the host. Raises ValueError for an unsafe host name."""
+    validate_hostname(host, "ssh")
+    cmd = ["ssh", "-o", "BatchMode=yes"]
     if connect_timeout:
         cmd += ["-o", f"ConnectTimeout={max(1, int(round(connect_timeout)))}"]
     if port is not None:
@@ -202,20 +223,40 @@ def ssh_command(host: str, remote_command: str, port: int | None = None, identit
     if identity_file:
         cmd += ["-i", identity_file]
     cmd += shlex.split(extra_args)
-    cmd += [host, remote_command]
+    cmd += ["-o", "StrictHostKeyChecking=accept-new", "--", host, remote_command]
     return cmd
 
 
-_NOT_FORWARDED = {"HOSTNAME", "HOME", "USER", "LOGNAME", "SHELL", "MAIL", "PWD", "OLDPWD", "SHLVL", "_",
-                  "TERM", "DISPLAY", "TMPDIR", "SSH_AUTH_SOCK", "SSH_AGENT_PID", "SSH_CLIENT",
-                  "SSH_CONNECTION", "SSH_TTY", "XAUTHORITY", "LS_COLORS"}
+def strict_host_key_args(policy: str | None) -> str:
+    """The ssh option words for ``--ssh-strict-host-key-checking POLICY`` ("" for None);
+    raise ValueError for a policy ssh does not know."""
+    if policy is None:
+        return ""
+    if policy not in STRICT_HOST_KEY_CHECKING:
+        raise ValueError(f"--ssh-strict-host-key-checking {policy!r}: use one of {', '.join(STRICT_HOST_KEY_CHECKING)}")
+    return f"-o StrictHostKeyChecking={policy}"
+
+
+FORWARD_VARS = "ROUNDEL_FORWARD_ENV"
+"""Comma-separated names (the ``-x`` ones) that go to remote workers besides the standard set."""
+
+FORWARDED_NAMES = frozenset({
+    "PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "PYTHONUNBUFFERED", "VIRTUAL_ENV", "LANG", "LC_ALL", "TZ",
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+})
+"""Variables of the launcher's environment every remote worker gets (when set), besides the prefixes below."""
+
+FORWARDED_PREFIXES = ("ROUNDEL_", "HOROVOD_", "NCCL_", "GLOO_")
 
 
 def remote_env(env: Mapping[str, str]) -> dict[str, str]:
-    """What of a worker's environment is sent to another host: all but this host's own
-    session variables (home, user, shell, ssh agent, display, ...)."""
+    """What of a worker's environment is sent to another host: roundel's and Horovod's identity and
+    settings variables (``ROUNDEL_*``, ``HOROVOD_*``), ``NCCL_*``, ``GLOO_*``, the names in
+    FORWARDED_NAMES, and those listed in ``ROUNDEL_FORWARD_ENV`` (the ``-x`` ones). Nothing else of the
+    launcher's environment (credentials, tokens, this host's session) leaves this machine."""
+    extra = {name for name in env.get(FORWARD_VARS, "").split(",") if name}
     return {k: v for k, v in env.items()
-            if k not in _NOT_FORWARDED and not k.startswith(("XDG_", "BASH_FUNC_"))}
+            if k in FORWARDED_NAMES or k in extra or k.startswith(FORWARDED_PREFIXES)}
 
 
 def start_remote(slot: SlotInfo, command: list[str], env: Mapping[str, str], rendezvous: tuple[str, int],
@@ -226,8 +267,8 @@ def start_remote(slot: SlotInfo, command: list[str], env: Mapping[str, str], ren
 
     The remote side runs ``cd CWD && exec PYTHON -m roundel.runner.remote`` with
     this machine's working directory and interpreter (the same paths must
-    exist there) and gets the environment on stdin. Raises OSError if ssh
-    cannot be started.
+    exist there) and gets the environment on stdin (only :func:`remote_env`'s part of
+    ``env``). Raises OSError if ssh cannot be started, ValueError for an unsafe host name.
     """
     cwd = cwd or os.getcwd()
     python = python or sys.executable
@@ -335,9 +376,11 @@ class WorkerGroup:
         return None
 
     def stop(self) -> None:
-        """SIGTERM every process group, wait up to GRACE_SECONDS (cut short by another signal), then SIGKILL."""
+        """SIGTERM (and SIGCONT, so that a stopped worker handles it) every process group, wait up to
+        GRACE_SECONDS (cut short by another signal), then SIGKILL, which ends even a stopped process."""
         for worker in self.workers:
             worker.signal_group(signal.SIGTERM)
+            worker.signal_group(signal.SIGCONT)
         deadline = time.monotonic() + GRACE_SECONDS
         while any(w.returncode is None for w in self.workers):
             remaining = deadline - time.monotonic()

@@ -1,0 +1,84 @@
+"""Workers started the way Horovod's Gloo launcher starts them, by another tool or by hand.
+
+Such a process has its place in Horovod's variables (``HOROVOD_RANK``,
+``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``/``SIZE``, ``HOROVOD_CROSS_RANK``/``SIZE``,
+``HOROVOD_HOSTNAME``) and the rendezvous address in
+``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``PORT``, where Horovod runs its HTTP
+rendezvous. roundel does not speak that protocol: rank 0 serves roundel's own
+authenticated store at that address and port instead, and the others connect
+to it. The secret is ``ROUNDEL_SECRET`` when exported (every rank must see the
+same value); otherwise rank 0 makes one and hands it over in a private file
+(:mod:`roundel.runner.secret_file`, which needs the ranks to share that
+directory: the same machine, or a shared home).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+from roundel.common import identity as identity_env
+from roundel.common.errors import RoundelInternalError, SettingsError
+from roundel.common.identity import LauncherIdentity
+from roundel.runner import network, secret_file
+from roundel.runner.rendezvous import RendezvousServer, new_secret
+
+__all__ = ["ADDR", "PORT", "store"]
+
+ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
+PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
+
+
+def _port(env: Mapping[str, str]) -> int:
+    try:
+        port = int(env[PORT])
+    except (KeyError, ValueError):
+        raise SettingsError(f"{PORT}={env.get(PORT)!r}: set it to the port rank 0 serves the rendezvous on "
+                            f"(with {ADDR})") from None
+    if not 0 < port < 65536:
+        raise SettingsError(f"{PORT}={port} is not a port number")
+    return port
+
+
+def _secret(env: Mapping[str, str]) -> bytes | None:
+    value = env.get(identity_env.SECRET)
+    if not value:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise SettingsError(f"{identity_env.SECRET} must be hex digits; make one with "
+                            "export ROUNDEL_SECRET=$(openssl rand -hex 32)") from None
+
+
+def store(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s: float
+          ) -> tuple[str, int, bytes, RendezvousServer | None, Path | None]:
+    """(store host, port, secret, the server rank 0 runs or None, the secret file rank 0 wrote or None).
+
+    Raises SettingsError for malformed variables and RoundelInternalError when
+    rank 0 cannot listen or the secret cannot be handed over in time.
+    """
+    host, port = env[ADDR], _port(env)
+    secret = _secret(env)
+    path = None
+    if secret is None:
+        path = secret_file.job_secret_path("horovod", f"{host}.{port}.{prefix.rstrip('/')}", env)
+    if info.rank != 0:
+        if secret is None:
+            secret = secret_file.read(path, timeout_s, f"rank {info.rank} of {info.size} (Horovod's Gloo variables)"
+                                      ).secret
+        return host, port, secret, None, None
+    secret = secret or new_secret()
+    server = RendezvousServer(secret, host if network.is_loopback(host) else "0.0.0.0", port)
+    try:
+        server.start()
+    except OSError as exc:
+        raise RoundelInternalError(f"rank 0 could not listen on port {port} ({PORT}) for the rendezvous: {exc}; "
+                                   "choose a free port") from None
+    if path is not None:
+        try:
+            secret_file.publish(path, secret_file.JobSecret(secret, host, port))
+        except BaseException:
+            server.stop()
+            raise
+    return host, port, secret, server, path
