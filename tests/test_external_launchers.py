@@ -2,7 +2,9 @@
 
 The collective worker runs unchanged; ``hvd.init()`` reads its identity from
 the other launcher's variables and agrees on a rendezvous store through that
-launcher's own means (torchrun's store, an MPI broadcast, Slurm's node list).
+launcher's own means (torchrun's store, an MPI broadcast, Slurm's node list;
+under torchrun and srun the secret, unless exported as ROUNDEL_SECRET, goes
+through a private file: see tests/test_secrets.py).
 """
 
 import os

@@ -5,20 +5,28 @@ Four ways a worker can have been started:
 * by ``roundelrun``: identity, store address and secret are in ``ROUNDEL_*``
   variables (:meth:`Identity.from_env`);
 * by ``torchrun``: rank 0 starts a roundel store on a free port and publishes
-  its address and a fresh secret under a ``roundel/...`` key of torchrun's
-  own store at ``MASTER_ADDR:MASTER_PORT`` (the agent's TCPStore; without an
-  agent, rank 0 serves a TCPStore there only until every rank has read the
-  key). roundel never listens on ``MASTER_PORT`` itself;
+  its address (never the secret: that store has no authentication) under a
+  ``roundel/...`` key of torchrun's own store at ``MASTER_ADDR:MASTER_PORT``
+  (the agent's TCPStore; without an agent, rank 0 serves a TCPStore there only
+  until every rank has read the key). roundel never listens on
+  ``MASTER_PORT`` itself;
 * by ``mpirun``/``mpiexec`` (Open MPI or MPICH): rank 0 starts the store and
   broadcasts address and secret over ``MPI.COMM_WORLD`` with mpi4py, which
   must then be installed (``pip install mpi4py``);
 * by Slurm's ``srun``: rank 0 starts the store on the first host of
   ``SLURM_STEP_NODELIST`` at port ``20000 + (SLURM_JOB_ID * 16 +
   SLURM_STEP_ID) % 30000``; ``ROUNDEL_RENDEZVOUS_ADDR`` /
-  ``ROUNDEL_RENDEZVOUS_PORT`` override both, and the secret is
-  ``ROUNDEL_SECRET`` when exported before ``srun`` (recommended:
-  ``export ROUNDEL_SECRET=$(openssl rand -hex 32)``), else one derived from
-  the job id, which only keeps jobs apart, not other users out.
+  ``ROUNDEL_RENDEZVOUS_PORT`` override both.
+
+The secret: ``ROUNDEL_SECRET`` (hex) when exported before the launcher
+(``export ROUNDEL_SECRET=$(openssl rand -hex 32)``), always; else a fresh
+random one from rank 0, over MPI under ``mpirun``, and under ``srun`` and
+``torchrun`` through a private file in the shared home directory
+(:mod:`roundel.runner.secret_file`), removed once every rank has joined.
+
+Rank 0's store listens on the job's address only (the first host's, or the
+interface ``ROUNDEL_NETWORK_INTERFACE`` names); ``ROUNDEL_RENDEZVOUS_BIND``
+(for example ``0.0.0.0``) chooses another.
 
 An elastic worker (``roundelrun --host-discovery-script``) has no rank in
 its environment, only ``ROUNDEL_ELASTIC_WORKER_ID``: it joins the driver's
@@ -36,26 +44,30 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Mapping
+
+import psutil
 
 from roundel.common import identity as identity_env
 from roundel.common.errors import RoundelInternalError, SettingsError
 from roundel.common.identity import Identity, LauncherIdentity, cross_ranks, detect_launcher
-from roundel.runner import elastic_rendezvous, network
+from roundel.runner import elastic_rendezvous, horovod_gloo, network, secret_file
 from roundel.runner.rendezvous import RendezvousClient, RendezvousServer, new_secret
 
 __all__ = ["Bootstrap", "advertise_address", "discover", "slurm_first_host", "slurm_port"]
 
 EXTERNAL_SERVER = "ROUNDEL_RENDEZVOUS_SERVER"
+RENDEZVOUS_BIND = "ROUNDEL_RENDEZVOUS_BIND"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -72,6 +84,13 @@ class Bootstrap:
     worker_id: str | None = None  # an elastic worker, which joins the driver's next generation
     generation: int | None = None  # set by complete() for an elastic worker
     hosts_version: int = 0
+    secret_path: Path | None = None  # the secret file rank 0 wrote for the others, until they joined
+
+    def forget_secret_file(self) -> None:
+        """Delete the secret file rank 0 wrote (once every rank has joined, or when init fails)."""
+        if self.secret_path is not None:
+            secret_file.remove(self.secret_path)
+            self.secret_path = None
 
     @property
     def elastic(self) -> bool:
@@ -95,6 +114,7 @@ class Bootstrap:
             client.set(f"{prefix}boot/{info.rank}", mine)
             if info.rank == 0:
                 table = [json.loads(client.get(f"{prefix}boot/{r}", timeout_s)) for r in range(info.size)]
+                self.forget_secret_file()  # every rank has proven the secret: the file has served
                 client.set(f"{prefix}boot/table", json.dumps(table).encode())
             else:
                 table = json.loads(client.get(f"{prefix}boot/table", timeout_s))
@@ -151,11 +171,27 @@ def _elastic_timeout() -> float:
                             "must be a number of seconds") from None
 
 
-def _start_server(bind: str, port: int = 0) -> tuple[RendezvousServer, bytes]:
-    secret = new_secret()
+def _start_server(bind: str, port: int, secret: bytes) -> RendezvousServer:
     server = RendezvousServer(secret, bind, port)
     server.start()
-    return server, secret
+    return server
+
+
+def _exported_secret(env: Mapping[str, str]) -> bytes | None:
+    """``ROUNDEL_SECRET`` when set; it always wins over a secret rank 0 would make."""
+    value = env.get(identity_env.SECRET)
+    if not value:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise SettingsError(f"{identity_env.SECRET} must be hex digits; make one with "
+                            "export ROUNDEL_SECRET=$(openssl rand -hex 32)") from None
+
+
+def _bind_address(env: Mapping[str, str], address: str) -> str:
+    """Where rank 0's store listens: ``address`` unless ``ROUNDEL_RENDEZVOUS_BIND`` asks for another."""
+    return env.get(RENDEZVOUS_BIND) or address
 
 
 def _explicit(env: Mapping[str, str]) -> tuple[str, int, bytes] | None:
@@ -183,16 +219,25 @@ def _torchrun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeo
     except Exception as exc:
         raise RoundelInternalError(f"rank {info.rank} could not reach torchrun's store at "
                                    f"{master}:{master_port}: {exc}") from exc
-    key = (f"roundel/{env.get('TORCHELASTIC_RUN_ID', 'none')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-           f"{prefix}rendezvous")
+    run = f"{env.get('TORCHELASTIC_RUN_ID', 'none')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    key = f"roundel/{run}/{prefix}rendezvous"
+    exported = _exported_secret(env)
     server = None
+    path = None
     try:
         if info.rank == 0:
             local_only = info.local_size is not None and info.local_size == info.size
             host = "127.0.0.1" if local_only else network.reachable_address(master, env)
-            server, secret = _start_server(host, int(env.get(identity_env.RENDEZVOUS_PORT, 0)))
+            secret = exported or new_secret()
+            server = _start_server(_bind_address(env, host), int(env.get(identity_env.RENDEZVOUS_PORT, 0)), secret)
             port = server.port
-            store.set(key, json.dumps([host, port, secret.hex()]))
+            # only the address goes through torchrun's unauthenticated store: a forged one fails the
+            # store's proof of the secret. The nonce names this start's secret file, never a stale one.
+            nonce = "" if exported else secrets.token_hex(16)
+            if nonce:
+                path = _torchrun_secret_path(run, master, master_port, prefix, nonce, env)
+                secret_file.publish(path, secret_file.JobSecret(secret, host, port))
+            store.set(key, json.dumps([host, port, nonce]))
             if serve:  # our own TCPStore on MASTER_PORT: keep it until every rank has read the key
                 deadline = time.monotonic() + timeout_s
                 while store.add(key + "/read", 0) < info.size - 1:
@@ -201,22 +246,47 @@ def _torchrun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeo
                                                    f"ranks reached {master}:{master_port} within {timeout_s:g} s")
                     time.sleep(0.02)
         else:
-            host, port, secret_hex = json.loads(store.get(key))
-            secret = bytes.fromhex(secret_hex)
+            host, port, nonce = json.loads(store.get(key))
             if not agent:
                 store.add(key + "/read", 1)
+            if exported:
+                secret = exported
+            else:  # the address too comes from the private file: the one in torchrun's store may be forged
+                job = _torchrun_secret_from_file(info, run, master, master_port, prefix, nonce, env, timeout_s)
+                secret, host, port = job.secret, job.host, job.port
     except RoundelInternalError:
-        if server is not None:
-            server.stop()
+        _abandon(server, path)
         raise
     except Exception as exc:
-        if server is not None:
-            server.stop()
+        _abandon(server, path)
         raise RoundelInternalError(f"rank {info.rank} could not agree on roundel's rendezvous through "
                                    f"torchrun's store at {master}:{master_port}: {exc}") from exc
     finally:
         del store
-    return host, int(port), secret, server
+    return host, int(port), secret, server, path
+
+
+def _abandon(server: RendezvousServer | None, path: Path | None) -> None:
+    if server is not None:
+        server.stop()
+    if path is not None:
+        secret_file.remove(path)
+
+
+def _torchrun_secret_path(run: str, master: str, master_port: int, prefix: str, nonce: str,
+                          env: Mapping[str, str]) -> Path:
+    return secret_file.job_secret_path("torchrun", f"{run}/{master}:{master_port}/{prefix}{nonce}", env)
+
+
+def _torchrun_secret_from_file(info: LauncherIdentity, run: str, master: str, master_port: int, prefix: str,
+                               nonce, env: Mapping[str, str], timeout_s: float) -> secret_file.JobSecret:
+    if not isinstance(nonce, str) or not re.fullmatch(r"[0-9a-f]{32}", nonce):
+        raise RoundelInternalError(
+            f"rank {info.rank}: rank 0 used an exported {identity_env.SECRET} but this rank has none (or "
+            f"torchrun's store at {master}:{master_port} holds a malformed roundel entry); export the same "
+            f"{identity_env.SECRET} for every rank, or for none")
+    path = _torchrun_secret_path(run, master, master_port, prefix, nonce, env)
+    return secret_file.read(path, timeout_s, f"rank {info.rank} of {info.size} (started by torchrun)")
 
 
 def _mpi(info: LauncherIdentity, env: Mapping[str, str]):
@@ -238,7 +308,8 @@ def _mpi(info: LauncherIdentity, env: Mapping[str, str]):
         try:
             local_only = info.local_size is not None and info.local_size == info.size
             host = "127.0.0.1" if local_only else network.reachable_address(None, env)
-            server, secret = _start_server(host, int(env.get(identity_env.RENDEZVOUS_PORT, 0)))
+            secret = _exported_secret(env) or new_secret()
+            server = _start_server(_bind_address(env, host), int(env.get(identity_env.RENDEZVOUS_PORT, 0)), secret)
             message = ("ok", host, server.port, secret.hex())
         except Exception as exc:  # tell the others instead of leaving them waiting
             message = ("error", f"{type(exc).__name__}: {exc}")
@@ -246,7 +317,7 @@ def _mpi(info: LauncherIdentity, env: Mapping[str, str]):
     if message[0] != "ok":
         raise RoundelInternalError(f"rank 0 could not start the rendezvous store: {message[1]}")
     _, host, port, secret_hex = message
-    return host, int(port), bytes.fromhex(secret_hex), server
+    return host, int(port), bytes.fromhex(secret_hex), server, None
 
 
 def _expand_first(nodelist: str) -> str:
@@ -276,24 +347,68 @@ def slurm_port(env: Mapping[str, str]) -> int:
     return 20000 + (job * 16 + step) % 30000
 
 
-def _srun(info: LauncherIdentity, env: Mapping[str, str]):
+def _slurm_single_node(env: Mapping[str, str]) -> bool:
+    count = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    if count:
+        return count.strip() == "1"
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    return "," not in nodelist and not re.search(r"\[[^\]]*-", nodelist)
+
+
+def _is_own_address(addr: str) -> bool:
+    if network.is_loopback(addr):
+        return True
+    return any(entry.address.split("%", 1)[0] == addr
+               for entries in psutil.net_if_addrs().values() for entry in entries)
+
+
+def _srun_listen_address(host: str, env: Mapping[str, str]) -> str:
+    """The address of this host (rank 0's, the step's first) that the other ranks reach as ``host``:
+    the interface ``ROUNDEL_NETWORK_INTERFACE`` names, else the address ``host`` resolves to when it is
+    this machine's (loopback only for a one-node step), else this machine's reachable address."""
+    if any(env.get(var) for var in network.INTERFACE_VARS):
+        return network.reachable_address(None, env)
+    try:
+        addr = network.resolve(host)
+    except ValueError:
+        addr = None
+    if addr and _is_own_address(addr) and (not network.is_loopback(addr) or _slurm_single_node(env)):
+        return addr
+    return network.reachable_address(None, env)
+
+
+def _srun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s: float):
     host = env.get(identity_env.RENDEZVOUS_ADDR) or slurm_first_host(env)
     port = int(env.get(identity_env.RENDEZVOUS_PORT) or slurm_port(env))
-    if env.get(identity_env.SECRET):
-        secret = bytes.fromhex(env[identity_env.SECRET])
-    else:
-        seed = f"roundel-slurm/{env.get('SLURM_JOB_ID', '')}/{env.get('SLURM_STEP_ID', '')}/{os.getuid()}"
-        secret = hashlib.sha256(seed.encode()).digest()
-    server = None
-    if info.rank == 0:
-        server = RendezvousServer(secret, "0.0.0.0", port)
+    secret = _exported_secret(env)
+    path = None
+    if secret is None:  # Slurm's variables are public: the secret travels in a private file instead
+        job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "0"
+        step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "0"
+        path = secret_file.job_secret_path("srun", f"{job}.{step}.{prefix.rstrip('/')}", env)
+    if info.rank != 0:
+        if secret is None:
+            secret = secret_file.read(path, timeout_s, f"rank {info.rank} of {info.size} (started by srun)").secret
+        return host, port, secret, None, None
+    secret = secret or new_secret()
+    try:
+        bind = _bind_address(env, _srun_listen_address(host, env))
+    except ValueError as exc:
+        raise RoundelInternalError(f"rank 0 cannot choose the address to listen on: {exc}") from None
+    server = RendezvousServer(secret, bind, port)
+    try:
+        server.start()
+    except OSError as exc:
+        raise RoundelInternalError(
+            f"rank 0 could not listen on {bind}:{port} for the rendezvous ({exc}); choose another port with "
+            f"ROUNDEL_RENDEZVOUS_PORT, or the address with {RENDEZVOUS_BIND}") from None
+    if path is not None:
         try:
-            server.start()
-        except OSError as exc:
-            raise RoundelInternalError(
-                f"rank 0 could not listen on port {port} for the rendezvous ({exc}); choose another with "
-                "ROUNDEL_RENDEZVOUS_PORT") from None
-    return host, port, secret, server
+            secret_file.publish(path, secret_file.JobSecret(secret, host, port))
+        except BaseException:
+            server.stop()
+            raise
+    return host, port, secret, server, path
 
 
 def discover(prefix: str, timeout_s: float, environ: Mapping[str, str] | None = None) -> Bootstrap:
@@ -313,20 +428,23 @@ def discover(prefix: str, timeout_s: float, environ: Mapping[str, str] | None = 
         return Bootstrap(*_roundelrun_store(env), None, ident)
     info = detect_launcher(env)
     if info is None:
-        server, secret = _start_server("127.0.0.1")
+        secret = new_secret()
+        server = _start_server("127.0.0.1", 0, secret)
         return Bootstrap("127.0.0.1", server.port, secret, server,
                          Identity(0, 1, 0, 1, 0, 1, socket.gethostname()))
     explicit = _explicit(env)
     if explicit is not None:
         host, port, secret = explicit
-        server = None
+        server = path = None
+    elif info.launcher == "horovod":  # Horovod's Gloo variables, set by another tool or by hand
+        host, port, secret, server, path = horovod_gloo.store(info, env, prefix, timeout_s)
     elif info.launcher == "torchrun":
-        host, port, secret, server = _torchrun(info, env, prefix, timeout_s)
+        host, port, secret, server, path = _torchrun(info, env, prefix, timeout_s)
     elif info.launcher in ("openmpi", "mpich"):
-        host, port, secret, server = _mpi(info, env)
+        host, port, secret, server, path = _mpi(info, env)
     else:
-        host, port, secret, server = _srun(info, env)
-    return Bootstrap(host, port, secret, server, None, info)
+        host, port, secret, server, path = _srun(info, env, prefix, timeout_s)
+    return Bootstrap(host, port, secret, server, None, info, secret_path=path)
 
 
 def advertise_address(rendezvous_host: str, rendezvous_port: int) -> str:

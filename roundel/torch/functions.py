@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import io
-
 import cloudpickle
 import torch
 
-from roundel.common import basics
+from roundel.common import basics, object_auth
 from roundel.common.process_sets import global_process_set
 from roundel.torch.mpi_ops import allgather, broadcast_, broadcast_async_, synchronize
 
 
-def _to_bytes_tensor(obj) -> torch.Tensor:
-    buffer = io.BytesIO()
-    cloudpickle.dump(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+def _to_bytes_tensor(obj, secret: bytes, name: str, sender: int) -> torch.Tensor:
+    """``obj`` pickled and sealed (:mod:`roundel.common.object_auth`) for collective ``name`` from ``sender``."""
+    sealed = object_auth.seal(secret, name, sender, cloudpickle.dumps(obj))
+    return torch.frombuffer(bytearray(sealed), dtype=torch.uint8)
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
@@ -25,36 +23,42 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     ``init()``, so the other ranks may pass any placeholder (such as None).
     """
     name = name or f"unnamed.{basics.runtime('broadcast_object()').next_unnamed()}"
-    payload = _to_bytes_tensor(obj) if basics.rank() == root_rank else torch.empty(0, dtype=torch.uint8)
+    secret, data_name = basics.runtime("broadcast_object()").secret, f"broadcast_object.{name}.data"
+    payload = (_to_bytes_tensor(obj, secret, data_name, root_rank) if basics.rank() == root_rank
+               else torch.empty(0, dtype=torch.uint8))
     length = broadcast_(torch.tensor([payload.numel()], dtype=torch.int64), root_rank,
                         name=f"broadcast_object.{name}.size", process_set=process_set)
     if basics.rank() != root_rank:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    broadcast_(payload, root_rank, name=f"broadcast_object.{name}.data", process_set=process_set)
+    broadcast_(payload, root_rank, name=data_name, process_set=process_set)
     if basics.rank() == root_rank:
         return obj
-    return cloudpickle.loads(payload.numpy().tobytes())
+    return cloudpickle.loads(object_auth.unseal(secret, data_name, root_rank, payload.numpy().tobytes()))
 
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """Return the list of every rank's ``obj``, in rank order."""
     name = name or type(obj).__name__
-    payload = _to_bytes_tensor(obj)
+    secret, data_name = basics.runtime("allgather_object()").secret, f"allgather_object.{name}.data"
+    me = process_set.rank()  # senders are numbered by their rank in the set, as the gathered list is
+    payload = _to_bytes_tensor(obj, secret, data_name, -1 if me is None else me)
     sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64),
                       name=f"allgather_object.{name}.size", process_set=process_set)
-    gathered = allgather(payload, name=f"allgather_object.{name}.data", process_set=process_set).numpy()
-    objects, offset = [], 0
+    gathered = allgather(payload, name=data_name, process_set=process_set).numpy()
+    sealed, offset = [], 0
     for size in sizes.tolist():
-        objects.append(cloudpickle.loads(gathered[offset:offset + size].tobytes()))
+        sealed.append(gathered[offset:offset + size].tobytes())
         offset += size
-    return objects
+    payloads = [object_auth.unseal(secret, data_name, sender, data) for sender, data in enumerate(sealed)]
+    return [cloudpickle.loads(data) for data in payloads]
 
 
 def broadcast_parameters(params, root_rank=0, process_set=global_process_set) -> None:
     """Overwrite parameters/buffers on every rank with the root's, in place.
 
-    ``params`` is a ``state_dict()`` or an iterable of ``(name, tensor)`` such
-    as ``model.named_parameters()``. Raises ValueError for anything else.
+    ``params`` is a ``state_dict()``, or an iterable (list or generator) of
+    ``(name, tensor)`` pairs such as ``model.named_parameters()``, of tensors
+    such as ``model.parameters()``, or a mix. Raises ValueError for anything else.
     """
     if isinstance(params, dict):
         items = sorted(params.items())
@@ -62,15 +66,16 @@ def broadcast_parameters(params, root_rank=0, process_set=global_process_set) ->
         try:
             items = list(params)
         except TypeError:
-            raise ValueError("broadcast_parameters expects a state_dict or (name, tensor) pairs") from None
-        if any(not (isinstance(i, tuple) and len(i) == 2) for i in items):
-            raise ValueError("broadcast_parameters expects a state_dict or (name, tensor) pairs, as "
-                             "model.named_parameters() gives")
+            raise ValueError(f"broadcast_parameters expects a state_dict, (name, tensor) pairs or a list of "
+                             f"tensors, not {type(params).__name__}") from None
+        # a bare tensor is named by its position, which is the same on every rank
+        items = [item if isinstance(item, tuple) and len(item) == 2 else (f"#{i}", item)
+                 for i, item in enumerate(items)]
     handles = []
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"broadcast_parameters: '{name}' is a {type(tensor).__name__}, not a tensor")
-        target = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+        target = tensor.data if tensor.requires_grad else tensor
         handles.append(broadcast_async_(target, root_rank, name=f"broadcast.param.{name}",
                                         process_set=process_set))
     for handle in handles:
@@ -79,7 +84,7 @@ def broadcast_parameters(params, root_rank=0, process_set=global_process_set) ->
 
 def _split_tensors(obj, tensors: list):
     """``obj`` with every tensor replaced by a placeholder; the tensors are appended to ``tensors``."""
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:  # sparse state travels pickled
         tensors.append(obj)
         return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
     if isinstance(obj, dict):
@@ -112,14 +117,59 @@ class _TensorSlot:
         self.index, self.shape, self.dtype = state
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0, process_set=global_process_set) -> None:
-    """Give every rank the root's optimizer state and hyper-parameters (works when state is still empty)."""
+def _sparse_parameters(model) -> set:
+    """The parameters of ``model``'s sparse embeddings (their gradients are sparse)."""
+    if model is None:
+        return set()
+    return {p for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+
+
+def _create_state(optimizer, model) -> None:
+    """Give an optimizer with empty state its state, as Horovod does: one step on zero gradients.
+
+    Each trainable parameter's gradient becomes zeros (sparse for
+    ``SparseAdam`` and for ``model``'s sparse embeddings under ``SGD``) and is
+    left so; the update of a ``DistributedOptimizer`` runs without reducing.
+    Unlike Horovod, the parameters are put back afterwards, so that weight
+    decay in that step cannot move the ranks whose state was empty away from
+    the others.
+    """
+    sparse = _sparse_parameters(model)
+    kept = [(p, p.detach().clone()) for group in optimizer.param_groups for p in group["params"]]
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or (
+                        isinstance(optimizer, torch.optim.SGD) and p in sparse):
+                    p.grad = p.grad.to_sparse()
+    step = getattr(optimizer, "_local_step", None) or optimizer.step  # a DistributedOptimizer's own update
+    step()
+    with torch.no_grad():
+        for p, value in kept:
+            p.copy_(value)
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=global_process_set) -> None:
+    """Give every rank the root's optimizer state and hyper-parameters.
+
+    An optimizer whose state is still empty first gets it as in Horovod, by
+    one update with zero gradients (``model``, optional, names the sparse
+    embeddings whose gradients are sparse); then every rank loads the root's
+    state. Unlike Horovod, hyper-parameters (learning rate, ...) are broadcast
+    even for an optimizer without state, such as plain SGD. Raises ValueError
+    for ``torch.optim.LBFGS``, whose state cannot be broadcast.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state (it holds closures and history); "
+                         "construct it identically on every rank instead")
+    if not optimizer.state_dict()["state"]:
+        _create_state(optimizer, model)
     is_root = basics.rank() == root_rank
     tensors: list = []
     skeleton = _split_tensors(optimizer.state_dict(), tensors) if is_root else None
     skeleton = broadcast_object(skeleton, root_rank, name="optimizer_state", process_set=process_set)
     if not is_root:
-        tensors = []
         slots: list = []
         _collect_slots(skeleton, slots)
         tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(slots, key=lambda s: s.index)]

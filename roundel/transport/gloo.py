@@ -2,10 +2,19 @@
 
 The group is built directly (not with ``init_process_group``), so a script may
 also use ``torch.distributed``'s default group without any clash.
+
+Gloo's listening socket is bound to the address handed to ``create_device``
+(the job's interface, never the wildcard address) on a port the kernel picks.
+Gloo authenticates nothing: it accepts every connection to that port and keeps
+each open, one file descriptor apiece, and aborts the process when it can
+open no more; :func:`raise_open_file_limit` gives it all the room the system
+allows.
 """
 
 from __future__ import annotations
 
+import logging
+import resource
 from datetime import timedelta
 
 import torch
@@ -22,6 +31,8 @@ _TORCH_OPS = {
     ReduceOp.Product: dist.ReduceOp.PRODUCT,
 }
 
+log = logging.getLogger("roundel")
+
 # Gloo has no kernels for these; they travel widened and come back narrowed.
 _WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
 
@@ -34,6 +45,30 @@ def _wire(tensor):
 def _back(original, sent) -> None:
     if sent is not original:
         original.copy_(sent)
+
+
+def raise_open_file_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit (best effort).
+
+    Stray or hostile connections to Gloo's port each hold a descriptor; with
+    the common soft limit of 1024 a thousand of them make Gloo abort the worker.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as limit:
+                target = int(limit.read())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError) as exc:
+        log.debug("roundel: could not raise the open file limit from %s to %s: %s", soft, target, exc)
+        return
+    log.debug("roundel: raised the open file limit (RLIMIT_NOFILE) from %s to %s", soft, target)
 
 
 class GlooBackend(Backend):
