@@ -16,6 +16,7 @@ from roundel.common.errors import SettingsError
 RENDEZVOUS_ADDR = "ROUNDEL_RENDEZVOUS_ADDR"
 RENDEZVOUS_PORT = "ROUNDEL_RENDEZVOUS_PORT"
 SECRET = "ROUNDEL_SECRET"
+RENDEZVOUS_BIND = "ROUNDEL_RENDEZVOUS_BIND"  # where rank 0's store listens under another launcher
 LAUNCHER_PID = "ROUNDEL_LAUNCHER_PID"  # set for the workers roundelrun starts on its own machine
 
 _FIELDS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")

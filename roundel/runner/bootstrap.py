@@ -67,7 +67,7 @@ from roundel.runner.rendezvous import RendezvousClient, RendezvousServer, new_se
 __all__ = ["Bootstrap", "advertise_address", "discover", "slurm_first_host", "slurm_port"]
 
 EXTERNAL_SERVER = "ROUNDEL_RENDEZVOUS_SERVER"
-RENDEZVOUS_BIND = "ROUNDEL_RENDEZVOUS_BIND"
+RENDEZVOUS_BIND = identity_env.RENDEZVOUS_BIND
 _PR_SET_PDEATHSIG = 1
 
 

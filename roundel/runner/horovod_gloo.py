@@ -69,7 +69,11 @@ def store(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s
                                       ).secret
         return host, port, secret, None, None
     secret = secret or new_secret()
-    server = RendezvousServer(secret, host if network.is_loopback(host) else "0.0.0.0", port)
+    try:  # the address Horovod names is this host's: listen there only, unless asked otherwise
+        bind = env.get(identity_env.RENDEZVOUS_BIND) or network.resolve(host)
+    except ValueError as exc:
+        raise SettingsError(f"{ADDR}={host!r}: {exc}") from None
+    server = RendezvousServer(secret, bind, port)
     try:
         server.start()
     except OSError as exc:
