@@ -15,6 +15,7 @@ import sys
 import threading
 from datetime import timedelta
 
+from roundel.common import communicator
 from roundel.common.errors import NotInitializedError, RoundelInternalError
 from roundel.common.identity import Identity
 from roundel.common.process_sets import ProcessSet, global_process_set
@@ -42,11 +43,25 @@ class _Runtime:
         self.barrier_count = 0
         self.elastic = None  # the Bootstrap of an elastic worker: its generation and hosts version
         self.unnamed_calls = 0
+        self._unnamed_counts: dict[tuple[str, int], int] = {}
+        self._unnamed_lock = threading.Lock()
 
     def next_unnamed(self) -> int:
         """A number for a collective the user left unnamed: the same on every rank for the n-th call."""
         self.unnamed_calls += 1
         return self.unnamed_calls
+
+    def unnamed_name(self, label: str, process_set_id: int) -> str:
+        """'<label>.noname.<n>' for the n-th unnamed ``label`` op on a process set since this ``init()``.
+
+        Numbered per op kind and process set and restarted by every ``init()``, so
+        every member agrees on the n-th name, including ranks that joined late
+        (an elastic reset) or ran other collectives on other process sets.
+        """
+        key = (label, process_set_id)
+        with self._unnamed_lock:
+            count = self._unnamed_counts[key] = self._unnamed_counts.get(key, 0) + 1
+        return f"{label}.noname.{count}"
 
 
 _runtime: _Runtime | None = None
@@ -56,51 +71,68 @@ _atexit_registered = False
 
 
 def _configure_logging(level: str) -> None:
+    """roundel's log lines on stderr at ``level``, with the time unless HOROVOD_LOG_HIDE_TIME is set
+    (Horovod's default and meaning); at debug level the settings in effect are logged first."""
+    settings = Settings.from_env()
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.propagate = False
+    for handler in log.handlers:
+        handler.setFormatter(logging.Formatter("%(message)s" if settings.log_hide_time else
+                                               "[%(asctime)s.%(msecs)03d] %(message)s", "%Y-%m-%d %H:%M:%S"))
     log.setLevel({"trace": logging.DEBUG, "fatal": logging.CRITICAL}.get(level, level.upper()))
+    log.debug("roundel: settings %s", settings)
 
 
-def init(process_sets=None, comm=None) -> None:
+def init(comm=None, process_sets=None) -> None:
     """Join the job: connect to the other ranks and start the background engine.
 
+    ``comm`` (Horovod's sub-communicator): None for every launched rank, or a
+    list of launched ranks or an mpi4py communicator; the job is then those
+    ranks, renumbered in that order (disjoint lists make separate jobs).
     ``process_sets`` is a list of ``ProcessSet`` to register at once (the same
-    list on every rank). Calling ``init()`` again while initialized does
+    list on every rank), or ``"dynamic"`` (accepted for Horovod; process sets
+    can always be added later). Calling ``init()`` again while initialized does
     nothing; after ``shutdown()`` it starts afresh. Raises ``SettingsError`` for
     bad settings and ``RoundelInternalError`` when the other ranks cannot be reached.
     """
     global _runtime, _init_count, _atexit_registered
     from roundel.runner import bootstrap
     from roundel.runner.rendezvous import RendezvousClient
-    from roundel.transport.gloo import GlooBackend
+    from roundel.transport.gloo import GlooBackend, raise_open_file_limit
     from roundel.transport.store_adapter import RendezvousStore
     from roundel.common.engine import Engine
 
     with _lock:
         if _runtime is not None:
             return
-        if comm is not None:
-            raise ValueError("init(comm=...) takes an MPI communicator, which needs roundel's MPI "
-                             "transport; start the job with roundelrun and leave comm unset")
+        if isinstance(process_sets, str):
+            if process_sets.lower() != "dynamic":
+                raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet or 'dynamic'")
+            process_sets = None
         settings = Settings.from_env()
         _configure_logging(settings.log_level)
         prefix = f"init{_init_count}/"
         _init_count += 1
+        raise_open_file_limit()  # stray connections to Gloo's port must not exhaust the descriptors
         # roundelrun's variables, or torchrun's / mpirun's / srun's (rank 0 then serves the store)
         boot = bootstrap.discover(prefix, settings.start_timeout_s)
         host, port, secret, server = boot.host, boot.port, boot.secret, boot.server
         try:
             client = RendezvousClient(host, port, secret, connect_timeout=settings.start_timeout_s)
         except BaseException:
+            boot.forget_secret_file()
             if server is not None:
                 server.stop()
             raise
         try:
             ident = boot.complete(client, prefix, settings.start_timeout_s)
+            members = communicator.member_ranks(comm, ident.rank, ident.size)
+            if members is not None:  # a job of some of the launched ranks: its own numbering and keys
+                ident, prefix = communicator.sub_identity(client, prefix, ident, members, settings.start_timeout_s)
         except BaseException:
+            boot.forget_secret_file()
             client.close()
             if server is not None:
                 server.stop()
@@ -207,22 +239,27 @@ def gloo_enabled() -> bool:
 
 
 def mpi_built() -> bool:
-    return importlib.util.find_spec("mpi4py") is not None
+    """Whether roundel can move tensor data over MPI: False, it has no MPI transport yet.
+
+    (mpi4py may still be installed: ``init(comm=...)`` and ``ProcessSet(comm)``
+    use it to read a communicator's ranks, and data still moves over Gloo.)
+    """
+    return False
 
 
 def mpi_enabled() -> bool:
+    """Whether this job moves data over MPI: False (data moves over Gloo, see ``gloo_enabled``)."""
     return False
 
 
 def mpi_threads_supported() -> bool:
+    """Whether MPI was initialized with MPI_THREAD_MULTIPLE by roundel: False, roundel does not use MPI."""
     return False
 
 
 def nccl_built() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch.distributed as dist
-    return dist.is_nccl_available()
+    """Whether roundel can reduce CUDA tensors over NCCL: False (CUDA tensors are not supported yet)."""
+    return False
 
 
 def cuda_built() -> bool:

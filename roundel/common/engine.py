@@ -7,13 +7,27 @@ agreed batches back. Other ranks' negotiation threads forward their queued
 requests (a cache bit for names already agreed, the full request otherwise)
 and hand the batches they receive to their executor.
 
-Nothing polls: the threads sleep in ``select`` until work is queued, a message
-arrives, a dispatch delay (the cycle time) runs out, or, while names are
-pending, the once-a-second stall check is due.
+The threads sleep in ``select`` until work is queued, a message arrives, a
+dispatch delay (the cycle time) runs out, or the next liveness tick is due
+(every quarter second). On each tick:
+
+* heartbeats: every rank and the coordinator send each other a heartbeat
+  each second, from the engine threads (so a rank busy outside roundel still
+  sends them). A peer silent for the heartbeat timeout is declared lost: its
+  key ``<prefix>lost/<rank>`` is written to the rendezvous store for the
+  launcher, and every pending and future collective raises
+  ``HorovodInternalError`` naming it (the coordinator tells the other ranks;
+  a rank that loses the coordinator breaks itself).
+* deadlock detection: each rank reports what its threads wait for (see
+  ``wait_state``); when ranks are blocked on collectives that can never
+  complete (``deadlock``), unchanged over a short grace, those collectives
+  fail on every rank with ``CollectiveDeadlockError`` and the job goes on.
+* the stall warning, while names are pending.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -22,20 +36,25 @@ import socket
 import threading
 import time
 
-from roundel.common import control_channel
-from roundel.common.errors import CollectiveMismatchError, RoundelInternalError
+from roundel.common import control_channel, deadlock
+from roundel.common.errors import RoundelInternalError
 from roundel.common.executor import Executor, Work
 from roundel.common.handles import Handle
 from roundel.common.negotiation import Negotiator
 from roundel.common.requests import Request
 from roundel.common.response_cache import RankCache
 from roundel.common.settings import Settings
+from roundel.common.wait_state import WaitTracker
 
 log = logging.getLogger("roundel")
 
 _STALL_POLL_S = 1.0
 _BYE_GRACE_S = 5.0
 _ABANDON_S = 1.0
+_TICK_S = 0.25
+_HEARTBEAT_S = 1.0
+_DEADLOCK_GRACE_S = 0.5
+_LOST_KEY_WRITE_S = 2.0
 
 
 class Engine:
@@ -46,7 +65,6 @@ class Engine:
         self.rank = rank
         self.size = size
         self.settings = settings
-        self._secret = secret
         self._process_sets = process_sets
         self._lock = threading.Lock()
         self._queue: list = []
@@ -55,7 +73,8 @@ class Engine:
         os.set_blocking(self._wake_r, False)
         self._stopping = False
         self._broken: RoundelInternalError | None = None
-        self._inflight: dict[tuple, list[Work]] = {}
+        self._inflight: dict[tuple, Work] = {}
+        self._names_in_flight: set[tuple] = set()  # (set id, name) submitted here and not finished
         self._sent_bits: dict[tuple, tuple] = {}  # (cache version, bit) -> key
         self._cache = RankCache()
         self._selector = selectors.DefaultSelector()
@@ -63,11 +82,17 @@ class Engine:
         self._awaiting_idle = False
         self.executor = Executor(process_sets, self._transport_failed, self._executor_idle)
         self._stopped = threading.Event()
+        self._rendezvous = rendezvous
+        self._key_prefix = key_prefix
+        self._host = os.environ.get("ROUNDEL_HOSTNAME") or socket.gethostname()
+        self._waits = WaitTracker()
+        self._next_tick = 0.0
+        self._last_heartbeat = 0.0
 
         key = key_prefix + "coordinator"
         if rank == 0:
             self._negotiator = Negotiator(size, settings.cache_capacity)
-            self._peers: dict[int, socket.socket] = {}
+            self._peers: dict[int, control_channel.Connection] = {}
             self._readers: dict[int, control_channel.FrameReader] = {}
             self._outbox: dict[int, list] = {}
             self._resends: dict[int, list] = {}
@@ -75,16 +100,25 @@ class Engine:
             self._accepted: "queue.SimpleQueue" = queue.SimpleQueue()
             self._last_dispatch = 0.0
             self._next_stall_check = 0.0
-            self._listener = socket.create_server((advertise_host, 0), backlog=max(16, size))
-            rendezvous.set(key, f"{advertise_host}:{self._listener.getsockname()[1]}".encode())
-            threading.Thread(target=self._accept_loop, name="roundel-accept", daemon=True).start()
+            self._heard: dict[int, float] = {}  # peer rank -> when it was last heard from
+            self._hosts: dict[int, str] = {0: self._host}
+            self._rank_waits: dict[int, tuple] = {}  # peer rank -> (sequence, waits)
+            self._deadlock_seen: tuple | None = None  # (since, {rank: sequence}) while a deadlock holds
+            self._listener = control_channel.Listener(advertise_host, secret, self._connection_accepted,
+                                                      backlog=max(128, size),
+                                                      send_timeout_s=settings.heartbeat_timeout_s)
+            rendezvous.set(key, f"{advertise_host}:{self._listener.port}".encode())
             target = self._coordinator_loop
         else:
             address = rendezvous.get(key, timeout=settings.start_timeout_s).decode()
             host, port = address.rsplit(":", 1)
-            self._coordinator = control_channel.connect(host, int(port), secret, rank,
-                                                        settings.start_timeout_s)
-            self._coordinator_reader = control_channel.FrameReader()
+            self._coordinator = control_channel.connect(host, int(port), secret, rank, settings.start_timeout_s,
+                                                        send_timeout_s=settings.heartbeat_timeout_s)
+            self._coordinator_reader = control_channel.FrameReader(self._coordinator)
+            self._heard_coordinator = time.monotonic()
+            self._coordinator_host = host
+            self._coordinator_lost = False
+            self._sent_waits_seq = 0
             self._selector.register(self._coordinator, selectors.EVENT_READ, "coordinator")
             target = self._rank_loop
         self._thread = threading.Thread(target=target, name="roundel-engine", daemon=True)
@@ -93,9 +127,25 @@ class Engine:
     # ------------------------------------------------------------ user side
     def submit(self, request: Request, tensor, output) -> Handle:
         """Queue one collective; return its handle. Raises if the job's communication has failed."""
-        handle = Handle(request.name)
-        self._enqueue(Work(request, tensor, output, handle))
+        key = (request.process_set_id, request.name)
+        with self._lock:
+            if key in self._names_in_flight:
+                raise ValueError(
+                    f"'{request.name}' is already in flight on rank {self.rank} (submitted and not yet "
+                    "finished); give each in-flight collective a unique name, or synchronize the first one")
+            self._names_in_flight.add(key)
+        handle = Handle(request.name, self._waits, (request.process_set_id, request.name, request.kind.label),
+                        on_done=lambda: self._name_done(key))
+        try:
+            self._enqueue(Work(request, tensor, output, handle))
+        except BaseException:
+            self._name_done(key)
+            raise
         return handle
+
+    def _name_done(self, key: tuple) -> None:
+        with self._lock:
+            self._names_in_flight.discard(key)
 
     def control(self, message: tuple) -> None:
         """Queue a process-set change (applied in order with the requests around it)."""
@@ -165,9 +215,8 @@ class Engine:
                 pass
 
     def _fail_inflight(self, error: Exception) -> None:
-        for works in self._inflight.values():
-            for work in works:
-                work.handle.set_error(error)
+        for work in self._inflight.values():
+            work.handle.set_error(error)
         self._inflight.clear()
         self._sent_bits.clear()
 
@@ -177,15 +226,9 @@ class Engine:
         self._fail_inflight(self._broken)
         self.executor.abort(self._broken)
 
-    def _register(self, work: Work) -> bool:
-        """Track ``work`` as in flight; False if its name already is (a duplicate)."""
-        key = (work.request.process_set_id, work.request.name)
-        works = self._inflight.get(key)
-        if works is None:
-            self._inflight[key] = [work]
-            return True
-        works.append(work)
-        return False
+    def _register(self, work: Work) -> None:
+        """Track ``work`` as in flight (submit() keeps names unique among this rank's in-flight work)."""
+        self._inflight[(work.request.process_set_id, work.request.name)] = work
 
     def _accept_batches(self, batches) -> None:
         """Match agreed batches with local work and hand them to the executor."""
@@ -193,23 +236,13 @@ class Engine:
             works = []
             for entry in batch.entries:
                 key = (batch.process_set_id, entry.name)
-                local = self._inflight.pop(key, None)
-                if not local:
-                    works.append(None)
-                    continue
-                work = local[0]
-                if work.sent_bit is not None:
-                    self._sent_bits.pop(work.sent_bit, None)
-                if entry.cache_bit >= 0:
-                    self._cache.record(key, entry.cache_bit, work.request)
+                work = self._inflight.pop(key, None)
+                if work is not None:
+                    if work.sent_bit is not None:
+                        self._sent_bits.pop(work.sent_bit, None)
+                    if entry.cache_bit >= 0:
+                        self._cache.record(key, entry.cache_bit, work.request)
                 works.append(work)
-                if batch.error:
-                    works.extend(local[1:])
-                else:
-                    for duplicate in local[1:]:
-                        duplicate.handle.set_error(CollectiveMismatchError(
-                            f"'{entry.name}' was submitted again on rank {self.rank} while its first "
-                            "submission was already executing; give each in-flight collective a unique name"))
             self.executor.put(batch, works)
 
     def _apply_control(self, message: tuple) -> None:
@@ -224,12 +257,14 @@ class Engine:
     def _rank_loop(self) -> None:
         try:
             while True:
-                for key, _ in self._selector.select():
+                for key, _ in self._selector.select(max(0.0, self._next_tick - time.monotonic())):
                     if key.data == "wake":
                         if self._rank_wake():
                             return
                     else:
                         self._rank_receive()
+                if time.monotonic() >= self._next_tick and self._rank_tick():
+                    return
         except Exception as exc:  # keep the user's threads from hanging on a dead engine
             log.exception("roundel engine thread failed")
             self._break(f"roundel's engine thread failed: {exc!r}")
@@ -240,7 +275,7 @@ class Engine:
         items = self._drain()
         if self._broken is not None:
             self._fail_inflight(self._broken)
-        bits, full, duplicates = 0, [], []
+        bits, full = 0, []
         for item in items:
             if isinstance(item, tuple):
                 self._apply_control(item)
@@ -249,9 +284,7 @@ class Engine:
                 item.handle.set_error(self._broken)
                 continue
             request = item.request
-            if not self._register(item):
-                duplicates.append(request)
-                continue
+            self._register(item)
             key = (request.process_set_id, request.name)
             bit = self._cache.bit_for(key, request)
             if bit >= 0:
@@ -260,14 +293,53 @@ class Engine:
                 bits |= 1 << bit
             else:
                 full.append(request)
-        if self._broken is None and (bits or full or duplicates):
-            self._send(("submit", self._cache.version, bits, full, duplicates))
+        if self._broken is None and (bits or full):
+            self._send(("submit", self._cache.version, bits, full))
         if self._stopping:
             if self._broken is None:
                 self._send(("bye",))
             self._fail_inflight(RoundelInternalError("roundel was shut down on this rank"))
             return True
         return False
+
+    def _rank_tick(self) -> bool:
+        """Heartbeat, report what this rank waits for, and check the coordinator is alive."""
+        now = time.monotonic()
+        self._next_tick = now + _TICK_S
+        if self._coordinator_lost:
+            return False
+        seq, waits = self._waits.snapshot()  # before draining: every waited name is then submitted
+        if seq != self._sent_waits_seq:
+            if self._rank_wake():
+                return True
+            if self._broken is None:
+                self._send(("waits", seq, waits))
+            self._sent_waits_seq = seq
+        if now - self._last_heartbeat >= _HEARTBEAT_S:
+            self._last_heartbeat = now
+            self._send(("heartbeat", self._host))
+        silent = now - self._heard_coordinator
+        if silent > self.settings.heartbeat_timeout_s:
+            self._coordinator_lost = True
+            reason = f"stopped responding: {_silence(silent, self.settings.heartbeat_timeout_s)}"
+            self._record_lost(0, self._coordinator_host, reason)
+            self._break(f"rank 0 (host {self._coordinator_host}), the coordinator, {reason}; "
+                        "the job's communication is broken")
+        return False
+
+    def _record_lost(self, rank: int, host: str, reason: str) -> None:
+        """Write ``<prefix>lost/<rank>`` to the rendezvous store for the launcher; never waits long."""
+        value = json.dumps({"rank": rank, "host": host, "reason": reason}).encode()
+
+        def write():
+            try:
+                self._rendezvous.set(f"{self._key_prefix}lost/{rank}", value)
+            except Exception as exc:  # best effort: the store may be gone with the launcher
+                log.debug("roundel could not record lost rank %d: %s", rank, exc)
+
+        writer = threading.Thread(target=write, name="roundel-lost-key", daemon=True)
+        writer.start()
+        writer.join(_LOST_KEY_WRITE_S)
 
     def _send(self, message) -> None:
         try:
@@ -283,11 +355,15 @@ class Engine:
             data = b""
         if not data:
             self._selector.unregister(self._coordinator)
+            self._coordinator_lost = True
             self._break("lost the connection to the coordinator on rank 0: rank 0 has shut down "
                         "or died (see its output)")
             return
+        self._heard_coordinator = time.monotonic()
         for message in self._coordinator_reader.feed(data):
-            if message[0] == "work":
+            if message[0] == "heartbeat":
+                self._coordinator_host = message[1]
+            elif message[0] == "work":
                 _, version, batches, evicted, resend = message
                 self._cache.evict(evicted)
                 self._cache.version = version
@@ -302,28 +378,21 @@ class Engine:
         full = []
         for sent in stale:
             key = self._sent_bits.pop(sent, None)
-            works = self._inflight.get(key) if key else None
-            if works:
-                works[0].sent_bit = None
-                full.append(works[0].request)
+            work = self._inflight.get(key) if key else None
+            if work is not None:
+                work.sent_bit = None
+                full.append(work.request)
         if full:
-            self._send(("submit", self._cache.version, 0, full, []))
+            self._send(("submit", self._cache.version, 0, full))
 
     # ------------------------------------------------------ rank 0: coordinator
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, rank = control_channel.accept(self._listener, self._secret, self.settings.start_timeout_s)
-            except control_channel.ChannelError as exc:
-                log.warning("roundel coordinator refused a connection: %s", exc)
-                continue
-            except OSError:
-                return  # listener closed at shutdown
-            self._accepted.put((sock, rank))
-            try:
-                os.write(self._wake_w, b"a")
-            except OSError:
-                return
+    def _connection_accepted(self, connection: control_channel.Connection) -> None:
+        """Called by the listener's handshake threads: hand the connection to the coordinator loop."""
+        self._accepted.put(connection)
+        try:
+            os.write(self._wake_w, b"a")
+        except OSError:
+            connection.close()  # the engine is shutting down
 
     def _coordinator_loop(self) -> None:
         try:
@@ -350,29 +419,32 @@ class Engine:
         now = time.monotonic()
         if self._stopping:
             return self._coordinator_finish()
+        if now >= self._next_tick:
+            self._coordinator_tick(now)
         self._check_stalls(now)
         self._dispatch(now)
         return False
 
     def _coordinator_timeout(self) -> float | None:
         negotiator = self._negotiator
-        waits = []
+        waits = [self._next_tick - time.monotonic()]
         if negotiator.has_ready():  # held back while the executor is busy: wake on idle or at the cycle
             waits.append(self._last_dispatch + self.settings.cycle_time_ms / 1000 - time.monotonic())
         if negotiator.has_pending() and self.settings.stall_check_enabled:
             waits.append(_STALL_POLL_S)
-        return max(0.0, min(waits)) if waits else None
+        return max(0.0, min(waits))
 
     def _coordinator_wake(self) -> None:
         items = self._drain()
         while not self._accepted.empty():
-            sock, rank = self._accepted.get()
+            sock = self._accepted.get()
+            rank = sock.rank
             if rank in self._peers or not 0 < rank < self.size:
                 log.warning("roundel coordinator refused a second connection claiming rank %d", rank)
                 sock.close()
                 continue
             self._peers[rank] = sock
-            self._readers[rank] = control_channel.FrameReader()
+            self._readers[rank] = control_channel.FrameReader(sock)
             self._selector.register(sock, selectors.EVENT_READ, rank)
         if self._broken is not None:
             self._fail_inflight(self._broken)
@@ -382,10 +454,9 @@ class Engine:
                 self._apply_control(item)
             elif self._broken is not None:
                 item.handle.set_error(self._broken)
-            elif self._register(item):
-                self._negotiator.submit(0, item.request, now)
             else:
-                self._negotiator.mark_duplicate(0, item.request.process_set_id, item.request.name)
+                self._register(item)
+                self._negotiator.submit(0, item.request, now)
 
     def _coordinator_receive(self, rank: int) -> None:
         sock = self._peers[rank]
@@ -400,10 +471,15 @@ class Engine:
             self._broadcast_abort(str(self._broken))
             return
         now = time.monotonic()
+        self._heard[rank] = now
         negotiator = self._negotiator
         for message in self._readers[rank].feed(data):
-            if message[0] == "submit":
-                _, version, bits, full, duplicates = message
+            if message[0] == "heartbeat":
+                self._hosts[rank] = message[1]
+            elif message[0] == "waits":
+                self._rank_waits[rank] = (message[1], message[2])
+            elif message[0] == "submit":
+                _, version, bits, full = message
                 stale = []
                 bit = 0
                 while bits:
@@ -413,8 +489,6 @@ class Engine:
                     bit += 1
                 for request in full:
                     negotiator.submit(rank, request, now)
-                for request in duplicates:
-                    negotiator.mark_duplicate(rank, request.process_set_id, request.name)
                 if stale:
                     self._resends.setdefault(rank, []).extend(stale)
             elif message[0] == "bye":
@@ -428,7 +502,68 @@ class Engine:
         self._selector.unregister(sock)
         sock.close()
         self._readers.pop(rank, None)
+        self._heard.pop(rank, None)
+        self._rank_waits.pop(rank, None)
         self._negotiator.rank_left(rank, reason)
+
+    def _coordinator_tick(self, now: float) -> None:
+        """Heartbeat every peer, declare silent ones lost, and look for a deadlock."""
+        self._next_tick = now + _TICK_S
+        own = self._waits.snapshot()  # before draining: every name rank 0 waits for is then submitted
+        self._coordinator_wake()
+        self._heartbeat_peers(now)
+        timeout = self.settings.heartbeat_timeout_s
+        for rank in list(self._peers):
+            silent = now - self._heard.setdefault(rank, now)
+            if silent > timeout:
+                self._lose_peer(rank, f"stopped responding: {_silence(silent, timeout)}")
+        self._check_deadlock(now, own)
+
+    def _heartbeat_peers(self, now: float) -> None:
+        beat = now - self._last_heartbeat >= _HEARTBEAT_S
+        if beat:
+            self._last_heartbeat = now
+        for rank in list(self._peers):
+            if beat or rank not in self._heard:  # a new peer learns rank 0's host at once
+                self._send_peer(rank, ("heartbeat", self._host))
+
+    def _lose_peer(self, rank: int, reason: str) -> None:
+        host = self._hosts.get(rank, "unknown")
+        self._record_lost(rank, host, reason)
+        named = f"rank {rank} (host {host}) {reason}"
+        self._drop_peer(rank, named)
+        self._break(f"{named}; the job's communication is broken")
+        self._broadcast_abort(str(self._broken))
+
+    def _check_deadlock(self, now: float, own: tuple) -> None:
+        """Fail the waited names once every involved rank has been blocked on them, unchanged, for the grace."""
+        if self._broken is not None:
+            return
+        # a rank silent for a while (e.g. SIGSTOPped) may have stopped anywhere: its last report is stale,
+        # so it counts as free; the heartbeat timeout deals with it
+        states = {r: w for r, w in self._rank_waits.items() if now - self._heard.get(r, now) < 2 * _HEARTBEAT_S}
+        states[0] = own
+        negotiator = self._negotiator
+        live = [r for r in negotiator.live_ranks() if r == 0 or r in self._peers]
+        stuck = deadlock.deadlocked_ranks({r: w for r, (_, w) in states.items()}, live,
+                                          negotiator.missing_ranks)
+        if not stuck:
+            self._deadlock_seen = None
+            return
+        seqs = {r: states[r][0] for r in stuck}
+        if self._deadlock_seen is None or self._deadlock_seen[1] != seqs:
+            self._deadlock_seen = (now, seqs)
+            return
+        if now - self._deadlock_seen[0] < _DEADLOCK_GRACE_S:
+            return
+        self._deadlock_seen = None
+        message = ("roundel detected a deadlock: these ranks are blocked on collectives that can never "
+                   "complete because the ranks called different collectives (or in a different order): "
+                   f"{deadlock.describe(stuck, negotiator.missing_ranks)}. These collectives fail on every "
+                   "rank that submitted them; later collectives work once the ranks call matching ones")
+        log.error("%s", message)
+        for waits in stuck.values():
+            negotiator.fail_waits(waits, message)
 
     def _check_stalls(self, now: float) -> None:
         settings = self.settings
@@ -472,13 +607,16 @@ class Engine:
         version = negotiator.cache.version
         targets = set(self._outbox) | set(self._resends) | (set(self._peers) if evicted else set())
         for rank in targets:
-            message = ("work", version, self._outbox.get(rank, []), evicted, self._resends.get(rank, []))
-            try:
-                control_channel.send(self._peers[rank], message)
-            except (OSError, KeyError):
-                pass  # a closed peer is noticed by select and dropped there
+            self._send_peer(rank, ("work", version, self._outbox.get(rank, []), evicted,
+                                   self._resends.get(rank, [])))
         self._outbox.clear()
         self._resends.clear()
+
+    def _send_peer(self, rank: int, message) -> None:
+        try:
+            control_channel.send(self._peers[rank], message)
+        except (OSError, KeyError):
+            pass  # a closed peer is noticed by select and dropped there
 
     def _broadcast_abort(self, message: str) -> None:
         for sock in self._peers.values():
@@ -494,6 +632,7 @@ class Engine:
             self._negotiator.rank_left(0, "rank 0 has shut down (it finished or called hvd.shutdown())")
             self._fail_inflight(RoundelInternalError("roundel was shut down on this rank"))
         self._dispatch(time.monotonic() + 1.0)
+        self._heartbeat_peers(time.monotonic())  # the others wait for rank 0's goodbye, not a timeout
         waited = time.monotonic() - self._finishing_since
         if self._peers and waited < _BYE_GRACE_S:
             for key, _ in self._selector.select(0.1):
@@ -503,3 +642,9 @@ class Engine:
                     self._coordinator_receive(key.data)
             return False
         return True
+
+
+def _silence(silent: float, timeout: float) -> str:
+    return (f"no heartbeat for {silent:.1f} s (heartbeat timeout {timeout:g} s, "
+            "ROUNDEL_HEARTBEAT_TIMEOUT_SECONDS); the process is stopped, hung outside Python, "
+            "or its host or network is down")

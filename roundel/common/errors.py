@@ -26,8 +26,22 @@ class RoundelInternalError(RoundelError, RuntimeError):
     """
 
 
-class CollectiveMismatchError(RoundelError, ValueError):
-    """Ranks submitted incompatible requests under one name (shape, dtype, op, root...)."""
+class CollectiveMismatchError(RoundelError, RuntimeError, ValueError):
+    """Ranks submitted incompatible requests under one name (shape, dtype, op, root...).
+
+    A ``RuntimeError`` as Horovod raises collective errors (and still a
+    ``ValueError`` for older callers). Only the failed collective is affected:
+    the job stays usable and the next collective works.
+    """
+
+
+class CollectiveDeadlockError(CollectiveMismatchError):
+    """Every rank is blocked in roundel on collectives that can never complete.
+
+    The ranks called different collectives (or in a different order); the
+    message names what each rank waits for. The waited collectives fail on
+    every rank; the job stays usable.
+    """
 
 
 class HostsUpdatedInterrupt(RoundelError):

@@ -16,12 +16,15 @@ from typing import Callable
 import torch
 
 from roundel.common.adasum import adasum_tree
-from roundel.common.errors import CollectiveMismatchError, RoundelInternalError
+from roundel.common.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
 from roundel.common.handles import Handle
 from roundel.common.ops import ReduceOp
 from roundel.common.requests import Batch, OpKind, Request
 
 log = logging.getLogger("roundel")
+
+_ERROR_TYPES = {"internal": RoundelInternalError, "deadlock": CollectiveDeadlockError,
+                "mismatch": CollectiveMismatchError}
 
 
 class Work:
@@ -123,8 +126,7 @@ class Executor:
 
     def _execute(self, batch: Batch, works: list) -> None:
         if batch.error:
-            error_type = RoundelInternalError if batch.error_type == "internal" else CollectiveMismatchError
-            self._fail(works, error_type(batch.error))
+            self._fail(works, _ERROR_TYPES.get(batch.error_type, CollectiveMismatchError)(batch.error))
             return
         try:
             results = self._run(batch, works)

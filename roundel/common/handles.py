@@ -6,15 +6,26 @@ import threading
 
 
 class Handle:
-    """Completes once with a result or an exception; ``wait()`` returns or raises it."""
+    """Completes once with a result or an exception; ``wait()`` returns or raises it.
 
-    __slots__ = ("name", "_event", "_result", "_error")
+    ``waits`` (a ``WaitTracker``) learns while a thread is blocked in ``wait()``
+    on this handle's collective ``what`` (process set id, name, kind label);
+    ``on_done`` is called once when the handle completes.
+    """
 
-    def __init__(self, name: str):
+    __slots__ = ("name", "_event", "_result", "_error", "_waits", "_what", "_on_done", "_lock",
+                 "_finished")
+
+    def __init__(self, name: str, waits=None, what: tuple = (), on_done=None):
         self.name = name
         self._event = threading.Event()
         self._result = None
         self._error: BaseException | None = None
+        self._waits = waits
+        self._what = what
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._finished = False
 
     def done(self) -> bool:
         """True once the collective has finished (successfully or not)."""
@@ -22,17 +33,31 @@ class Handle:
 
     def wait(self):
         """Block until finished; return the result or raise the collective's error."""
-        self._event.wait()
+        if not self._event.is_set():
+            if self._waits is None:
+                self._event.wait()
+            else:
+                token = self._waits.enter(self._what)
+                try:
+                    self._event.wait()
+                finally:
+                    self._waits.leave(token)
         if self._error is not None:
             raise self._error
         return self._result
 
     def set_result(self, result) -> None:
-        if not self._event.is_set():
-            self._result = result
-            self._event.set()
+        self._complete(result, None)
 
     def set_error(self, error: BaseException) -> None:
-        if not self._event.is_set():
-            self._error = error
-            self._event.set()
+        self._complete(None, error)
+
+    def _complete(self, result, error) -> None:
+        with self._lock:  # the executor and the engine thread may both try (an abort racing a result)
+            if self._finished:
+                return
+            self._finished = True
+            self._result, self._error = result, error
+        if self._on_done is not None:  # before waking the waiter, who may reuse the name at once
+            self._on_done()
+        self._event.set()

@@ -24,15 +24,15 @@ ITEMSIZE = {
 }
 
 _FUSABLE = (OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST)
+_NOT_WITH_JOIN = (OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL, OpKind.REDUCESCATTER)
 
 
 class _Pending:
-    __slots__ = ("requests", "since", "duplicates", "warned")
+    __slots__ = ("requests", "since", "warned")
 
     def __init__(self, since: float):
         self.requests: dict[int, Request] = {}
         self.since = since
-        self.duplicates: set[int] = set()
         self.warned = False
 
 
@@ -85,10 +85,7 @@ class Negotiator:
         pending = self._pending.get(key)
         if pending is None:
             pending = self._pending[key] = _Pending(now)
-        if rank in pending.requests:
-            pending.duplicates.add(rank)
-        else:
-            pending.requests[rank] = request
+        pending.requests[rank] = request  # a rank never has one name in flight twice (Engine.submit)
         self._check_ready(key)
 
     def submit_bit(self, rank: int, bit: int, sender_version: int, now: float) -> bool:
@@ -98,15 +95,6 @@ class Negotiator:
             return False
         self.submit(rank, entry[1][rank], now)
         return True
-
-    def mark_duplicate(self, rank: int, process_set_id: int, name: str) -> None:
-        """``rank`` submitted ``name`` again while its first submission was still pending here.
-
-        If the first has already been dispatched, the rank fails the second itself.
-        """
-        pending = self._pending.get((process_set_id, name))
-        if pending is not None:
-            pending.duplicates.add(rank)
 
     def rank_left(self, rank: int, reason: str) -> None:
         """``rank`` has shut down or died: fail every name that now cannot complete."""
@@ -124,6 +112,34 @@ class Negotiator:
             self._fail_direct(tuple(self._joined), Request(JOIN_NAME, OpKind.JOIN, 0),
                               f"join() cannot complete: {reason}", "internal")
             self._joined.clear()
+
+    def live_ranks(self) -> list[int]:
+        """The ranks that have not shut down or been lost."""
+        return [r for r in range(self.size) if r not in self._left]
+
+    def missing_ranks(self, process_set_id: int, name: str) -> tuple | None:
+        """The ranks a pending name still waits for (joined ranks excepted); None if it is not pending."""
+        if name == JOIN_NAME:
+            return tuple(r for r in self.live_ranks() if r not in self._joined)
+        pending = self._pending.get((process_set_id, name))
+        if pending is None:
+            return None
+        members = self.process_sets.get(process_set_id, ())
+        return tuple(r for r in members if r not in pending.requests and r not in self._joined)
+
+    def fail_waits(self, waits: Iterable[tuple], message: str) -> None:
+        """Fail the pending names in ``waits`` ((set id, name, label) triples) on the ranks that submitted them."""
+        for set_id, name, _ in waits:
+            if name == JOIN_NAME:
+                if self._joined:
+                    self._fail_direct(tuple(self._joined), Request(JOIN_NAME, OpKind.JOIN, 0), message,
+                                      "deadlock")
+                    self._joined.clear()
+                continue
+            pending = self._pending.pop((set_id, name), None)
+            if pending is not None:
+                request = next(iter(pending.requests.values()))
+                self._fail_direct(tuple(sorted(pending.requests)), request, message, "deadlock")
 
     # ---------------------------------------------------------------- output
     def take(self, fusion_threshold: int) -> list[tuple[tuple, Batch]]:
@@ -288,16 +304,15 @@ def _disagreement(name: str, pending: _Pending, members: tuple, joined: tuple) -
     if own_errors:
         return f"'{name}' failed on rank(s) {', '.join(map(str, sorted(own_errors)))}: " + \
             "; ".join(f"rank {r}: {e}" for r, e in sorted(own_errors.items()))
-    if pending.duplicates:
-        ranks = ", ".join(map(str, sorted(pending.duplicates)))
-        return (f"'{name}' was submitted more than once by rank(s) {ranks} while the first was still "
-                "in flight; give each in-flight collective a unique name")
     first = next(iter(requests.values()))
     if not all(q == first for q in requests.values()):  # identical requests (the steady state) agree
         problem = _field_disagreement(name, requests)
         if problem:
             return problem
     kind = first.kind
+    if joined and kind in _NOT_WITH_JOIN:
+        return (f"{kind.label} '{name}' cannot run while rank(s) {', '.join(map(str, joined))} have called "
+                "join(); only allreduce (with joined ranks contributing zeros) and barrier can, as in Horovod")
     if kind == OpKind.BROADCAST:
         if first.root_rank not in members:  # a global rank, as in Horovod
             return (f"broadcast '{name}': root_rank {first.root_rank} is not a member of the process "

@@ -71,6 +71,9 @@ class Entry(NamedTuple):
 class Batch(NamedTuple):
     """Entries executed as one backend call (or failed together with ``error``).
 
+    ``error_type`` picks the exception: "mismatch", "deadlock" or "internal"
+    (the job's communication is broken).
+
     ``joined`` lists the global ranks that have called join() and so
     contribute neutral data instead of a tensor of their own.
     """

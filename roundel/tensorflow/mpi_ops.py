@@ -28,8 +28,8 @@ threads first use torch, so before ``hvd.init()`` has run any collective.
 Names: a ``name=`` you pass is used as is. Inside ``tf.function`` a missing
 name is derived from the function's name and the input tensor's graph name
 (stable across ranks that trace the same code); eagerly a missing name comes
-from a per-process counter, so ranks must then call collectives in the same
-order (as in Horovod).
+from a counter per op kind and process set that every ``init()`` restarts, so
+ranks must then call collectives in the same order (as in Horovod).
 """
 
 from __future__ import annotations

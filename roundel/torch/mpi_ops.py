@@ -36,14 +36,15 @@ def _set_id(process_set) -> int:
 
 def _submit(what: str, kind: OpKind, tensor: torch.Tensor, output, name, handle_id: int,
             process_set, cacheable: bool | None = None, **fields):
-    engine = basics.runtime(what).engine
+    runtime = basics.runtime(what)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    set_id = _set_id(process_set)
     request = Request(
-        name if name is not None else f"{kind.label}.noname.{handle_id}", kind, _set_id(process_set),
+        name if name is not None else runtime.unnamed_name(kind.label, set_id), kind, set_id,
         dtype=_dtype_name(tensor), shape=tuple(tensor.shape), device=str(tensor.device),
         cacheable=name is not None if cacheable is None else cacheable, **fields)
-    return engine.submit(request, tensor, output)
+    return runtime.engine.submit(request, tensor, output)
 
 
 def _register(handle_id: int, handles: list, finish) -> int:
@@ -157,9 +158,10 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
                                         process_set))
 
 
-def _group_names(name, count: int, handle_id: int, kind: str) -> tuple[list, bool]:
+def _group_names(name, count: int, kind: str, process_set) -> tuple[list, bool]:
     """Per-tensor names for a grouped op, and whether they are worth caching (user-given)."""
-    base = name if name is not None else f"grouped_{kind}.noname.{handle_id}"
+    base = name if name is not None else \
+        basics.runtime(f"grouped_{kind}").unnamed_name(f"grouped_{kind}", _set_id(process_set))
     return [f"{base}.{i}" for i in range(count)], name is not None
 
 
@@ -167,7 +169,7 @@ def _grouped_allreduce_async(tensors, average, name, op, prescale_factor, postsc
                              in_place: bool) -> int:
     op = resolve_op(op, average)
     handle_id = next(_counter)
-    names, named = _group_names(name, len(tensors), handle_id, "allreduce")
+    names, named = _group_names(name, len(tensors), "allreduce", process_set)
     handles, finishers = [], []
     for tensor, sub_name in zip(tensors, names):
         if in_place:
@@ -228,6 +230,34 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                                                 postscale_factor, process_set))
 
 
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Start reducing a sparse COO ``tensor`` across the set by allgathering its indices and values.
+
+    Returns a function (not an integer handle, as in Horovod) that waits and
+    returns the reduced sparse tensor: every rank's entries, summed where
+    indices repeat, divided by the set size for ``op=Average``.
+    """
+    op = resolve_op(op)
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise TypeError("sparse_allreduce_async expects a sparse COO torch.Tensor; use allreduce_async for "
+                        "dense tensors")
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, not {op.name}")
+    source = tensor.coalesce()
+    indices = allgather_async(source.indices().t().contiguous(), name=None if name is None else f"{name}.indices",
+                              process_set=process_set)
+    values = allgather_async(source.values(), name=None if name is None else f"{name}.values",
+                             process_set=process_set)
+
+    def wait():
+        gathered = synchronize(values)
+        if op == ReduceOp.Average:
+            gathered = gathered / process_set.size()
+        return torch.sparse_coo_tensor(synchronize(indices).t(), gathered, source.shape).coalesce()
+
+    return wait
+
+
 # ------------------------------------------------------------------ allgather
 def _allgather_submit(tensor, name, process_set, handle_id, cacheable=None):
     source = tensor.contiguous()
@@ -242,20 +272,28 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
     return _register(handle_id, [_allgather_submit(tensor, name, process_set, handle_id)], _first)
 
 
+def _gathered_grads(grads, shapes: list, process_set) -> list:
+    """The gradients of allgathered tensors of ``shapes``: each averaged over the set, then this rank's rows."""
+    first_dims = [shape[0] if shape else 1 for shape in shapes]
+    averaged = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], op=ReduceOp.Average,
+                                                   process_set=process_set))
+    dims = synchronize(allgather_async(torch.tensor(first_dims, dtype=torch.int64), process_set=process_set))
+    offsets = dims.view(-1, len(first_dims))[:process_set.rank()].sum(dim=0).tolist()
+    return [g.narrow(0, int(o), d).reshape(shape) for g, o, d, shape in zip(averaged, offsets, first_dims, shapes)]
+
+
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
-        ctx.first_dim = tensor.shape[0] if tensor.dim() else 1
+        ctx.shape = tensor.shape
         ctx.process_set = process_set
         return synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx, grad_output):
-        process_set = ctx.process_set
-        grad = synchronize(allreduce_async(grad_output, op=ReduceOp.Sum, process_set=process_set))
-        dims = synchronize(allgather_async(torch.tensor([ctx.first_dim]), process_set=process_set))
-        offset = int(dims[:process_set.rank()].sum())
-        return grad.narrow(0, offset, ctx.first_dim), None, None
+        # Horovod's definition: the average of every rank's gradient, this rank's rows of it
+        (grad,) = _gathered_grads([grad_output], [ctx.shape], ctx.process_set)
+        return grad, None, None
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -266,14 +304,26 @@ def allgather(tensor, name=None, process_set=global_process_set):
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
     """Start allgathering a list of tensors together; ``synchronize`` returns the list of results."""
     handle_id = next(_counter)
-    names, named = _group_names(name, len(tensors), handle_id, "allgather")
+    names, named = _group_names(name, len(tensors), "allgather", process_set)
     handles = [_allgather_submit(t, n, process_set, handle_id, named) for t, n in zip(tensors, names)]
     return _register(handle_id, handles, list)
 
 
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.process_set = process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None) + tuple(_gathered_grads(grads, ctx.shapes, ctx.process_set))
+
+
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    """Allgather a list of tensors together and return the list of results."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    """Allgather a list of tensors together and return the list of results; differentiable."""
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 # ------------------------------------------------------------------ broadcast
@@ -310,14 +360,15 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = synchronize(allreduce_async(grad_output, op=ReduceOp.Sum, process_set=ctx.process_set))
+        # Horovod's definition: the root gets the average of every rank's gradient, the others zeros
+        grad = synchronize(allreduce_async(grad_output, op=ReduceOp.Average, process_set=ctx.process_set))
         if basics.rank() != ctx.root_rank:  # root_rank is a global rank, as in Horovod
             grad = grad * 0
         return grad, None, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
-    """Return the root's ``tensor`` on every rank; differentiable (gradients flow to the root)."""
+    """Return the root's ``tensor`` on every rank; differentiable (the root gets the averaged gradient)."""
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
@@ -330,8 +381,9 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
     """Start sending ``splits[j]`` rows of ``tensor`` to rank j of the set; returns a handle.
 
-    ``synchronize`` returns ``(received tensor, received splits)``. Without
-    ``splits`` the first dimension is divided evenly.
+    ``synchronize`` returns ``(received tensor, received splits)``, with or
+    without ``splits``, as in Horovod. Without ``splits`` the first dimension
+    is divided evenly.
     """
     handle_id = next(_counter)
     members = basics.runtime("alltoall").process_sets.get(_set_id(process_set), ((),))[0]
@@ -361,17 +413,23 @@ class _Alltoall(torch.autograd.Function):
         ctx.process_set = process_set
         output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
         ctx.received = received
+        if splits is None:
+            return output
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
-    def backward(ctx, grad_output, _grad_splits):
+    def backward(ctx, grad_output, *_grad_splits):
         grad, _ = synchronize(alltoall_async(grad_output.contiguous(), ctx.received, None, ctx.process_set))
         return grad, None, None, None
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
-    """Exchange rows with every rank of the set; returns ``(received tensor, received splits)``; differentiable."""
+    """Exchange rows with every rank of the set; differentiable.
+
+    Returns the received tensor, or ``(received tensor, received splits)``
+    when ``splits`` is given, as Horovod does.
+    """
     return _Alltoall.apply(tensor, splits, name, process_set)
 
 
@@ -384,8 +442,8 @@ def _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor, p
                    postscale=float(postscale_factor), error=error)
 
 
-def reducescatter_async(tensor, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0,
-                        process_set=global_process_set) -> int:
+def reducescatter_async(tensor, name=None, op=ReduceOp.Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0) -> int:
     """Start reducing ``tensor`` and keeping this rank's slice of dimension 0; returns a handle."""
     op = resolve_op(op)
     handle_id = next(_counter)
@@ -393,50 +451,71 @@ def reducescatter_async(tensor, name=None, op=ReduceOp.Average, prescale_factor=
     return _register(handle_id, [handle], _first)
 
 
+def _scattered_grad(grad, op, process_set, prescale_factor, postscale_factor):
+    """Horovod's gradient of reducescatter: the allgathered output gradient, times the set size for Sum,
+    times the scale factors (so Average passes it on unscaled)."""
+    scale = prescale_factor * postscale_factor * (process_set.size() if op == ReduceOp.Sum else 1)
+    return grad * scale if scale != 1.0 else grad
+
+
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
-        ctx.args = (op, prescale_factor * postscale_factor, process_set)
-        return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set))
+    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        ctx.args = (op, process_set, prescale_factor, postscale_factor)
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
 
     @staticmethod
     def backward(ctx, grad_output):
-        op, scale, process_set = ctx.args
-        grad = synchronize(allgather_async(grad_output.contiguous(), process_set=process_set))
-        if op == ReduceOp.Average:
-            scale /= process_set.size()
-        return grad * scale if scale != 1.0 else grad, None, None, None, None, None
+        op, process_set, pre, post = ctx.args
+        grad = synchronize(allgather_async(_scattered_grad(grad_output, op, process_set, pre, post),
+                                           process_set=process_set))
+        return grad, None, None, None, None, None
 
 
-def reducescatter(tensor, name=None, compression=Compression.none, op=ReduceOp.Average, prescale_factor=1.0,
-                  postscale_factor=1.0, process_set=global_process_set):
+def reducescatter(tensor, name=None, compression=Compression.none, op=ReduceOp.Average,
+                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Reduce ``tensor`` across the set and return this rank's slice of dimension 0; differentiable.
 
     Ranks with a lower index get one extra row when the first dimension does not divide evenly.
     """
     compressed, ctx = compression.compress(tensor)
-    reduced = _Reducescatter.apply(compressed, name, resolve_op(op), prescale_factor, postscale_factor,
-                                   process_set)
+    reduced = _Reducescatter.apply(compressed, name, resolve_op(op), process_set, prescale_factor,
+                                   postscale_factor)
     return compression.decompress(reduced, ctx)
 
 
-def grouped_reducescatter_async(tensors, name=None, op=ReduceOp.Average, prescale_factor=1.0,
-                                postscale_factor=1.0, process_set=global_process_set) -> int:
+def grouped_reducescatter_async(tensors, name=None, op=ReduceOp.Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0) -> int:
     """Start reducescattering a list of tensors; ``synchronize`` returns the list of slices."""
     op = resolve_op(op)
     handle_id = next(_counter)
-    names, named = _group_names(name, len(tensors), handle_id, "reducescatter")
+    names, named = _group_names(name, len(tensors), "reducescatter", process_set)
     handles = [_reducescatter_submit(t, n, op, prescale_factor, postscale_factor, process_set, handle_id, named)
                for t, n in zip(tensors, names)]
     return _register(handle_id, handles, list)
 
 
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.args = (op, process_set, prescale_factor, postscale_factor)
+        return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set,
+                                                             prescale_factor, postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, process_set, pre, post = ctx.args
+        scaled = [_scattered_grad(g, op, process_set, pre, post).contiguous() for g in grads]
+        gathered = synchronize(grouped_allgather_async(scaled, process_set=process_set))
+        return (None, None, None, None, None) + tuple(gathered)
+
+
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=ReduceOp.Average,
-                          prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
-    """Reducescatter a list of tensors and return the list of this rank's slices."""
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reducescatter a list of tensors and return the list of this rank's slices; differentiable."""
     compressed = [compression.compress(t) for t in tensors]
-    reduced = synchronize(grouped_reducescatter_async([c[0] for c in compressed], name, op, prescale_factor,
-                                                      postscale_factor, process_set))
+    reduced = _GroupedReducescatter.apply(name, resolve_op(op), process_set, prescale_factor, postscale_factor,
+                                          *[c[0] for c in compressed])
     return [compression.decompress(r, c[1]) for r, c in zip(reduced, compressed)]
 
 

@@ -1,0 +1,42 @@
+"""What this rank's user threads are blocked on inside roundel, for deadlock detection.
+
+A thread that waits for a handle (``synchronize``, a blocking collective,
+``barrier``, ``join``) enters the tracker until the handle completes. The
+engine thread reads a snapshot now and then and tells the coordinator; each
+change bumps a sequence number, so the coordinator can confirm that a rank's
+waits stayed the same over its grace period.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+
+class WaitTracker:
+    """The collectives this rank's threads wait for, with a change counter."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tokens = itertools.count()
+        self._waiting: dict[int, tuple] = {}
+        self._seq = 0
+
+    def enter(self, what: tuple) -> int:
+        """Record a thread waiting for ``what`` (process set id, name, kind label); return a token."""
+        with self._lock:
+            token = next(self._tokens)
+            self._waiting[token] = what
+            self._seq += 1
+        return token
+
+    def leave(self, token: int) -> None:
+        """The wait recorded under ``token`` has ended."""
+        with self._lock:
+            self._waiting.pop(token, None)
+            self._seq += 1
+
+    def snapshot(self) -> tuple[int, tuple]:
+        """(sequence number, the distinct waited collectives) as of now."""
+        with self._lock:
+            return self._seq, tuple(sorted(set(self._waiting.values())))

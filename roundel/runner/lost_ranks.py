@@ -1,0 +1,32 @@
+"""What the workers recorded about ranks they declared lost (stopped, hung, or cut off).
+
+A rank whose peers stop hearing its heartbeats is declared lost by the rank
+that noticed; that rank writes ``<prefix>lost/<rank>`` to the rendezvous
+store (JSON: rank, host, reason). The launcher reads these keys when the job
+fails, to name the lost rank rather than the survivor that exited first.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def lost_ranks(server, ranks, prefix: str = "init0/") -> list[dict]:
+    """The records under ``<prefix>lost/<rank>`` for each of ``ranks`` that has one, by rank."""
+    records = []
+    for rank in ranks:
+        raw = server.get(f"{prefix}lost/{rank}")
+        if raw is None:
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def describe_lost(record: dict) -> str:
+    """'rank 1 (host node2) was lost: <reason>' for one record."""
+    return f"rank {record.get('rank')} (host {record.get('host')}) was lost: {record.get('reason')}"
