@@ -105,6 +105,20 @@ def test_stopped_rank_fails_the_others_within_the_heartbeat_timeout(stopped):
     _assert_lost(result, 3, stopped, "stopped")
 
 
+def test_stopped_rank_is_killed_when_the_others_handle_the_error_and_exit_0():
+    # a stopped rank never exits: the launcher kills it once the others record it lost, lets them
+    # finish their error handling, and still fails the job naming it
+    result = _run(3, "stopped_caught")
+    assert result.returncode == 1, describe(result)
+    for rank in (0, 2):
+        assert "CHECKS PASSED stopped_caught" in rank_lines(result.stdout, rank, "stdout"), describe(result)
+        assert _measured(result, rank) < LOST_BOUND_S, describe(result)
+    last = result.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("roundelrun: rank 1 (host ") and "stopped responding" in last \
+        and last.endswith("it was killed"), describe(result)
+    _assert_nothing_left(result)
+
+
 @pytest.mark.parametrize("np", [2, 3])
 def test_rank_stopped_inside_a_large_transfer_releases_the_others(np):
     # the survivors are inside 32 MiB allreduces (Gloo timeout 120 s) when rank 1 stops

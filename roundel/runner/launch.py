@@ -182,8 +182,13 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
         def not_started():
             return [w for w in remote_workers if server.get(f"launch/started/{w.slot.rank}") is None]
 
+        by_rank = {w.slot.rank: w for w in job.workers}
+
+        def lost():  # a stopped or cut-off worker never exits by itself: the others recorded it
+            return [by_rank[r["rank"]] for r in lost_ranks.lost_ranks(server, by_rank) if r.get("rank") in by_rank]
+
         # ssh's ConnectTimeout and the remote side's own connect timeout come first; this is the backstop
-        outcome = job.watch(not_started if remote_workers else None, 2 * start_timeout + 10)
+        outcome = job.watch(not_started if remote_workers else None, 2 * start_timeout + 10, lost)
         if outcome is None:
             job.drain_output()
             return 0
@@ -193,6 +198,10 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
         if kind == "signal":
             print(f"roundelrun: received {spawn.signal_name(item)}; stopped all ranks", file=sys.stderr)
             return 128 + item
+        if kind == "lost":  # the others handled the error and exited 0; the job still failed
+            for record in lost_ranks.lost_ranks(server, [w.slot.rank for w in item]):
+                print(f"roundelrun: {lost_ranks.describe_lost(record)}; it was killed", file=sys.stderr)
+            return 1
         if kind == "timeout":
             hosts = sorted({w.slot.hostname for w in item})
             print(f"roundelrun: host(s) {', '.join(hosts)} did not reach the rendezvous server within "

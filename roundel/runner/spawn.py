@@ -332,6 +332,9 @@ def exit_status(code: int) -> int:
     return code if 1 <= code <= 255 else 1
 
 
+LOST_POLL_SECONDS = 1.0
+
+
 class WorkerGroup:
     """The running workers and the queue of events (worker exits, signals) the launcher reacts to."""
 
@@ -352,28 +355,41 @@ class WorkerGroup:
         worker.process.wait()
         self.events.put(("exit", worker))
 
-    def watch(self, started=None, start_timeout: float = 0.0) -> tuple[str, object] | None:
+    def watch(self, started=None, start_timeout: float = 0.0, lost=None) -> tuple[str, object] | None:
         """Wait until every worker exited 0 (None), one failed ("exit", worker), a signal came
-        ("signal", num), or, ``start_timeout`` seconds after the start, ``started()`` still names
-        workers that have not checked in ("timeout", [workers])."""
+        ("signal", num), or ``start_timeout`` seconds after the start ``started()`` still names workers
+        that have not checked in ("timeout", [workers]).
+
+        ``lost()``, asked every LOST_POLL_SECONDS, names workers the others declared lost (stopped,
+        hung or cut off: they would never exit). Those are killed at once and the others may finish
+        handling the error; if the others then all exit 0, the result is ("lost", [workers]).
+        """
         running = set(self.workers)
+        killed: list[Worker] = []
         deadline = time.monotonic() + start_timeout if started is not None else None
-        while running:
+        while running - set(killed):
+            waits = [] if deadline is None else [max(0.0, deadline - time.monotonic())]
+            if lost is not None:
+                waits.append(LOST_POLL_SECONDS)
             try:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                kind, item = self.events.get(timeout=timeout)
+                kind, item = self.events.get(timeout=min(waits) if waits else None)
             except queue.Empty:
-                late = [w for w in started() if w in running]
-                if late:
-                    return "timeout", late
-                deadline = None
+                if deadline is not None and time.monotonic() >= deadline:
+                    late = [w for w in started() if w in running]
+                    if late:
+                        return "timeout", late
+                    deadline = None
+                for worker in lost() if lost is not None else ():
+                    if worker in running and worker not in killed:
+                        worker.signal_group(signal.SIGKILL)
+                        killed.append(worker)
                 continue
             if kind == "signal":
                 return kind, item
             running.discard(item)
-            if item.returncode != 0:
+            if item.returncode != 0 and item not in killed:
                 return kind, item
-        return None
+        return ("lost", killed) if killed else None
 
     def stop(self) -> None:
         """SIGTERM (and SIGCONT, so that a stopped worker handles it) every process group, wait up to

@@ -34,8 +34,8 @@ def _set_id(process_set) -> int:
     return set_id
 
 
-def _submit(what: str, kind: OpKind, tensor: torch.Tensor, output, name, handle_id: int,
-            process_set, cacheable: bool | None = None, **fields):
+def _submit(what: str, kind: OpKind, tensor: torch.Tensor, output, name, process_set,
+            cacheable: bool | None = None, **fields):
     runtime = basics.runtime(what)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
@@ -85,9 +85,9 @@ def _allreduce_problem(tensor: torch.Tensor, op: ReduceOp) -> str | None:
     return None
 
 
-def _allreduce_submit(tensor, output, name, op, prescale_factor, postscale_factor, process_set, handle_id,
+def _allreduce_submit(tensor, output, name, op, prescale_factor, postscale_factor, process_set,
                       cacheable=None):
-    return _submit("allreduce", OpKind.ALLREDUCE, tensor, output, name, handle_id, process_set, cacheable,
+    return _submit("allreduce", OpKind.ALLREDUCE, tensor, output, name, process_set, cacheable,
                    reduce_op=int(op), prescale=float(prescale_factor), postscale=float(postscale_factor),
                    error=_allreduce_problem(tensor, op))
 
@@ -112,7 +112,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     handle_id = next(_counter)
     source = tensor.contiguous()
     handle = _allreduce_submit(source, torch.empty_like(source), name, op, prescale_factor,
-                               postscale_factor, process_set, handle_id)
+                               postscale_factor, process_set)
     return _register(handle_id, [handle], _first)
 
 
@@ -122,8 +122,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     op = resolve_op(op, average)
     handle_id = next(_counter)
     target, finish = _in_place_target(tensor)
-    handle = _allreduce_submit(target, target, name, op, prescale_factor, postscale_factor, process_set,
-                               handle_id)
+    handle = _allreduce_submit(target, target, name, op, prescale_factor, postscale_factor, process_set)
     return _register(handle_id, [handle], finish)
 
 
@@ -179,7 +178,7 @@ def _grouped_allreduce_async(tensors, average, name, op, prescale_factor, postsc
             target, finish = tensor.contiguous(), _first
             output = torch.empty_like(target)
         handles.append(_allreduce_submit(target, output, sub_name, op, prescale_factor, postscale_factor,
-                                         process_set, handle_id, named))
+                                         process_set, named))
         finishers.append(finish)
     return _register(handle_id, handles, lambda results: [f([r]) for f, r in zip(finishers, results)])
 
@@ -259,17 +258,17 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 
 # ------------------------------------------------------------------ allgather
-def _allgather_submit(tensor, name, process_set, handle_id, cacheable=None):
+def _allgather_submit(tensor, name, process_set, cacheable=None):
     source = tensor.contiguous()
     if source.dim() == 0:
         source = source.reshape(1)
-    return _submit("allgather", OpKind.ALLGATHER, source, None, name, handle_id, process_set, cacheable)
+    return _submit("allgather", OpKind.ALLGATHER, source, None, name, process_set, cacheable)
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
     """Start concatenating every rank's ``tensor`` along dimension 0; returns a handle."""
     handle_id = next(_counter)
-    return _register(handle_id, [_allgather_submit(tensor, name, process_set, handle_id)], _first)
+    return _register(handle_id, [_allgather_submit(tensor, name, process_set)], _first)
 
 
 def _gathered_grads(grads, shapes: list, process_set) -> list:
@@ -305,7 +304,7 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
     """Start allgathering a list of tensors together; ``synchronize`` returns the list of results."""
     handle_id = next(_counter)
     names, named = _group_names(name, len(tensors), "allgather", process_set)
-    handles = [_allgather_submit(t, n, process_set, handle_id, named) for t, n in zip(tensors, names)]
+    handles = [_allgather_submit(t, n, process_set, named) for t, n in zip(tensors, names)]
     return _register(handle_id, handles, list)
 
 
@@ -327,8 +326,8 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 
 # ------------------------------------------------------------------ broadcast
-def _broadcast_submit(tensor, output, root_rank, name, process_set, handle_id):
-    return _submit("broadcast", OpKind.BROADCAST, tensor, output, name, handle_id, process_set,
+def _broadcast_submit(tensor, output, root_rank, name, process_set):
+    return _submit("broadcast", OpKind.BROADCAST, tensor, output, name, process_set,
                    root_rank=int(root_rank))
 
 
@@ -339,7 +338,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
     """
     handle_id = next(_counter)
     source = tensor.contiguous()
-    handle = _broadcast_submit(source, torch.empty_like(source), root_rank, name, process_set, handle_id)
+    handle = _broadcast_submit(source, torch.empty_like(source), root_rank, name, process_set)
     return _register(handle_id, [handle], _first)
 
 
@@ -347,7 +346,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     """Start overwriting ``tensor`` with the root's copy, in place; returns a handle."""
     handle_id = next(_counter)
     target, finish = _in_place_target(tensor)
-    return _register(handle_id, [_broadcast_submit(target, target, root_rank, name, process_set, handle_id)],
+    return _register(handle_id, [_broadcast_submit(target, target, root_rank, name, process_set)],
                      finish)
 
 
@@ -402,7 +401,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         if any(s < 0 for s in split_list) or sum(split_list) != source.shape[0]:
             error = (f"alltoall splits {list(split_list)} must be non-negative and sum to the first "
                      f"dimension of the tensor ({source.shape[0]})")
-    handle = _submit("alltoall", OpKind.ALLTOALL, source, None, name, handle_id, process_set,
+    handle = _submit("alltoall", OpKind.ALLTOALL, source, None, name, process_set,
                      splits=split_list, error=error)
     return _register(handle_id, [handle], _first)
 
@@ -434,11 +433,11 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 
 # -------------------------------------------------------------- reducescatter
-def _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor, process_set, handle_id,
+def _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor, process_set,
                           cacheable=None):
     error = _allreduce_problem(tensor, op) if op != ReduceOp.Adasum else "reducescatter does not support Adasum"
-    return _submit("reducescatter", OpKind.REDUCESCATTER, tensor.contiguous(), None, name, handle_id,
-                   process_set, cacheable, reduce_op=int(op), prescale=float(prescale_factor),
+    return _submit("reducescatter", OpKind.REDUCESCATTER, tensor.contiguous(), None, name, process_set,
+                   cacheable, reduce_op=int(op), prescale=float(prescale_factor),
                    postscale=float(postscale_factor), error=error)
 
 
@@ -447,7 +446,7 @@ def reducescatter_async(tensor, name=None, op=ReduceOp.Average, process_set=glob
     """Start reducing ``tensor`` and keeping this rank's slice of dimension 0; returns a handle."""
     op = resolve_op(op)
     handle_id = next(_counter)
-    handle = _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor, process_set, handle_id)
+    handle = _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor, process_set)
     return _register(handle_id, [handle], _first)
 
 
@@ -490,7 +489,7 @@ def grouped_reducescatter_async(tensors, name=None, op=ReduceOp.Average, process
     op = resolve_op(op)
     handle_id = next(_counter)
     names, named = _group_names(name, len(tensors), "reducescatter", process_set)
-    handles = [_reducescatter_submit(t, n, op, prescale_factor, postscale_factor, process_set, handle_id, named)
+    handles = [_reducescatter_submit(t, n, op, prescale_factor, postscale_factor, process_set, named)
                for t, n in zip(tensors, names)]
     return _register(handle_id, handles, list)
 

@@ -104,6 +104,17 @@ def scenario_stopped(stopped: str):
     sys.exit(SURVIVOR_EXIT)
 
 
+def scenario_stopped_caught():
+    """Rank 1 SIGSTOPs itself; the others catch the error, take 2 s to save their work and exit 0."""
+    allreduce_works("warm")
+    if hvd.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(3600)
+    took = _expect_lost(1, lambda: hvd.allreduce(torch.ones(4), name="stopped.ar"))
+    time.sleep(2.0)  # e.g. a checkpoint written in the except block: the launcher lets it finish
+    passed("stopped_caught", took)
+
+
 def scenario_stopped_in_transfer():
     """Rank 1 stops itself while every rank is inside 32 MiB allreduces."""
     allreduce_works("warm")
@@ -192,6 +203,7 @@ def scenario_join_gather():
 
 
 SCENARIOS = {
+    "stopped_caught": scenario_stopped_caught,
     "diverged": scenario_diverged,
     "busy": scenario_busy,
     "stopped": scenario_stopped,
