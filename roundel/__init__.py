@@ -6,14 +6,14 @@ free of framework imports so the launcher starts fast.
 
 __version__ = "0.1.0"
 
-__all__ = ["run"]
+__all__ = ["RankFailedError", "run"]
 
 
 def __getattr__(name: str):
-    """``roundel.run`` (see :func:`roundel.runner.run_api.run`), loaded on first use so that
-    ``import roundel`` stays light."""
-    if name == "run":
-        from roundel.runner.run_api import run
+    """``roundel.run`` and ``roundel.RankFailedError`` (see :mod:`roundel.runner.run_api`), loaded on
+    first use so that ``import roundel`` stays light."""
+    if name in __all__:
+        from roundel.runner import run_api
 
-        return run
+        return getattr(run_api, name)
     raise AttributeError(f"module 'roundel' has no attribute {name!r}")

@@ -26,7 +26,7 @@ _LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
 class Settings:
     """Validated engine and job settings (see README "Settings" for each one)."""
 
-    fusion_threshold: int = 64 * MIB
+    fusion_threshold: int = 128 * MIB
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     stall_check_time_s: float = 60.0
@@ -142,7 +142,7 @@ def _fraction(var: str, raw: str) -> float:
 
 
 _SPECS = (
-    _Spec("fusion_threshold", "FUSION_THRESHOLD", _int(0, "67108864 (64 MiB; 0 disables fusion)")),
+    _Spec("fusion_threshold", "FUSION_THRESHOLD", _int(0, "134217728 (128 MiB; 0 disables fusion)")),
     _Spec("cycle_time_ms", "CYCLE_TIME", _float(0.0, "1 (milliseconds)")),
     _Spec("cache_capacity", "CACHE_CAPACITY", _int(0, "1024 (0 disables the response cache)")),
     _Spec("stall_check_time_s", "STALL_CHECK_TIME_SECONDS", _float(0.0, "60", strictly_above=True)),
