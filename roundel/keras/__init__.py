@@ -29,13 +29,14 @@ from roundel.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from roundel.common.process_sets import ProcessSet, global_process_set
 from roundel.keras import callbacks, elastic, optimizers
 from roundel.keras.core import (
-    Compression, DistributedOptimizer, allgather, allgather_object, allreduce, broadcast,
-    broadcast_global_variables, broadcast_object, broadcast_variables, load_model, reducescatter,
+    Compression, DistributedOptimizer, PartialDistributedOptimizer, allgather, allgather_object, allreduce,
+    broadcast, broadcast_global_variables, broadcast_object, broadcast_variables, load_model, reducescatter,
 )
 
 __all__ = [
     "Adasum", "Average", "CollectiveMismatchError", "Compression", "DistributedOptimizer", "HorovodInternalError",
-    "HostsUpdatedInterrupt", "Max", "Min", "NotInitializedError", "ProcessSet", "Product", "ReduceOp",
+    "HostsUpdatedInterrupt", "Max", "Min", "NotInitializedError", "PartialDistributedOptimizer", "ProcessSet",
+    "Product", "ReduceOp",
     "RoundelError", "RoundelInternalError", "Sum", "add_process_set", "allgather", "allgather_object",
     "allreduce", "broadcast", "broadcast_global_variables", "broadcast_object", "broadcast_variables",
     "callbacks", "cross_rank", "cross_size", "cuda_built", "gloo_built", "gloo_enabled", "global_process_set",

@@ -16,17 +16,36 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     Broadcasts at ``on_train_begin`` (building the optimizer first when the
     model is built), so the first step already starts from equal state, and
     once more after the first batch if the optimizer could not be built yet.
+    ``local_variables`` (a variable or a collection of them) are left out, as
+    are those given to ``register_local_var``. ``device`` is accepted for
+    Horovod compatibility. Raises ValueError if ``local_variables`` holds
+    something that is not a variable.
     """
 
-    def __init__(self, root_rank=0, device="", process_set=global_process_set):
+    def __init__(self, root_rank=0, device="", local_variables=None, process_set=global_process_set):
         super().__init__()
         self.root_rank = root_rank
+        self.device = device
         self.process_set = process_set
         self.broadcast_done = False
         self._optimizer_pending = False
+        self._local_vars = set()
+        if local_variables is None:
+            local_variables = []
+        elif _is_variable(local_variables):
+            local_variables = [local_variables]
+        local_variables = list(local_variables)
+        if not all(_is_variable(v) for v in local_variables):
+            raise ValueError("All local variables must be Keras or tf.Variable variables.")
+        for v in local_variables:
+            self.register_local_var(v)
+
+    def register_local_var(self, var):
+        """Leave ``var`` out of the broadcast (it stays as each rank has it)."""
+        self._local_vars.add(id(var))
 
     def _broadcast(self):
-        variables = list(self.model.variables)
+        variables = [v for v in self.model.variables if id(v) not in self._local_vars]
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and not getattr(optimizer, "built", False) and self.model.built:
             optimizer.build(self.model.trainable_variables)  # so its state is equal before the first step
@@ -47,6 +66,43 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if self._optimizer_pending:
             self._broadcast()
             self._optimizer_pending = False
+
+
+def _is_variable(value) -> bool:
+    if isinstance(value, keras.Variable):
+        return True
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+        return isinstance(value, tf.Variable)
+    return False
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keras's ``ModelCheckpoint`` with ``save_best_only=True``, saving on rank 0 only.
+
+    Horovod's signature, plus ``filepath`` (Horovod's Spark estimator sets
+    ``callback.filepath`` itself); set one of them before training, ending in
+    ``.keras`` (or ``.weights.h5`` with ``save_weights_only``). Put
+    ``MetricAverageCallback`` before it to monitor the ranks' average.
+    Raises ValueError at training start when no ``filepath`` was set.
+    """
+
+    def __init__(self, monitor="val_loss", verbose=0, save_weights_only=False, mode="auto", save_freq="epoch",
+                 filepath=None):
+        placeholder = "best.weights.h5" if save_weights_only else "best.keras"
+        super().__init__(filepath=filepath or placeholder, monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+        self.filepath = filepath
+
+    def on_train_begin(self, logs=None):
+        if not self.filepath:
+            raise ValueError("BestModelCheckpoint needs a file path: pass filepath= or set callback.filepath "
+                             "before training")
+        super().on_train_begin(logs)
+
+    def _save_model(self, epoch, batch, logs):
+        if basics.rank() == 0:
+            super()._save_model(epoch, batch, logs)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

@@ -197,10 +197,31 @@ class _DistributedOptimizerMixin:
             index_groups.append([position[self._var_key(v)] for v in group if self._var_key(v) in position])
         return index_groups
 
+    def register_local_var(self, var):
+        """Keep ``var``'s gradient local: it is not reduced (Horovod's ``register_local_var``)."""
+        self._roundel["local_keys"].add(self._var_key(var))
+
     def _roundel_reduce(self, grads, variables):
+        """Reduce the gradients of shared variables; those of local variables stay local (scaled by 1/size)."""
         settings = self._roundel
         if settings["process_set"].size() <= 1:
             return grads
+        local_keys = settings["local_keys"]
+        local = [self._var_key(v) in local_keys for v in variables]
+        if not any(local):
+            return self._roundel_reduce_shared(grads, variables)
+        shared = [i for i, is_local in enumerate(local) if not is_local]
+        reduced = self._roundel_reduce_shared([grads[i] for i in shared], [variables[i] for i in shared])
+        results = list(grads)
+        for i, r in zip(shared, reduced):
+            results[i] = r
+        if settings["scale_local_gradients"]:
+            size = settings["process_set"].size()
+            results = [g / size if is_local and g is not None else g for g, is_local in zip(results, local)]
+        return results
+
+    def _roundel_reduce_shared(self, grads, variables):
+        settings = self._roundel
         groups = self._roundel_groups(variables)
         if _backend() == "tensorflow":
             if _in_xla_context():
@@ -284,8 +305,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     fused allreduces (0: one), or in ``groups``: lists of the model's
     variables whose gradients go together, the others each alone (an int
     ``groups`` is ``num_groups``). Raises ValueError for bad arguments.
-    ``device_*`` and ``scale_local_gradients`` are accepted for Horovod
-    compatibility and ignored.
+    ``scale_local_gradients`` divides the gradients of local variables (see
+    ``PartialDistributedOptimizer``) by the set's size. ``device_*`` are
+    accepted for Horovod compatibility and ignored.
     """
     if isinstance(optimizer, _DistributedOptimizerMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")
@@ -320,6 +342,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         "backward_passes_per_step": backward_passes_per_step,
         "average_aggregated_gradients": bool(average_aggregated_gradients),
         "process_set": process_set,
+        "scale_local_gradients": bool(scale_local_gradients),
+        "local_keys": set(),
     }
     if wrapped._roundel["gradient_predivide_factor"] != 1.0 and wrapped._roundel["op"] != ReduceOp.Average:
         raise ValueError("gradient_predivide_factor needs op=Average")
@@ -327,7 +351,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     return wrapped
 
 
-def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none, **kwargs):
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
+               legacy_opts=False, **kwargs):
     """``keras.models.load_model`` whose compiled optimizer comes back wrapped in ``DistributedOptimizer``.
 
     Works on Keras's TensorFlow and PyTorch backends. The loaded optimizer's
@@ -335,7 +360,13 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     optimizer classes) are made known to the loader as custom objects. An
     optimizer saved with ``backward_passes_per_step`` N comes back with Keras's
     ``gradient_accumulation_steps=N``, which averages the N gradients.
+    ``legacy_opts`` is Horovod's switch to ``tf.keras.optimizers.legacy``
+    classes, which Keras 3 does not have: ``legacy_opts=True`` raises
+    ValueError saying so; False (the default) is accepted.
     """
+    if legacy_opts:
+        raise ValueError("load_model(legacy_opts=True): Keras 3 has no keras.optimizers.legacy optimizers; "
+                         "load with legacy_opts=False (Keras 3 optimizers), or use tf_keras with Horovod")
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or ():
         objects.setdefault(cls.__name__, cls)
@@ -351,3 +382,34 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     model.optimizer = wrapped
     model.train_function = model.test_function = model.predict_function = None
     return model
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
+                                op=ReduceOp.Average, groups=None, process_set=global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """``DistributedOptimizer`` whose ``local_layers``' gradients are not reduced (Horovod's signature).
+
+    ``local_layers`` is a Keras layer or a collection of them; their trainable
+    variables keep their local gradient, divided by the set's size when
+    ``scale_local_gradients``. Raises ValueError for ops other than Average
+    and Sum or entries that are not Keras layers.
+    """
+    op = resolve_op(op)
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError("PartialDistributedOptimizer: op currently only supports Average and Sum")
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    local_layers = list(local_layers)
+    if not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of keras.layers.Layer type.")
+    wrapped = DistributedOptimizer(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+                                   compression=compression, sparse_as_dense=sparse_as_dense,
+                                   gradient_predivide_factor=gradient_predivide_factor, op=op, groups=groups,
+                                   process_set=process_set, scale_local_gradients=scale_local_gradients)
+    for layer in local_layers:
+        for v in layer.trainable_weights:
+            wrapped.register_local_var(v)
+    return wrapped

@@ -18,11 +18,14 @@ from roundel.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from roundel.common.process_sets import ProcessSet, global_process_set
 from roundel.tensorflow.compression import Compression
 from roundel.tensorflow.functions import (
-    allgather_object, broadcast_global_variables, broadcast_object, broadcast_variables,
+    allgather_object, broadcast_global_variables, broadcast_object, broadcast_object_fn, broadcast_variables,
 )
 from roundel.tensorflow import elastic
-from roundel.tensorflow.gradient_tape import DistributedGradientTape
+from roundel.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from roundel.tensorflow.mpi_ops import (
-    allgather, allreduce, alltoall, barrier, broadcast, grouped_allgather, grouped_allreduce,
-    grouped_reducescatter, join, rank_op, reducescatter, size_op,
+    _allreduce, allgather, allreduce, alltoall, barrier, broadcast, broadcast_, grouped_allgather,
+    grouped_allreduce, grouped_reducescatter, join, local_rank_op, local_size_op, process_set_included_op,
+    rank_op, reducescatter, size_op,
 )
+from roundel.tensorflow.optimizer import DistributedOptimizer
+from roundel.tensorflow.sync_batch_norm import SyncBatchNormalization

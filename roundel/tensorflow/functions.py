@@ -61,3 +61,19 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """Return the list of every rank's ``obj``, in rank order. Eager only."""
     return _allgather_object(obj, name=name or "object", process_set=process_set)
+
+
+@_do_not_convert
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
+    """Horovod's TF1-style helper: a function ``fn(obj)`` returning the root rank's ``obj`` on every rank.
+
+    ``session`` is accepted for Horovod compatibility (TensorFlow 2 runs
+    eagerly); each call of ``fn`` is one ``broadcast_object``, so every rank
+    must call it the same number of times.
+    """
+    base = name or "broadcast_object_fn"
+
+    def broadcast_fn(obj):
+        return broadcast_object(obj, root_rank, name=base, process_set=process_set)
+
+    return broadcast_fn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 _do_not_convert = tf.autograph.experimental.do_not_convert
@@ -60,20 +61,96 @@ def reduce_gradients(grads, compression=Compression.none, op=ReduceOp.Average, g
     return results
 
 
+def variable_key(variable):
+    """A hashable key for a ``tf.Variable`` or a Keras 3 variable (keyed by the ``tf.Variable`` it holds)."""
+    inner = getattr(variable, "value", None)
+    if isinstance(inner, tf.Variable):
+        variable = inner
+    return variable.ref() if isinstance(variable, tf.Variable) else None
+
+
+def _group_setting(groups, num_groups):
+    """Horovod's ``groups``/``num_groups``: returns (variable groups or None, number of groups)."""
+    if groups is None or isinstance(groups, int):
+        count = int(num_groups or 0) if groups is None else groups
+        if count < 0:
+            raise ValueError(f"groups={count} must be a non-negative integer or a list of lists of tf.Variable")
+        return None, count
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
+        raise ValueError("groups should be a non-negative integer or a list of lists of tf.Variable")
+    seen = set()
+    for group in groups:
+        for v in group:
+            key = variable_key(v)
+            if key is None:
+                raise ValueError(f"groups=: expected tf.Variable entries, got a {type(v).__name__}")
+            if key in seen:
+                raise ValueError(f"groups=: variable {v.name!r} is in more than one group")
+            seen.add(key)
+    return [list(g) for g in groups], 0
+
+
+def _index_groups(variable_groups, sources):
+    """``variable_groups`` as lists of positions in ``sources`` (variables not among them are left out)."""
+    if variable_groups is None:
+        return None
+    position = {}
+    for i, s in enumerate(sources):
+        position.setdefault(variable_key(s), i)
+    return [[position[variable_key(v)] for v in group if variable_key(v) in position] for group in variable_groups]
+
+
+def _scaled(grad, factor):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / factor, grad.indices, grad.dense_shape)
+    return grad / factor
+
+
 class _DistributedGradientTape(tf.GradientTape):
     """Mixed into the wrapped tape's class by ``DistributedGradientTape``."""
 
+    def register_local_source(self, source):
+        """Keep ``source``'s gradient local: not reduced (divided by the size with ``scale_local_gradients``)."""
+        key = variable_key(source)
+        if key is None:
+            raise ValueError(f"register_local_source expects a variable, got a {type(source).__name__}")
+        self._roundel_local.add(key)
+
     @_do_not_convert
-    def gradient(self, target, sources, output_gradients=None, unconnected_gradients=None):
+    def gradient(self, target, sources, output_gradients=None, unconnected_gradients=None,
+                 use_generic_names=False):
         kwargs = {} if unconnected_gradients is None else {"unconnected_gradients": unconnected_gradients}
         grads = super().gradient(target, sources, output_gradients, **kwargs)
-        if self._roundel_process_set.size() <= 1 and not self._roundel_always:
+        process_set = self._roundel_process_set
+        if process_set.size() <= 1 and not self._roundel_always:
             return grads
+        flat_sources = tf.nest.flatten(sources)
         flat = tf.nest.flatten(grads)
-        reduced = reduce_gradients(flat, self._roundel_compression, self._roundel_op,
+        local = [variable_key(s) in self._roundel_local for s in flat_sources]
+        shared = [i for i, is_local in enumerate(local) if not is_local]
+        groups = _index_groups(self._roundel_groups, flat_sources)
+        if groups is not None:
+            new_position = {old: new for new, old in enumerate(shared)}
+            groups = [[new_position[i] for i in group if i in new_position] for group in groups]
+        reduced = reduce_gradients([flat[i] for i in shared], self._roundel_compression, self._roundel_op,
                                    self._roundel_predivide, self._roundel_sparse_as_dense,
-                                   self._roundel_num_groups, self._roundel_process_set)
-        return tf.nest.pack_sequence_as(grads, reduced)
+                                   self._roundel_num_groups, process_set, groups=groups)
+        results = list(flat)
+        for i, r in zip(shared, reduced):
+            results[i] = r
+        if self._roundel_scale_local:
+            for i, is_local in enumerate(local):
+                if is_local and results[i] is not None:
+                    results[i] = _scaled(results[i], process_set.size())
+        return tf.nest.pack_sequence_as(grads, results)
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None, use_generic_names=False):
+        """``gradient()``, split into ``(local [(source, grad)], global [(source, grad)])`` lists."""
+        grads = self.gradient(target, sources, output_gradients)
+        local, shared = [], []
+        for s, g in zip(sources, grads):
+            (local if variable_key(s) in self._roundel_local else shared).append((s, g))
+        return local, shared
 
 
 @_do_not_convert
@@ -84,22 +161,60 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     """Wrap ``gradtape`` so ``gradient()`` returns gradients averaged (``op``) across the ranks.
 
     Returns a tape of a subclass of ``gradtape``'s class sharing its recorded
-    operations. ``groups`` (explicit lists) is not supported: use
-    ``num_groups``. ``device_*`` and ``scale_local_gradients`` are accepted for
-    Horovod compatibility.
+    operations. ``groups`` is Horovod's: a number of fused allreduce groups,
+    or lists of ``tf.Variable`` whose gradients are reduced together (every
+    other gradient alone); ``num_groups`` is its older spelling. Sources
+    registered with ``register_local_source`` keep their local gradient,
+    divided by the set's size when ``scale_local_gradients``. ``device_*``
+    are accepted for Horovod compatibility. Raises ValueError for bad
+    ``groups`` or a ``gradient_predivide_factor`` with an op other than Average.
     """
-    if groups is not None:
-        raise NotImplementedError("groups= is not supported by roundel.tensorflow; use num_groups=")
-    if int(num_groups or 0) < 0:
-        raise ValueError(f"num_groups={num_groups} must be >= 0")
+    op = resolve_op(op)
+    if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
+        raise ValueError("gradient_predivide_factor needs op=Average")
+    variable_groups, count = _group_setting(groups, num_groups)
     cls = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__), {})
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
     tape._roundel_compression = compression or Compression.none
-    tape._roundel_op = resolve_op(op)
+    tape._roundel_op = op
     tape._roundel_predivide = float(gradient_predivide_factor)
     tape._roundel_sparse_as_dense = sparse_as_dense
-    tape._roundel_num_groups = int(num_groups or 0)
+    tape._roundel_num_groups = count
+    tape._roundel_groups = variable_groups
     tape._roundel_process_set = process_set
+    tape._roundel_scale_local = bool(scale_local_gradients)
+    tape._roundel_local = set()
     tape._roundel_always = True
+    return tape
+
+
+def local_layer_variables(local_layers) -> list:
+    """The trainable variables of ``local_layers`` (one Keras layer or a collection of them)."""
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    local_layers = list(local_layers)
+    if not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of keras.layers.Layer type.")
+    return [v for layer in local_layers for v in layer.trainable_weights]
+
+
+@_do_not_convert
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                                   sparse_as_dense=False, op=ReduceOp.Average, gradient_predivide_factor=1.0,
+                                   num_groups=0, groups=None, process_set=global_process_set, local_layers=None,
+                                   scale_local_gradients=True):
+    """``DistributedGradientTape`` whose ``local_layers``' gradients stay local (not reduced).
+
+    With ``scale_local_gradients`` those gradients are divided by the set's
+    size, as in Horovod. Without ``local_layers`` it is ``DistributedGradientTape``.
+    """
+    local_vars = local_layer_variables(local_layers)
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set,
+                                   scale_local_gradients)
+    for v in local_vars:
+        tape.register_local_source(v)
     return tape

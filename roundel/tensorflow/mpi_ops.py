@@ -30,6 +30,11 @@ name is derived from the function's name and the input tensor's graph name
 (stable across ranks that trace the same code); eagerly a missing name comes
 from a counter per op kind and process set that every ``init()`` restarts, so
 ranks must then call collectives in the same order (as in Horovod).
+
+Signatures follow Horovod 0.28.1's positional order; ``ignore_name_scope``
+is accepted wherever Horovod has it and has no effect (names never include
+TensorFlow name scopes here). Mismatched collectives raise Horovod's
+TensorFlow error types (see ``roundel.tensorflow.tf_errors``).
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ _do_not_convert = tf.autograph.experimental.do_not_convert
 import torch
 
 from roundel.common import basics
+from roundel.common.errors import CollectiveMismatchError
 from roundel.common.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
+from roundel.tensorflow import tf_errors
 from roundel.torch import mpi_ops as _ops
 
 torch.set_num_threads(1)  # see the module notes
@@ -167,8 +174,11 @@ def _collective(kind: str, inputs: list, name, submit, finish, out_dtypes: list,
     returned into a list of NumPy arrays.
     """
     if tf.executing_eagerly():
-        handle = submit([t.numpy() for t in inputs], name)
-        arrays = finish(_ops.synchronize(handle))
+        try:
+            handle = submit([t.numpy() for t in inputs], name)
+            arrays = finish(_ops.synchronize(handle))
+        except CollectiveMismatchError as error:
+            raise tf_errors.translate(kind, error) from error
         return [tf.convert_to_tensor(a, dtype=d) for a, d in zip(arrays, out_dtypes)]
 
     graph = tf.compat.v1.get_default_graph()
@@ -241,7 +251,7 @@ def _dense_allreduce(tensor, name, op, prescale_factor, postscale_factor, proces
 
 @_do_not_convert
 def _allreduce(tensor, name=None, op=ReduceOp.Sum, prescale_factor=1.0, postscale_factor=1.0,
-               process_set=global_process_set):
+               ignore_name_scope=False, process_set=global_process_set):
     """Reduce a dense tensor across the set without compression (Horovod's low-level ``_allreduce``)."""
     tensor = tf.convert_to_tensor(tensor)
     _check_dtype(tensor, "allreduce")
@@ -313,10 +323,11 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
 
 @_do_not_convert
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=None, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set):
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
+                      ignore_name_scope=False, name=None):
     """Reduce a list of tensors together (one negotiation, fused); returns the list; differentiable.
 
-    ``tf.IndexedSlices`` entries are reduced as in ``allreduce``.
+    ``tf.IndexedSlices`` entries are reduced as in ``allreduce``. Arguments in Horovod's order.
     """
     from roundel.tensorflow.compression import Compression
     op = resolve_op(op, average)
@@ -353,7 +364,7 @@ def _gather_shape(shape: tf.TensorShape) -> tf.TensorShape:
 
 
 @_do_not_convert
-def allgather(tensor, name=None, process_set=global_process_set, ignore_name_scope=False):
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along dimension 0 (first dimensions may differ); differentiable."""
     tensor = tf.convert_to_tensor(tensor)
     _check_dtype(tensor, "allgather")
@@ -381,7 +392,7 @@ def allgather(tensor, name=None, process_set=global_process_set, ignore_name_sco
 
 
 @_do_not_convert
-def grouped_allgather(tensors, name=None, process_set=global_process_set):
+def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Allgather a list of tensors together; returns the list of results (not differentiable)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for t in tensors:
@@ -396,7 +407,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 # ------------------------------------------------------------ broadcast
 @_do_not_convert
-def broadcast(tensor, root_rank, name=None, process_set=global_process_set, ignore_name_scope=False):
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Return the root's ``tensor`` on every rank; differentiable (gradients flow to the root)."""
     tensor = tf.convert_to_tensor(tensor)
     _check_dtype(tensor, "broadcast")
@@ -422,9 +433,11 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set, igno
 # ------------------------------------------------------------ alltoall
 @_do_not_convert
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """Send ``splits[j]`` rows of ``tensor`` to rank j of the set; returns ``(received, received_splits)``.
+    """Send ``splits[j]`` rows of ``tensor`` to rank j of the set; differentiable in ``tensor``.
 
-    Without ``splits`` the first dimension is divided evenly. Differentiable in ``tensor``.
+    As in Horovod, returns ``(received, received_splits)`` when ``splits`` is
+    given and only ``received`` without it (the first dimension is then
+    divided evenly).
     """
     tensor = tf.convert_to_tensor(tensor)
     _check_dtype(tensor, "alltoall")
@@ -452,16 +465,19 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 
         return (out, received), grad
 
-    return run(tensor)
+    out, received = run(tensor)
+    return out if even else (out, received)
 
 
 # ------------------------------------------------------------ reducescatter
 @_do_not_convert
-def reducescatter(tensor, op=None, name=None, compression=None, prescale_factor=1.0, postscale_factor=1.0,
-                  process_set=global_process_set, ignore_name_scope=False):
+def reducescatter(tensor, device_dense="", compression=None, op=ReduceOp.Average, name=None,
+                  process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
+                  postscale_factor=1.0):
     """Reduce ``tensor`` (Average by default) and return this rank's slice of dimension 0; differentiable.
 
-    Lower ranks get one extra row when the first dimension does not divide evenly.
+    Lower ranks get one extra row when the first dimension does not divide
+    evenly. Arguments in Horovod's order; ``device_dense`` is ignored.
     """
     from roundel.tensorflow.compression import Compression
     op = resolve_op(op)
@@ -490,9 +506,9 @@ def reducescatter(tensor, op=None, name=None, compression=None, prescale_factor=
 
 
 @_do_not_convert
-def grouped_reducescatter(tensors, op=None, name=None, compression=None, prescale_factor=1.0,
-                          postscale_factor=1.0, process_set=global_process_set):
-    """Reducescatter a list of tensors together; returns the list of this rank's slices."""
+def grouped_reducescatter(tensors, device_dense="", compression=None, op=ReduceOp.Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    """Reducescatter a list of tensors together; returns the list of this rank's slices (Horovod's argument order)."""
     from roundel.tensorflow.compression import Compression
     op = resolve_op(op)
     compression = compression or Compression.none
@@ -529,14 +545,76 @@ def join():
     return _blocking("Join", _ops.join, tf.int32)
 
 
+# Horovod's codes from process_set_included_op
+PROCESS_SET_ERROR_INIT = -1
+PROCESS_SET_ERROR_UNKNOWN_SET = -3
+
+
+@_do_not_convert
+def _value_op(fn, name):
+    """An int32 scalar op that calls ``fn`` when it runs (eagerly: at once), as Horovod's ``*_op`` do."""
+    if tf.executing_eagerly():
+        return tf.constant(fn(), tf.int32, name=name)
+    return tf.numpy_function(lambda: np.int32(fn()), [], tf.int32, stateful=True,
+                             name=name or "RoundelValue")
+
+
 @_do_not_convert
 def size_op(process_set_id=0, name=None):
-    """The number of ranks in the set, as an int32 tensor."""
-    ranks = basics.runtime("size_op").process_sets[process_set_id][0]
-    return tf.constant(len(ranks), tf.int32, name=name)
+    """The number of ranks in the process set, as an int32 tensor (read when the op runs)."""
+    return _value_op(lambda: len(basics.runtime("size_op").process_sets[process_set_id][0]), name)
+
+
+@_do_not_convert
+def local_size_op(name=None):
+    """The number of ranks on this host, as an int32 tensor (read when the op runs)."""
+    return _value_op(basics.local_size, name)
 
 
 @_do_not_convert
 def rank_op(name=None):
-    """This process's rank, as an int32 tensor."""
-    return tf.constant(basics.rank(), tf.int32, name=name)
+    """This process's rank, as an int32 tensor (read when the op runs)."""
+    return _value_op(basics.rank, name)
+
+
+@_do_not_convert
+def local_rank_op(name=None):
+    """This process's rank on its host, as an int32 tensor (read when the op runs)."""
+    return _value_op(basics.local_rank, name)
+
+
+def _included(process_set_id) -> int:
+    if not basics.is_initialized():
+        return PROCESS_SET_ERROR_INIT
+    sets = basics.runtime("process_set_included_op").process_sets
+    if process_set_id not in sets:
+        return PROCESS_SET_ERROR_UNKNOWN_SET
+    return int(basics.rank() in sets[process_set_id][0])
+
+
+@_do_not_convert
+def process_set_included_op(process_set_id=0, name=None):
+    """1 if this process belongs to the set, else 0; -1 before ``init()``, -3 for an unknown set (as Horovod)."""
+    return _value_op(lambda: _included(process_set_id), name)
+
+
+# ------------------------------------------------------------ in-place broadcast
+@_do_not_convert
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """Overwrite ``variables`` in place with the root rank's values; returns their new values.
+
+    Variables are matched across ranks by ``name`` and their position in the
+    list. Eagerly it assigns at once; inside ``tf.function`` the returned
+    values depend on the assignments.
+    """
+    variables = list(variables)
+    prefix = name or "broadcast_"
+    values = [broadcast(tf.convert_to_tensor(v), root_rank,
+                        name=f"{prefix}.{i}.{getattr(v, 'name', '')}" if name or tf.executing_eagerly() else None,
+                        process_set=process_set)
+              for i, v in enumerate(variables)]
+    assigns = [v.assign(value) for v, value in zip(variables, values)]
+    if tf.executing_eagerly():
+        return [v.read_value() for v in variables]
+    with tf.control_dependencies(assigns):
+        return [v.read_value() for v in variables]
