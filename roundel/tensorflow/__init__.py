@@ -11,8 +11,8 @@ from roundel.common.basics import (
 )
 from roundel.common.basics import add_process_set, remove_process_set
 from roundel.common.errors import (
-    CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError, RoundelError,
-    RoundelInternalError,
+    CollectiveDeadlockError, CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError,
+    RoundelError, RoundelInternalError,
 )
 from roundel.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from roundel.common.process_sets import ProcessSet, global_process_set
