@@ -74,6 +74,7 @@ class ElasticJob:
             while not predicate([line for _, line in self.lines]):
                 left = deadline - time.monotonic()
                 if left <= 0 or (self.process.poll() is not None and not any(r.is_alive() for r in self._readers)):
+                    self.stop()  # a failed test leaves nothing running
                     raise AssertionError(f"timed out waiting for {what or predicate}\n{self.describe()}")
                 self._cond.wait(min(left, 0.5))
 
@@ -100,6 +101,17 @@ class ElasticJob:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             raise AssertionError(f"worker {label} (pid {pid}) is not running\n{self.describe()}") from None
+
+    def stop(self) -> None:
+        """SIGTERM the launcher (it stops its workers); SIGKILL its process group after 20 s."""
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
 
     def finish(self, timeout: float = 240.0) -> int:
         """Wait for the launcher to exit; return its status (kill it and fail after ``timeout`` s)."""
@@ -152,13 +164,41 @@ def check_training(text: str, epochs: int | None, samples: int, batch: int, max_
     for record in finals:
         assert record["epoch"] == epochs, record
         assert record["params"] == finals[0]["params"], "ranks finished with different parameters"
+        if "gathered" in record:
+            assert record["gathered"] == list(range(size)), f"unnamed allgather after training: {record}"
     committed = [int(payload.split()[1]) for _, stream, payload in worker_lines(text)
                  if stream == "stdout" and payload.startswith("COMMIT ")]
     assert committed, "rank 0 never committed"
     assert all(b > a for a, b in zip(committed, committed[1:])), f"committed steps went backwards: {committed}"
+    check_resumed_from_commits(text)
     for epoch in range(epochs):
         seen = [i for _, r in records(text, "SEEN") if r["epoch"] == epoch for i in r["indices"]]
         assert set(seen) == set(range(samples)), f"epoch {epoch} missed samples {set(range(samples)) - set(seen)}"
         repeats = len(seen) - samples
         assert repeats <= max_repeats, f"epoch {epoch}: {repeats} samples processed again (allowed {max_repeats})"
     return finals
+
+
+def check_resumed_from_commits(text: str) -> None:
+    """Assert that every (re)start of the training function continued from a known state.
+
+    A ``START`` record (step and parameters after the sync) must show the
+    parameters that a ``COMMIT`` or an earlier ``START`` showed at the same
+    step: a rank never resumes a committed step with other weights (e.g. the
+    random ones of a worker that joined and never committed itself).
+    """
+    known: dict[int, list] = {}
+    for _, stream, payload in worker_lines(text):
+        if stream != "stdout":
+            continue
+        if payload.startswith("COMMIT "):
+            _, step, params = payload.split(" ", 2)
+            known[int(step)] = json.loads(params)
+        elif payload.startswith("START "):
+            record = json.loads(payload[len("START "):])
+            step = record["step"]
+            if step in known:
+                assert record["params"] == known[step], (
+                    f"rank {record['rank']} resumed step {step} with parameters {record['params'][:3]}..., "
+                    f"not the ones committed at that step {known[step][:3]}...")
+            known[step] = record["params"]

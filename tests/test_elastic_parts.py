@@ -70,3 +70,25 @@ def test_elastic_sampler_remembers_progress_in_an_epoch(single_process_job):
     assert sorted(sampler) == list(range(10)) and list(sampler) != order
     sampler.record_indices([4, 2])
     assert sorted(sampler.state_dict()["processed_indices"]) == [2, 4]
+
+
+def test_torch_state_sync_makes_what_was_received_the_rollback_point(single_process_job):
+    # a rank that just joined has no commit of its own: after sync() a failure must bring it back
+    # to what it received (one rank here, so what it "receives" is its own current state)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sampler = hvd.elastic.ElasticSampler(torch.utils.data.TensorDataset(torch.arange(8)), shuffle=False)
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, step=3)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    sampler.record_batch(0, 2)
+    state.sync()
+    with torch.no_grad():
+        model.weight.fill_(0.9)
+    sampler.record_batch(1, 2)
+    state.step = 4
+    state.restore()
+    assert model.weight.tolist() == [[0.5, 0.5]]
+    assert sampler.processed_indices == {0, 1}
+    assert state.step == 3
+

@@ -138,7 +138,7 @@ def test_reset_limit_exceeded(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--min-np", "3", "--max-np", "2"], "--max-np 2 is below -np/--min-np 3"),
-    (["-np", "2", "-H", "localhost:2"], "--host-discovery-script replaces -H/--hostfile"),
+    (["-np", "2", "-H", "localhost:2"], "-H/--hosts: not allowed with argument --host-discovery-script"),
     (["-np", "2", "--blacklist-cooldown-range", "5", "1"], "need 0 <= LO <= HI"),
     (["--max-np", "2"], "elastic training needs -np or --min-np"),
 ])
@@ -171,7 +171,8 @@ def test_network_namespace_hosts_join_leave_and_fail(tmp_path):
     try:
         h1, h2 = net.addrs
         job = _job(tmp_path, f"{LAUNCHER_ADDR}:1\n{h1}:1\n", "-np", "2", "--min-np", "1", "-p", SSH_PORT,
-                   "-i", net.key, "--elastic-timeout", "90", epochs=3, step_sleep=0.1, **net.ssh_env())
+                   "-i", net.key, "--elastic-timeout", "90", "-x", "EPOCHS", "-x", "SAMPLES", "-x", "BATCH",
+                   "-x", "STEP_SLEEP", epochs=3, step_sleep=0.1, **net.ssh_env())
         job.wait_count("COMMIT", 5, timeout=120)
         job.set_hosts(f"{LAUNCHER_ADDR}:1\n{h1}:1\n{h2}:1\n")  # a host joins
         job.wait_count("generation 1: 3 worker(s)", 1, timeout=120)

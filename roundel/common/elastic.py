@@ -4,8 +4,9 @@ A training function decorated with a framework's ``elastic.run`` gets a
 ``State``. The loop ``commit()``s it now and then. When a peer fails, every
 survivor sees ``HorovodInternalError`` on its main thread; the loop rolls its
 state back to the last commit, leaves the broken communicator, joins the
-next generation (see :mod:`roundel.runner.elastic_rendezvous`), takes rank
-0's state, runs the reset callbacks and calls the training function again.
+next generation (see :mod:`roundel.runner.elastic_rendezvous`), runs the
+reset callbacks, takes rank 0's state (which also becomes the point to roll
+back to) and calls the training function again.
 When the driver plans a membership change, rank 0 notices it at a
 ``commit()`` and tells every rank in the same collective, so all ranks raise
 ``HostsUpdatedInterrupt`` at the same commit and reset together (keeping
@@ -43,7 +44,7 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        """Run the reset callbacks (``elastic.run`` calls this after each reset and sync)."""
+        """Run the reset callbacks (``elastic.run`` calls this after each reset, before ``sync()``)."""
         for callback in self._reset_callbacks:
             callback()
 
@@ -75,7 +76,7 @@ class State:
         raise NotImplementedError
 
     def sync(self) -> None:
-        """Make every rank's state equal to rank 0's."""
+        """Make every rank's state equal to rank 0's; that is also each rank's new point to roll back to."""
         raise NotImplementedError
 
 
@@ -83,7 +84,8 @@ class ObjectState(State):
     """State made of picklable attributes given as keyword arguments (``epoch=0, batch=0``).
 
     Each keyword becomes an attribute; ``save()`` copies them, ``restore()``
-    puts the copy back, and ``sync()`` takes rank 0's saved values.
+    puts the copy back, and ``sync()`` takes rank 0's saved values (as this
+    rank's saved values too).
     """
 
     def __init__(self, bcast_object, **kwargs):
@@ -129,9 +131,10 @@ def run_fn(func):
             try:
                 if needs_reset:
                     reset()
-                state.sync()
-                if needs_reset:
+                    # before sync, as in Horovod: what the callbacks set on rank 0 (a learning rate
+                    # rescaled for the new size) reaches the ranks that just joined
                     state.on_reset()
+                state.sync()
                 return func(state, *args, **kwargs)
             except elastic_rendezvous.JoinError:
                 raise

@@ -539,9 +539,7 @@ class Engine:
         """Fail the waited names once every involved rank has been blocked on them, unchanged, for the grace."""
         if self._broken is not None:
             return
-        # a rank silent for a while (e.g. SIGSTOPped) may have stopped anywhere: its last report is stale,
-        # so it counts as free; the heartbeat timeout deals with it
-        states = {r: w for r, w in self._rank_waits.items() if now - self._heard.get(r, now) < 2 * _HEARTBEAT_S}
+        states = dict(self._rank_waits)
         states[0] = own
         negotiator = self._negotiator
         live = [r for r in negotiator.live_ranks() if r == 0 or r in self._peers]
@@ -555,6 +553,10 @@ class Engine:
             self._deadlock_seen = (now, seqs)
             return
         if now - self._deadlock_seen[0] < _DEADLOCK_GRACE_S:
+            return
+        # only ranks heard from since (alive, still blocked alike) count: a stopped rank's last report is
+        # stale (e.g. sent before the request it names); the heartbeat timeout deals with that rank
+        if any(r != 0 and self._heard.get(r, 0.0) <= self._deadlock_seen[0] for r in stuck):
             return
         self._deadlock_seen = None
         message = ("roundel detected a deadlock: these ranks are blocked on collectives that can never "

@@ -23,7 +23,7 @@ from roundel.common.errors import HorovodInternalError, HostsUpdatedInterrupt
 from roundel.keras.core import broadcast_object, broadcast_variables
 
 __all__ = ["CommitStateCallback", "HorovodInternalError", "HostsUpdatedInterrupt", "KerasState", "ObjectState",
-           "State", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
+           "State", "TensorFlowKerasState", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
 
 
 def run(func):
@@ -172,3 +172,6 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.state.epoch = epoch + 1
+
+
+TensorFlowKerasState = KerasState  # Horovod's name for the Keras state, importable from here as in Horovod

@@ -5,7 +5,8 @@ slot (up to ``--max-np``), and forms *generations* of the job through the
 rendezvous store (see :mod:`roundel.runner.elastic_rendezvous`):
 
 * at the start, once at least ``--min-np`` slots exist;
-* after a worker fails: its host is blacklisted (no new workers there, for
+* after a worker fails, or a peer reports it lost (silent, e.g. SIGSTOPped:
+  the driver SIGKILLs it): its host is blacklisted (no new workers there, for
   good or for a cooldown), a replacement is started on a free slot if there
   is one, and the survivors, which see the failure as an error in their
   training loop, roll back to their last commit and join again;
@@ -16,7 +17,8 @@ rendezvous store (see :mod:`roundel.runner.elastic_rendezvous`):
 A generation is formed only when every live worker the driver keeps has
 joined; survivors keep their relative order, so rank 0 always holds current
 state. The job ends with status 0 once the workers of the last generation
-have all exited 0, and with an error (never a hang) when the workers of a
+have all exited 0 (or every worker exited 0 without ever joining one; once
+a worker has exited 0 no new one is started), and with an error (never a hang) when the workers of a
 generation all fail, fewer than ``--min-np`` slots remain for
 ``--elastic-timeout`` seconds, workers do not rejoin within that time, or
 more resets than ``--reset-limit`` are needed.
@@ -38,6 +40,7 @@ from roundel.runner import elastic_rendezvous as protocol
 from roundel.runner import spawn
 from roundel.runner.discovery import Blacklist, HostDiscovery
 from roundel.runner.hosts import SlotInfo, is_local_host
+from roundel.runner.lost_ranks import describe_lost, lost_ranks
 from roundel.runner.rendezvous import RendezvousServer
 
 __all__ = ["ElasticSettings", "run"]
@@ -76,6 +79,7 @@ class _Member:
     last_rank: int | None = None  # rank in the latest generation it belonged to
     answered: int = 0  # join count already answered
     leaving: bool = False  # told (or to be told) to leave: its host was removed
+    lost: bool = False  # a peer reported it silent and the driver killed it
 
     @property
     def label(self) -> str:
@@ -109,6 +113,7 @@ class _Driver:
         self.generation = -1
         self.current: list[_Member] = []  # the latest generation, in rank order
         self.finished: list[_Member] = []  # members of the latest generation that exited 0
+        self.succeeded = False  # a worker exited 0: the job is ending, no new worker is started
         self.hosts_version = 0
         self.forming_since: float | None = time.monotonic()  # a generation is wanted since then
         self.short_since: float | None = None  # fewer than min_np slots since then
@@ -148,6 +153,7 @@ class _Driver:
         if member.leaving and code == 0:
             return
         if code == 0:
+            self.succeeded = True
             if member in self.current:
                 self.finished.append(member)
             return
@@ -168,6 +174,20 @@ class _Driver:
                 raise _JobFailed("every worker of the job failed, so no committed state survives")
             self._want_generation()
 
+    def _kill_lost(self) -> None:
+        """SIGKILL every worker of the current generation that a peer reported lost (it stopped answering).
+
+        Its exit then counts as a failure like any other (blacklist, replacement, reset).
+        """
+        live = {m.last_rank: m for m in self.current if not m.lost and m.serial in self.members}
+        for record in lost_ranks(self.server, list(live), protocol.key_prefix(self.generation)):
+            member = live.get(record.get("rank"))
+            if member is None:
+                continue
+            member.lost = True
+            self._say(f"worker {member.label}: {describe_lost(record)}; killing it")
+            member.worker.signal_group(signal.SIGKILL)
+
     # ------------------------------------------------------------ membership
     def _usable_hosts(self) -> dict[str, int]:
         return {h: n for h, n in self.hosts.items() if not self.s.blacklist.contains(h)}
@@ -187,7 +207,7 @@ class _Driver:
         limit = self.s.max_np if self.s.max_np is not None else float("inf")
         free = [(h, i) for h, n in self._usable_hosts().items() for i in range(n) if (h, i) not in used]
         for host, index in free:
-            if len(kept) >= limit:
+            if len(kept) >= limit or self.succeeded:
                 break
             self._start(host, index)
             kept.append(self.members[self.serial])
@@ -271,7 +291,10 @@ class _Driver:
                 return 128 + item
             if kind == "exit":
                 self._on_exit(self.member_of[item])
+            self._kill_lost()
             if self.current and all(m in self.finished for m in self.current):
+                return 0
+            if self.succeeded and not self.members:  # e.g. workers that finished without joining the job
                 return 0
             if self.forming_since is not None:
                 self._form()

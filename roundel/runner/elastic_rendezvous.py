@@ -28,7 +28,7 @@ from roundel.common.errors import RoundelInternalError
 from roundel.common.identity import Identity
 
 __all__ = ["HOSTS_VERSION_KEY", "TIMEOUT", "WORKER_ID", "Assignment", "JoinError", "WorkerRemoved", "assign_key",
-           "hosts_version", "join", "join_key", "removal", "worker_id"]
+           "hosts_version", "join", "join_key", "key_prefix", "removal", "worker_id"]
 
 WORKER_ID = "ROUNDEL_ELASTIC_WORKER_ID"
 """Environment variable naming an elastic worker (its presence makes ``init()`` join a generation)."""
@@ -45,6 +45,11 @@ def join_key(worker_id: str) -> str:
 
 def assign_key(worker_id: str, count: int) -> str:
     return f"elastic/assign/{worker_id}/{count}"
+
+
+def key_prefix(generation: int) -> str:
+    """The store prefix of ``generation``'s communicator; its ranks report a lost peer under ``<prefix>lost/<rank>``."""
+    return f"gen{generation}/"
 
 
 @dataclasses.dataclass(frozen=True)

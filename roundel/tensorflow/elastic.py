@@ -46,8 +46,8 @@ def run(func):
 
     On HorovodInternalError (also when raised by a collective inside a
     ``tf.function``) the state is restored to its last commit; on
-    HostsUpdatedInterrupt it is kept. Either way the job is re-formed, every
-    rank takes rank 0's state, the reset callbacks run, and ``func`` is
+    HostsUpdatedInterrupt it is kept. Either way the job is re-formed, the
+    reset callbacks run, every rank takes rank 0's state, and ``func`` is
     called again with the same state.
     """
     return common.run_fn(_raising_internal_errors(func))

@@ -2,21 +2,28 @@
 
 Prints, for the tests to check: ``SEEN <json>`` for
 every batch (epoch, global step, rank, size and the dataset indices);
-``COMMIT <step>`` on rank 0 after each commit; ``RESET <size>`` from the
-reset callback; ``FINAL <json>`` at the end (epoch, step and a fingerprint
-of the parameters). Settings come from the environment: ``EPOCHS``,
+``COMMIT <step> <params json>`` on rank 0 after each commit; ``START <json>``
+on every rank each time the training function starts (step and parameters
+just synced from rank 0); ``RESET <size>`` from the reset callback;
+``FINAL <json>`` at the end (epoch, step, a fingerprint of the parameters,
+and what an unnamed ``hvd.allgather`` of the ranks returned after training).
+Settings come from the environment: ``EPOCHS``,
 ``SAMPLES``, ``BATCH``, ``COMMIT_EVERY``, ``STEP_SLEEP``, and ``STOP_FILE``:
 once that file exists, training ends after the current epoch (rank 0
-decides, all ranks follow).
+decides, all ranks follow). ``LOST_AT_STEP``: in the first generation, at
+that step the last rank stops itself (SIGSTOP) and rank 0 reports it lost in
+the rendezvous store, as a rank's heartbeat check does.
 """
 
 import json
 import os
+import signal
 import time
 
 import torch
 
 import roundel.torch as hvd
+from roundel.common import basics
 
 EPOCHS = int(os.environ.get("EPOCHS", "3"))
 SAMPLES = int(os.environ.get("SAMPLES", "96"))
@@ -24,6 +31,7 @@ BATCH = int(os.environ.get("BATCH", "4"))
 COMMIT_EVERY = int(os.environ.get("COMMIT_EVERY", "1"))
 STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0.05"))
 STOP_FILE = os.environ.get("STOP_FILE")
+LOST_AT_STEP = int(os.environ.get("LOST_AT_STEP", "0"))
 
 hvd.init()
 torch.manual_seed(0)
@@ -51,8 +59,26 @@ def on_reset():
 state.register_reset_callbacks([on_reset])
 
 
+def params() -> list:
+    return [float(v) for p in model.parameters() for v in p.detach().flatten()]
+
+
+def fake_a_lost_rank() -> None:
+    """The last rank stops; rank 0 reports it under the agreed key ``<prefix>lost/<rank>``."""
+    runtime = basics.runtime()
+    victim = hvd.size() - 1
+    if hvd.rank() == victim:
+        print(f"STOPPING {victim}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif hvd.rank() == 0:
+        report = {"rank": victim, "host": "test", "reason": "no heartbeat for 0 s (faked by the test)"}
+        runtime.client.set(f"{runtime.prefix}lost/{victim}", json.dumps(report).encode())
+
+
 @hvd.elastic.run
 def train(state):
+    print("START " + json.dumps({"step": state.step, "rank": hvd.rank(), "size": hvd.size(), "params": params()}),
+          flush=True)
     while state.epoch < EPOCHS:
         state.sampler.set_epoch(state.epoch)
         for batch_idx, (x, y, idx) in enumerate(loader):
@@ -63,10 +89,12 @@ def train(state):
             optimizer.step()
             state.sampler.record_batch(batch_idx, BATCH)
             state.step += 1
+            if state.step == LOST_AT_STEP and basics.runtime().elastic.generation == 0 and hvd.size() > 1:
+                fake_a_lost_rank()
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
                 if hvd.rank() == 0:
-                    print(f"COMMIT {state.step}", flush=True)
+                    print(f"COMMIT {state.step} {json.dumps(params())}", flush=True)
             time.sleep(STEP_SLEEP)
         state.epoch += 1
         state.commit()
@@ -75,6 +103,6 @@ def train(state):
 
 
 train(state)
-fingerprint = [float(v) for p in model.parameters() for v in p.detach().flatten()]
+gathered = hvd.allgather(torch.tensor([hvd.rank()])).tolist()  # unnamed: numbered alike on every rank
 print("FINAL " + json.dumps({"epoch": state.epoch, "step": state.step, "rank": hvd.rank(), "size": hvd.size(),
-                             "params": fingerprint}), flush=True)
+                             "params": params(), "gathered": gathered}), flush=True)

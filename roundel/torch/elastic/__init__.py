@@ -13,8 +13,8 @@ def run(func):
     """Decorate a training function ``func(state, ...)`` to survive failures and membership changes.
 
     On HorovodInternalError the state is restored to its last commit; on
-    HostsUpdatedInterrupt it is kept. Either way the job is re-formed, every
-    rank takes rank 0's state, the state's reset callbacks run, and ``func``
-    is called again with the same state.
+    HostsUpdatedInterrupt it is kept. Either way the job is re-formed, the
+    state's reset callbacks run, every rank takes rank 0's state, and
+    ``func`` is called again with the same state.
     """
     return run_fn(func)

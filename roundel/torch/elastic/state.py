@@ -10,7 +10,7 @@ from roundel.common import elastic as common
 from roundel.torch.elastic.sampler import ElasticSampler
 from roundel.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
-__all__ = ["ObjectState", "State", "TorchState"]
+__all__ = ["ObjectState", "State", "StateHandler", "TorchState", "get_handler_registry", "set_handler_registry"]
 
 
 class State(common.State):
@@ -27,11 +27,36 @@ class ObjectState(common.ObjectState):
         super().__init__(broadcast_object, **kwargs)
 
 
-class _StateDictHandler:
-    """Saves a deep copy of ``value.state_dict()`` and loads it back; subclasses say how to sync."""
+class StateHandler:
+    """How ``TorchState`` saves, restores and syncs one kind of attribute (Horovod's interface).
+
+    Register a subclass for a type with ``set_handler_registry``; assigning a
+    new object to the attribute (``state.model = new_model``) calls ``set_value``.
+    """
 
     def __init__(self, value):
         self.value = value
+
+    def save(self) -> None:
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        raise NotImplementedError()
+
+    def sync(self) -> None:
+        raise NotImplementedError()
+
+    def set_value(self, value) -> None:
+        """Handle ``value`` from now on, its current state being the point to roll back to."""
+        self.value = value
+        self.save()
+
+
+class _StateDictHandler(StateHandler):
+    """Saves a deep copy of ``value.state_dict()`` and loads it back; subclasses say how to sync."""
+
+    def __init__(self, value):
+        super().__init__(value)
         self.save()
 
     def save(self) -> None:
@@ -61,13 +86,30 @@ class _SamplerHandler(_StateDictHandler):
                                                     name="elastic.sampler_state"))
 
 
+ModelStateHandler, OptimizerStateHandler, SamplerStateHandler = _ModelHandler, _OptimizerHandler, _SamplerHandler
+
+_handler_registry = [
+    (torch.nn.Module, ModelStateHandler),
+    (torch.optim.Optimizer, OptimizerStateHandler),
+    (ElasticSampler, SamplerStateHandler),
+]
+
+
+def get_handler_registry() -> list:
+    """The ``(type, StateHandler subclass)`` pairs ``TorchState`` consults, first match wins."""
+    return _handler_registry
+
+
+def set_handler_registry(registry) -> None:
+    """Replace the registry (for states created afterwards), e.g. to add a handler for your own type."""
+    global _handler_registry
+    _handler_registry = registry
+
+
 def _handler(value):
-    if isinstance(value, torch.nn.Module):
-        return _ModelHandler(value)
-    if isinstance(value, torch.optim.Optimizer):
-        return _OptimizerHandler(value)
-    if isinstance(value, ElasticSampler):
-        return _SamplerHandler(value)
+    for handled_type, handler_cls in _handler_registry:
+        if isinstance(value, handled_type):
+            return handler_cls(value)
     return None
 
 
@@ -93,6 +135,11 @@ class TorchState(ObjectState):
                 setattr(self, name, kwargs.pop(name))
         super().__init__(**kwargs)
 
+    def __setattr__(self, name, value):
+        if hasattr(self, name) and name in self._handlers:  # a new model/optimizer: its handler takes it
+            self._handlers[name].set_value(value)
+        super().__setattr__(name, value)
+
     def save(self) -> None:
         for handler in self._handlers.values():
             handler.save()
@@ -104,6 +151,8 @@ class TorchState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
+        """Take rank 0's state; it becomes the point to roll back to (a new rank has no commit of its own)."""
         for handler in self._handlers.values():
             handler.sync()
+            handler.save()
         super().sync()
