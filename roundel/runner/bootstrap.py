@@ -177,18 +177,6 @@ def _start_server(bind: str, port: int, secret: bytes) -> RendezvousServer:
     return server
 
 
-def _exported_secret(env: Mapping[str, str]) -> bytes | None:
-    """``ROUNDEL_SECRET`` when set; it always wins over a secret rank 0 would make."""
-    value = env.get(identity_env.SECRET)
-    if not value:
-        return None
-    try:
-        return bytes.fromhex(value)
-    except ValueError:
-        raise SettingsError(f"{identity_env.SECRET} must be hex digits; make one with "
-                            "export ROUNDEL_SECRET=$(openssl rand -hex 32)") from None
-
-
 def _bind_address(env: Mapping[str, str], address: str) -> str:
     """Where rank 0's store listens: ``address`` unless ``ROUNDEL_RENDEZVOUS_BIND`` asks for another."""
     return env.get(RENDEZVOUS_BIND) or address
@@ -221,7 +209,7 @@ def _torchrun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeo
                                    f"{master}:{master_port}: {exc}") from exc
     run = f"{env.get('TORCHELASTIC_RUN_ID', 'none')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     key = f"roundel/{run}/{prefix}rendezvous"
-    exported = _exported_secret(env)
+    exported = secret_file.exported_secret(env)
     server = None
     path = None
     try:
@@ -308,7 +296,7 @@ def _mpi(info: LauncherIdentity, env: Mapping[str, str]):
         try:
             local_only = info.local_size is not None and info.local_size == info.size
             host = "127.0.0.1" if local_only else network.reachable_address(None, env)
-            secret = _exported_secret(env) or new_secret()
+            secret = secret_file.exported_secret(env) or new_secret()
             server = _start_server(_bind_address(env, host), int(env.get(identity_env.RENDEZVOUS_PORT, 0)), secret)
             message = ("ok", host, server.port, secret.hex())
         except Exception as exc:  # tell the others instead of leaving them waiting
@@ -380,7 +368,7 @@ def _srun_listen_address(host: str, env: Mapping[str, str]) -> str:
 def _srun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s: float):
     host = env.get(identity_env.RENDEZVOUS_ADDR) or slurm_first_host(env)
     port = int(env.get(identity_env.RENDEZVOUS_PORT) or slurm_port(env))
-    secret = _exported_secret(env)
+    secret = secret_file.exported_secret(env)
     path = None
     if secret is None:  # Slurm's variables are public: the secret travels in a private file instead
         job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "0"

@@ -40,17 +40,6 @@ def _port(env: Mapping[str, str]) -> int:
     return port
 
 
-def _secret(env: Mapping[str, str]) -> bytes | None:
-    value = env.get(identity_env.SECRET)
-    if not value:
-        return None
-    try:
-        return bytes.fromhex(value)
-    except ValueError:
-        raise SettingsError(f"{identity_env.SECRET} must be hex digits; make one with "
-                            "export ROUNDEL_SECRET=$(openssl rand -hex 32)") from None
-
-
 def store(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s: float
           ) -> tuple[str, int, bytes, RendezvousServer | None, Path | None]:
     """(store host, port, secret, the server rank 0 runs or None, the secret file rank 0 wrote or None).
@@ -59,7 +48,7 @@ def store(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s
     rank 0 cannot listen or the secret cannot be handed over in time.
     """
     host, port = env[ADDR], _port(env)
-    secret = _secret(env)
+    secret = secret_file.exported_secret(env)
     path = None
     if secret is None:
         path = secret_file.job_secret_path("horovod", f"{host}.{port}.{prefix.rstrip('/')}", env)

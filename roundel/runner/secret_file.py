@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from roundel.common.errors import RoundelInternalError
+from roundel.common import identity as identity_env
+from roundel.common.errors import RoundelInternalError, SettingsError
 
 __all__ = ["SECRET_DIR", "JobSecret", "SecretFileError", "job_secret_path", "publish", "read", "remove"]
 
@@ -40,6 +41,21 @@ _POLL_S = 0.05
 _FIX = ("export ROUNDEL_SECRET=$(openssl rand -hex 32) before starting the job (every rank must see the "
         "same value), or give every rank the same private directory with ROUNDEL_SECRET_DIR (a home "
         "directory shared by the hosts)")
+
+
+def exported_secret(env: Mapping[str, str]) -> bytes | None:
+    """``ROUNDEL_SECRET`` when set (it always wins over a secret rank 0 would make), else None.
+
+    Raises SettingsError when it is not hex.
+    """
+    value = env.get(identity_env.SECRET)
+    if not value:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise SettingsError(f"{identity_env.SECRET} must be hex digits; make one with "
+                            "export ROUNDEL_SECRET=$(openssl rand -hex 32)") from None
 
 
 class SecretFileError(RoundelInternalError):
