@@ -68,8 +68,15 @@ class Negotiator:
         self.process_sets[process_set_id] = tuple(ranks)
 
     def remove_process_set(self, process_set_id: int) -> None:
+        """Forget the set; its names still pending fail on the ranks that submitted them."""
         self.process_sets.pop(process_set_id, None)
         self._evictions.extend(self.cache.drop_process_set(process_set_id))
+        for key in [k for k in self._pending if k[0] == process_set_id]:
+            pending = self._pending.pop(key)
+            self._fail_direct(tuple(sorted(pending.requests)), next(iter(pending.requests.values())),
+                              f"'{key[1]}' cannot complete: process set {process_set_id} was removed while "
+                              "it was pending (submit it on every member before remove_process_set())",
+                              "mismatch")
 
     def submit(self, rank: int, request: Request, now: float) -> None:
         """Record ``rank``'s request; the name may become ready."""
@@ -214,7 +221,7 @@ class Negotiator:
         for key in [k for k, p in self._pending.items() if now - p.since >= after_s]:
             pending = self._pending.pop(key)
             members = self.process_sets.get(key[0], ())
-            missing = [r for r in members if r not in pending.requests]
+            missing = [r for r in members if r not in pending.requests and r not in self._joined]
             request = next(iter(pending.requests.values()))
             self._fail_direct(members, request, (
                 f"'{key[1]}' stalled for {now - pending.since:.0f} s waiting for rank(s) "
