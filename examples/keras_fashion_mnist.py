@@ -29,6 +29,7 @@ import re
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # its "oneDNN custom operations are on" notice, per rank, ignores the log level
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,7 +147,7 @@ def main(argv=None):
 
     train = (tf.data.Dataset.from_tensor_slices((x_train, y_train)).repeat()
              .shuffle(4096, seed=hvd.rank()).batch(args.batch_size))
-    model.fit(train, steps_per_epoch=steps_per_epoch,
+    model.fit(train, steps_per_epoch=steps_per_epoch, shuffle=False,  # the dataset shuffles itself
               epochs=args.epochs, initial_epoch=resume_epoch, callbacks=callbacks, verbose=verbose)
 
     # Evaluate each rank's share of the test set and average.

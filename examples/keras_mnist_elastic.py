@@ -20,6 +20,7 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # its "oneDNN custom operations are on" notice, per rank, ignores the log level
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,11 +95,11 @@ def main(argv=None):
         verbose = 2 if hvd.rank() == 0 else 0
         if 0 < state.batch < steps:  # finish the epoch a reset interrupted
             model.fit(data, steps_per_epoch=steps - state.batch, initial_epoch=state.epoch,
-                      epochs=state.epoch + 1, callbacks=callbacks + extra, verbose=verbose)
+                      epochs=state.epoch + 1, callbacks=callbacks + extra, verbose=verbose, shuffle=False)
         elif state.batch:  # at more ranks, this rank's smaller shard of that epoch is already done
             state.epoch, state.batch = state.epoch + 1, 0
         model.fit(data, steps_per_epoch=steps, initial_epoch=state.epoch, epochs=args.epochs,
-                  callbacks=callbacks + extra, verbose=verbose)
+                  callbacks=callbacks + extra, verbose=verbose, shuffle=False)  # the dataset shuffles itself
 
     train(state)
 

@@ -39,6 +39,7 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # its "oneDNN custom operations are on" notice, per rank, ignores the log level
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # keras_models.py sits beside this file
 

@@ -1,4 +1,9 @@
-"""Exception types raised by roundel, under the names Horovod scripts catch."""
+"""Exception types raised by roundel, under the names Horovod scripts catch.
+
+An uncaught one prints a single line per rank (see :mod:`roundel.common.excepthook`).
+"""
+
+from roundel.common.excepthook import install_short_tracebacks
 
 
 class RoundelError(Exception):
@@ -53,3 +58,5 @@ class HostsUpdatedInterrupt(RoundelError):
 
 
 HorovodInternalError = RoundelInternalError
+
+install_short_tracebacks(RoundelError)

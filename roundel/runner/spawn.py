@@ -8,6 +8,8 @@ Workers on other hosts are started over ssh (:func:`start_remote`) through
 :mod:`roundel.runner.remote`, and are stopped by closing the connection.
 With an output directory, each rank's lines also go, unprefixed, to
 ``DIR/rank.<N>/stdout`` and ``DIR/rank.<N>/stderr`` (as Horovod writes them).
+Progress bars that redraw a line come through live on a terminal, and as
+finished lines (their last state) in pipes and files (:mod:`roundel.runner.redraw`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import BinaryIO, Mapping, TextIO
 
 from roundel.common.identity import LAUNCHER_PID, rendezvous_env
 from roundel.runner.hosts import SlotInfo, validate_hostname
+from roundel.runner.redraw import LineAssembler, LivePrefixer
 
 __all__ = ["FORWARDED_NAMES", "FORWARDED_PREFIXES", "FORWARD_VARS", "GRACE_SECONDS", "RemoteWorker", "STRICT_HOST_KEY_CHECKING", "Worker", "WorkerGroup",
            "describe_exit", "exit_status", "prefix_output_with_timestamp", "rank_output_dir", "remote_env",
@@ -36,6 +39,7 @@ GRACE_SECONDS = 5.0
 """How long workers get between SIGTERM and SIGKILL when the job is stopped."""
 
 _OUTPUT_DRAIN_SECONDS = 2.0
+_READ_SIZE = 65536
 
 _write_lock = threading.Lock()
 _timestamps = threading.Event()
@@ -68,34 +72,65 @@ def worker_env(
     return env
 
 
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _stamp(prefix: bytes) -> bytes:
+    return (time.asctime().encode() + prefix) if _timestamps.is_set() else prefix
+
+
+def _emit(stream: TextIO, data: bytes) -> None:
+    """Write ``data`` to ``stream`` at once, never interleaved with another relay's write; never raises."""
+    if not data:
+        return
+    out = getattr(stream, "buffer", None)
+    try:
+        with _write_lock:
+            if out is not None:
+                out.write(data)
+                out.flush()
+            else:
+                stream.write(data.decode(errors="replace"))
+                stream.flush()
+    except (OSError, ValueError):
+        pass  # our own output is gone (closed pipe); keep draining so the worker never blocks
+
+
 def _relay(pipe: BinaryIO, prefix: bytes, stream: TextIO, log: BinaryIO | None = None,
            tail: collections.deque | None = None) -> None:
-    """Copy ``pipe`` to ``stream`` line by line, each line prefixed (and, unprefixed, to ``log``);
-    keep the last lines in ``tail``; never raises."""
-    out = getattr(stream, "buffer", None)
+    """Copy ``pipe`` to ``stream`` with ``prefix`` before every line, and its finished lines,
+    unprefixed, to ``log``; keep the last finished lines in ``tail``; never raises.
+
+    A terminal gets redrawn lines (progress bars) live, the prefix repeated after each
+    carriage return; anything else gets each line once, in the last state it was drawn in.
+    """
+    live = LivePrefixer(prefix) if _is_terminal(stream) else None
+    lines = LineAssembler()
     with pipe:
-        for line in iter(pipe.readline, b""):
-            if not line.endswith(b"\n"):
-                line += b"\n"
+        while True:
+            try:
+                data = pipe.read1(_READ_SIZE)
+            except (OSError, ValueError):
+                data = b""
+            finished = lines.feed(data) if data else lines.flush()
             if tail is not None:
-                tail.append(line)
-            if log is not None:
+                tail.extend(finished)
+            if log is not None and finished:
                 try:
-                    log.write(line)
+                    log.write(b"".join(finished))
                     log.flush()
                 except (OSError, ValueError):
                     pass
-            stamped = (time.asctime().encode() + prefix) if _timestamps.is_set() else prefix
-            try:
-                with _write_lock:
-                    if out is not None:
-                        out.write(stamped + line)
-                        out.flush()
-                    else:
-                        stream.write((stamped + line).decode(errors="replace"))
-                        stream.flush()
-            except (OSError, ValueError):
-                pass  # our own output is gone (closed pipe); keep draining so the worker never blocks
+            if live is not None:
+                _emit(stream, live.feed(data, _stamp(prefix)) if data else live.finish())
+            else:
+                _emit(stream, b"".join(_stamp(prefix) + line for line in finished))
+            if not data:
+                return
 
 
 class Worker:

@@ -1,0 +1,156 @@
+"""What people read from ``roundelrun``: progress bars, one-line errors, ``--verbose`` and ``--help``.
+
+A Keras progress bar reaches a terminal live with its rank prefix and
+reaches pipes and ``--output-filename`` files as finished lines; a tqdm bar
+through a pipe gives one finished line; an operation before ``init()`` gives
+one line per rank (the whole traceback with ``--verbose``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import select
+import signal
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+
+from launch_util import LAUNCHER, WORKERS_DIR, clean_env, rank_lines, run_command, run_job
+from roundel.runner.redraw import LineAssembler, LivePrefixer
+
+WORKER = WORKERS_DIR / "output_worker.py"
+REDRAW_DEBRIS = (b"\r", b"\x1b", b"\x08")
+
+
+def _run_in_terminal(command: list, timeout: float) -> tuple[int, list[tuple[float, bytes]]]:
+    """Run ``command`` with stdout and stderr on a pseudo-terminal (no newline translation);
+    return its exit status and the chunks read, each with the time it arrived."""
+    master, slave = os.openpty()
+    attrs = termios.tcgetattr(slave)
+    attrs[1] &= ~termios.OPOST  # the terminal passes "\n" as it is, not as "\r\n"
+    termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=clean_env())
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not data:
+                break
+            chunks.append((time.monotonic(), data))
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # roundelrun stops every rank on SIGTERM
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert time.monotonic() < deadline, f"timed out after {timeout} s:\n{b''.join(c for _, c in chunks)!r}"
+    return proc.returncode, chunks
+
+
+def _arrival(chunks: list[tuple[float, bytes]], offset: int) -> float:
+    """When the byte at ``offset`` of the joined chunks arrived."""
+    seen = 0
+    for when, data in chunks:
+        seen += len(data)
+        if offset < seen:
+            return when
+    raise IndexError(offset)
+
+
+def test_line_assembler_keeps_the_last_state_of_a_redrawn_line():
+    lines = LineAssembler()
+    assert lines.feed(b"Epoch 1/2\n\x1b[1m1/5\x1b[0m \xe2\x94\x81 loss: 1.0") == [b"Epoch 1/2\n"]
+    assert lines.feed(b"\x08" * 14 + b"\r\x1b[1m5/5\x1b") == []  # an escape code cut in two
+    assert lines.feed(b"[0m \xe2\x94\x81 loss: 0.5\n") == ["5/5 ━ loss: 0.5\n".encode()]
+    assert lines.feed(b"10%|#   |\r") == [] and lines.feed(b"\n") == [b"10%|#   |\n"]  # "\r\n" split in two
+    assert lines.feed(b"half") == [] and lines.flush() == [b"half\n"]
+
+
+def test_live_prefixer_puts_the_prefix_back_after_each_carriage_return():
+    live = LivePrefixer(b"[0]<stdout>:")
+    assert live.feed(b"a\n\n\r1/5") == b"[0]<stdout>:a\n[0]<stdout>:\n[0]<stdout>:1/5"
+    assert live.feed(b"\r2/5") == b"\r[0]<stdout>:2/5"
+    assert live.finish() == b"\n"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="needs keras (pip install keras)")
+def test_keras_progress_bar_is_live_on_a_terminal_and_finished_lines_in_files(tmp_path):
+    logs = tmp_path / "logs"
+    command = [*LAUNCHER, "-np", "2", "--output-filename", str(logs), sys.executable, str(WORKER), "keras_progress"]
+    code, chunks = _run_in_terminal(command, timeout=120)
+    shown = b"".join(data for _, data in chunks)
+    assert code == 0, shown.decode(errors="replace")
+    for epoch in (1, 2):
+        start = shown.index(f"[0]<stdout>:Epoch {epoch}/2\n".encode())
+        bar_start = shown.index(b"\n", start) + 1
+        bar_end = shown.index(b"\n", bar_start)  # the bar's last state ends the epoch's line
+        bar = shown[bar_start:bar_end]
+        redraws = [i for i in range(len(bar)) if bar.startswith(b"\r[0]<stdout>:", i)]
+        assert len(redraws) >= 2, f"epoch {epoch}: {bar!r}"
+        early = _arrival(chunks, bar_start + redraws[0])
+        finished = _arrival(chunks, bar_end)
+        assert finished - early > 0.4, f"epoch {epoch}: the updates arrived together at its end: {bar!r}"
+    written = (logs / "rank.0" / "stdout").read_bytes()
+    assert not any(debris in written for debris in REDRAW_DEBRIS), written
+    bars = [line for line in written.decode().splitlines() if "5/5" in line]
+    assert len(bars) == 2 and all("loss" in line for line in bars), written
+    assert b"FIT DONE" in (logs / "rank.1" / "stdout").read_bytes()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tqdm") is None, reason="needs tqdm (pip install tqdm)")
+def test_tqdm_bar_through_a_pipe_gives_finished_lines_only(tmp_path):
+    logs = tmp_path / "logs"
+    command = [*LAUNCHER, "-np", "2", "--output-filename", str(logs), sys.executable, str(WORKER), "tqdm"]
+    result = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, env=clean_env(), timeout=60)
+    assert result.returncode == 0, result.stderr.decode(errors="replace")
+    assert not any(debris in result.stderr for debris in REDRAW_DEBRIS), result.stderr
+    for rank in (0, 1):
+        bars = rank_lines(result.stderr.decode(), rank, "stderr")
+        assert len(bars) == 1 and f"rank {rank}" in bars[0] and "100%" in bars[0] and "20/20" in bars[0], bars
+        written = (logs / f"rank.{rank}" / "stderr").read_bytes()
+        assert written.decode() == bars[0] + "\n"
+
+
+def test_op_before_init_prints_one_line_per_rank():
+    result = run_job(2, WORKER, "before_init", timeout=60)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        lines = rank_lines(result.stdout + result.stderr, rank)
+        assert len(lines) == 1, result.stderr
+        assert lines[0].startswith("roundel: NotInitializedError: roundel has not been initialized"), lines
+        assert "output_worker.py" in lines[0] and "train_step" in lines[0], lines
+
+
+def test_verbose_shows_the_traceback_and_each_start():
+    result = run_job(2, WORKER, "before_init", launcher_args=["--verbose"], timeout=60)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert f"roundelrun: started rank {rank} on localhost (pid " in result.stderr
+        lines = rank_lines(result.stderr, rank, "stderr")
+        assert "Traceback (most recent call last):" in lines, result.stderr
+        assert any("roundel/common/basics.py" in line for line in lines), result.stderr
+        assert lines[-1].startswith("roundel.common.errors.NotInitializedError: "), result.stderr
+
+
+def test_help_ends_with_usage_examples():
+    result = run_command([*LAUNCHER, "--help"], timeout=30)
+    assert result.returncode == 0
+    examples = result.stdout[result.stdout.rindex("examples:"):]
+    assert "roundelrun -np 4 python train.py" in examples and "--verbose" in examples
