@@ -1,4 +1,4 @@
-"""Allreduce benchmark: roundel against raw ``torch.distributed`` Gloo, side by side.
+"""Allreduce benchmark: roundel against raw ``torch.distributed`` Gloo (or raw mpi4py), side by side.
 
 Run it under the launcher (one process per rank)::
 
@@ -34,6 +34,12 @@ a measurement takes ``--target-s`` seconds, at least ``--min-iters``, and the
 same on every rank). A round's per-iteration time is the slowest rank's; the
 reported time is the median over rounds.
 
+With ``--backend mpi`` (start it with ``mpirun -np 2 python benchmarks/allreduce.py
+--backend mpi``) roundel moves its data over MPI (``HOROVOD_CPU_OPERATIONS=mpi``)
+and "raw" is mpi4py's ``Allreduce`` (in place, on the tensor's own memory) on a
+duplicate of ``MPI.COMM_WORLD``, and ``Iallreduce`` for the many-tensors
+async case; the Gloo group then only times and checks.
+
 Only rank 0 prints; the tables are Markdown, ready to paste into README.md.
 Exit status is 0 on success and 1 if any result was wrong (on any rank).
 """
@@ -63,6 +69,47 @@ FULL_SIZES = [4 ** k for k in range(1, 14)]  # 4 B .. 64 MiB
 QUICK_SIZES = [4, 4 * KIB, MIB, 16 * MIB]
 RESNET50_PARAMS = 25_557_032
 IDLE_SECONDS = 2.0
+
+
+# ------------------------------------------------------ raw baselines
+class RawGloo:
+    """The baseline: ``torch.distributed``'s default Gloo group."""
+
+    label = "raw Gloo"
+
+    def allreduce(self, tensor) -> None:
+        dist.all_reduce(tensor)
+
+    def allreduce_async(self, tensor):
+        return dist.all_reduce(tensor, async_op=True)
+
+    @staticmethod
+    def wait_all(pending) -> None:
+        for work in pending:
+            work.wait()
+
+
+class RawMPI:
+    """The baseline: mpi4py on a private duplicate of ``MPI.COMM_WORLD``, on the tensors' memory."""
+
+    label = "raw MPI"
+
+    def __init__(self):
+        from mpi4py import MPI  # only in --backend mpi, under mpirun
+        self._mpi = MPI
+        self._comm = MPI.COMM_WORLD.Dup()
+
+    def allreduce(self, tensor) -> None:
+        self._comm.Allreduce(self._mpi.IN_PLACE, tensor.numpy(), op=self._mpi.SUM)
+
+    def allreduce_async(self, tensor):
+        return self._comm.Iallreduce(self._mpi.IN_PLACE, tensor.numpy(), op=self._mpi.SUM)
+
+    def wait_all(self, pending) -> None:
+        self._mpi.Request.Waitall(pending)
+
+
+RAW = RawGloo()
 
 
 # ---------------------------------------------------------------- helpers
@@ -174,7 +221,7 @@ def check_once(nbytes: int, world: int) -> tuple[bool, bool]:
     mine = given.clone()
     hvd.allreduce_(mine, op=hvd.Sum, name=f"bench.check.{nbytes}")
     raw = given.clone()
-    dist.all_reduce(raw)
+    RAW.allreduce(raw)
     return torch.equal(mine, want), torch.equal(raw, want)
 
 
@@ -186,7 +233,7 @@ def single_tensor_steps(nbytes: int) -> dict:
     name = f"bench.{nbytes}"
     return {
         "roundel": lambda: hvd.allreduce_(t_roundel, op=hvd.Sum, name=name),
-        "raw": lambda: dist.all_reduce(t_raw),
+        "raw": lambda: RAW.allreduce(t_raw),
     }
 
 
@@ -240,12 +287,10 @@ def bench_many(opts) -> dict:
 
     def raw_sync_step():
         for t in reversed(grads["raw_sync"]):
-            dist.all_reduce(t)
+            RAW.allreduce(t)
 
     def raw_async_step():
-        works = [dist.all_reduce(t, async_op=True) for t in reversed(grads["raw_async"])]
-        for w in works:
-            w.wait()
+        RAW.wait_all([RAW.allreduce_async(t) for t in reversed(grads["raw_async"])])
 
     steps = {"roundel": roundel_step, "raw_sync": raw_sync_step, "raw_async": raw_async_step}
     times, iters = compare(steps, opts.rounds, opts.target_s * 2, opts.min_iters, opts.max_iters,
@@ -284,7 +329,7 @@ def idle_cpu(seconds: float) -> dict:
 def print_report(header: str, rows, many, idle, world: int) -> None:
     print(header)
     print()
-    print("| size | roundel µs | raw Gloo µs | roundel busbw GB/s | raw busbw GB/s | ratio (roundel/raw) "
+    print(f"| size | roundel µs | {RAW.label} µs | roundel busbw GB/s | raw busbw GB/s | ratio (roundel/raw) "
           "| iters | check |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |")
     for nbytes, t_roundel, t_raw, iters, ok in rows:
@@ -303,9 +348,9 @@ def print_report(header: str, rows, many, idle, world: int) -> None:
         print("| --- | ---: | ---: |")
         print(f"| roundel: 161 `allreduce_async_` (backward order), then synchronize | "
               f"{times['roundel'] * 1e3:,.1f} | 1.00 |")
-        print(f"| raw Gloo: 161 blocking `all_reduce` | {times['raw_sync'] * 1e3:,.1f} | "
+        print(f"| {RAW.label}: 161 blocking allreduce calls | {times['raw_sync'] * 1e3:,.1f} | "
               f"{times['raw_sync'] / times['roundel']:.2f} |")
-        print(f"| raw Gloo: 161 `all_reduce(async_op=True)`, then wait | {times['raw_async'] * 1e3:,.1f} | "
+        print(f"| {RAW.label}: 161 asynchronous allreduce calls, then wait | {times['raw_async'] * 1e3:,.1f} | "
               f"{times['raw_async'] / times['roundel']:.2f} |")
         print()
     if idle is not None:
@@ -332,6 +377,8 @@ def parse_args(argv=None):
     p.add_argument("--min-iters", type=int, default=3, help="fewest iterations per measurement")
     p.add_argument("--max-iters", type=int, default=5000, help="most iterations per measurement")
     p.add_argument("--skip-many", action="store_true", help="skip the ResNet-50 many-tensors case")
+    p.add_argument("--backend", choices=("gloo", "mpi"), default="gloo",
+                   help="roundel's CPU transport and the raw baseline: gloo (default) or mpi (under mpirun)")
     p.add_argument("--threads", type=int,
                    help="torch intra-op threads per rank (default: CPU cores / ranks on this host)")
     opts = p.parse_args(argv)
@@ -349,9 +396,17 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    global RAW
     opts = parse_args(argv)
     started = time.perf_counter()
+    if opts.backend == "mpi" and not any(f"{p}_CPU_OPERATIONS" in os.environ for p in ("ROUNDEL", "HOROVOD")):
+        os.environ["ROUNDEL_CPU_OPERATIONS"] = "mpi"
     hvd.init()
+    if opts.backend == "mpi":
+        if not hvd.mpi_enabled():
+            raise SystemExit("--backend mpi: roundel is not moving data over MPI; unset "
+                             "ROUNDEL_CPU_OPERATIONS/HOROVOD_CPU_OPERATIONS (or set them to mpi)")
+        RAW = RawMPI()
     threads = opts.threads or max(1, (os.cpu_count() or 1) // hvd.local_size())
     torch.set_num_threads(threads)
     init_raw_gloo()
@@ -365,7 +420,7 @@ def main(argv=None) -> int:
 
     if hvd.rank() == 0:
         header = (f"**roundel allreduce benchmark** — world size {world}, torch {torch.__version__}, "
-                  f"roundel {getattr(roundel, '__version__', '?')}, fusion threshold "
+                  f"roundel {getattr(roundel, '__version__', '?')} on {opts.backend} vs {RAW.label}, fusion threshold "
                   f"{human_bytes(settings.fusion_threshold) if settings.fusion_threshold else 'off'}, "
                   f"cycle time {settings.cycle_time_ms:g} ms, cache capacity {settings.cache_capacity}, "
                   f"{threads} torch thread(s)/rank, {os.cpu_count()} CPU cores, "

@@ -21,6 +21,7 @@ from roundel.common.identity import Identity
 from roundel.common.process_sets import ProcessSet, global_process_set
 from roundel.common.requests import OpKind, Request
 from roundel.common.settings import Settings
+from roundel.common.timeline import Timeline
 
 log = logging.getLogger("roundel")
 
@@ -100,7 +101,8 @@ def init(comm=None, process_sets=None) -> None:
     global _runtime, _init_count, _atexit_registered
     from roundel.runner import bootstrap
     from roundel.runner.rendezvous import RendezvousClient
-    from roundel.transport.gloo import GlooBackend, raise_open_file_limit
+    from roundel.transport import factory
+    from roundel.transport.gloo import raise_open_file_limit
     from roundel.transport.store_adapter import RendezvousStore
     from roundel.common.engine import Engine
 
@@ -113,6 +115,7 @@ def init(comm=None, process_sets=None) -> None:
             process_sets = None
         settings = Settings.from_env()
         _configure_logging(settings.log_level)
+        factory.check(settings)
         prefix = f"init{_init_count}/"
         _init_count += 1
         raise_open_file_limit()  # stray connections to Gloo's port must not exhaust the descriptors
@@ -141,9 +144,9 @@ def init(comm=None, process_sets=None) -> None:
             prefix = f"gen{boot.generation}/"
         advertise = bootstrap.advertise_address(host, port)
         try:
-            backend = GlooBackend(
-                RendezvousStore(client, prefix + "ps0/", timedelta(seconds=settings.start_timeout_s)),
-                ident.rank, ident.size, settings.collective_timeout_s, advertise)
+            backend = factory.job_backend(
+                settings, RendezvousStore(client, prefix + "ps0/", timedelta(seconds=settings.start_timeout_s)),
+                ident.rank, ident.size, advertise, members or tuple(range(ident.size)))
         except RuntimeError as exc:
             client.close()
             if server is not None:
@@ -152,7 +155,14 @@ def init(comm=None, process_sets=None) -> None:
                 f"rank {ident.rank} could not connect to the other {ident.size - 1} rank(s) within "
                 f"{settings.start_timeout_s:g} s: {exc}") from exc
         table = {0: (tuple(range(ident.size)), backend)}
-        engine = Engine(ident.rank, ident.size, settings, secret, client, prefix, advertise, table)
+        timeline = Timeline()  # started before the engine, so the first requests are recorded
+        if settings.timeline_filename and settings.timeline_filename != "DYNAMIC":
+            try:  # resumed after an elastic reset: the same file goes on
+                _open_timeline(timeline, ident.rank, settings.timeline_filename, settings.timeline_mark_cycles,
+                               resume=True)
+            except ValueError as exc:  # as Horovod: the job runs on without a timeline
+                log.error("roundel: %s; the job goes on without a timeline", exc)
+        engine = Engine(ident.rank, ident.size, settings, secret, client, prefix, advertise, table, timeline)
         _runtime = _Runtime(ident, settings, engine, client, server, prefix, advertise, table, secret)
         _runtime.elastic = boot if boot.elastic else None
         global_process_set._bind(0, range(ident.size), ident.rank)
@@ -171,6 +181,7 @@ def shutdown() -> None:
         if runtime is None:
             return
         runtime.engine.shutdown()
+        runtime.engine.timeline.stop()
         for _, backend in runtime.process_sets.values():
             if backend is not None:
                 backend.close()
@@ -235,26 +246,27 @@ def gloo_built() -> bool:
 
 
 def gloo_enabled() -> bool:
-    return _runtime is not None
+    """Whether this job moves tensor data over Gloo (the default ``HOROVOD_CPU_OPERATIONS``)."""
+    return _runtime is not None and _runtime.settings.cpu_operations == "gloo"
 
 
 def mpi_built() -> bool:
-    """Whether roundel can move tensor data over MPI: False, it has no MPI transport yet.
-
-    (mpi4py may still be installed: ``init(comm=...)`` and ``ProcessSet(comm)``
-    use it to read a communicator's ranks, and data still moves over Gloo.)
-    """
-    return False
+    """Whether roundel can move tensor data over MPI: True when mpi4py is installed
+    (the job must then be started by mpirun with ``HOROVOD_CPU_OPERATIONS=mpi``)."""
+    return importlib.util.find_spec("mpi4py") is not None
 
 
 def mpi_enabled() -> bool:
-    """Whether this job moves data over MPI: False (data moves over Gloo, see ``gloo_enabled``)."""
-    return False
+    """Whether this job moves tensor data over MPI (``HOROVOD_CPU_OPERATIONS=mpi``)."""
+    return _runtime is not None and _runtime.settings.cpu_operations == "mpi"
 
 
 def mpi_threads_supported() -> bool:
-    """Whether MPI was initialized with MPI_THREAD_MULTIPLE by roundel: False, roundel does not use MPI."""
-    return False
+    """Whether this job moves data over MPI and MPI was started with MPI_THREAD_MULTIPLE."""
+    if not mpi_enabled():
+        return False
+    from mpi4py import MPI  # already started by init() when MPI is enabled
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def nccl_built() -> bool:
@@ -295,7 +307,7 @@ def add_process_set(process_set) -> ProcessSet:
     Accepts a ``ProcessSet`` or a list of ranks; returns the registered ``ProcessSet``.
     Raises ValueError for ranks outside the job or a set that is already registered.
     """
-    from roundel.transport.gloo import GlooBackend
+    from roundel.transport import factory
     from roundel.transport.store_adapter import RendezvousStore
 
     rt = runtime("add_process_set()")
@@ -319,8 +331,8 @@ def add_process_set(process_set) -> ProcessSet:
         if me in ranks:
             store = RendezvousStore(rt.client, f"{rt.prefix}ps{set_id}/",
                                     timedelta(seconds=rt.settings.start_timeout_s))
-            backend = GlooBackend(store, ranks.index(me), len(ranks), rt.settings.collective_timeout_s,
-                                  rt.advertise_host)
+            backend = factory.process_set_backend(rt.settings, rt.process_sets[0][1], store, ranks,
+                                                  rt.advertise_host)
         rt.process_sets[set_id] = (ranks, backend)
         _process_set_barrier(rt, f"added{set_id}", ())
     process_set._bind(set_id, ranks, me)
@@ -342,3 +354,31 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         _process_set_barrier(rt, f"removed{set_id}", ())
     process_set._bind(None, None, None)
     return True
+
+
+def _open_timeline(timeline: Timeline, rank_: int, file_path: str, mark_cycles: bool,
+                   resume: bool = False) -> None:
+    """Rank 0 starts writing the timeline; other ranks have nothing to record."""
+    if rank_ != 0:
+        return
+    try:
+        timeline.start(file_path, mark_cycles, resume)
+    except OSError as exc:
+        raise ValueError(f"cannot write the timeline file {file_path!r}: {exc}; pass a path in a writable "
+                         "directory (HOROVOD_TIMELINE, --timeline-filename or start_timeline())") from exc
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a timeline of every collective to ``file_path`` (written by rank 0; other ranks'
+    calls are accepted and do nothing). A timeline already being written is closed first.
+
+    Unlike Horovod, ``HOROVOD_TIMELINE=DYNAMIC`` is not needed. Raises ``ValueError`` before
+    ``init()`` or when the file cannot be created.
+    """
+    rt = runtime("start_timeline()")
+    _open_timeline(rt.engine.timeline, rt.identity.rank, file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Finish and close the timeline file being written, if any. Raises ``ValueError`` before ``init()``."""
+    runtime("stop_timeline()").engine.timeline.stop()

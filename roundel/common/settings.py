@@ -49,6 +49,8 @@ class Settings:
     elastic_timeout_s: float = 600.0
     log_level: str = "warning"
     log_hide_time: bool = False
+    cpu_operations: str = "gloo"
+    bucket_cap_mb: float = 25.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -130,6 +132,13 @@ def _log_level(var: str, raw: str) -> str:
     return lowered
 
 
+def _cpu_operations(var: str, raw: str) -> str:
+    lowered = raw.lower()
+    if lowered not in ("gloo", "mpi"):
+        raise SettingsError(f"{var}={raw!r} is not a CPU transport roundel has; use gloo or mpi")
+    return lowered
+
+
 def _text(var: str, raw: str) -> str:
     return raw
 
@@ -165,4 +174,6 @@ _SPECS = (
     _Spec("elastic_timeout_s", "ELASTIC_TIMEOUT", _float(0.0, "600", strictly_above=True)),
     _Spec("log_level", "LOG_LEVEL", _log_level),
     _Spec("log_hide_time", "LOG_HIDE_TIME", _bool),
+    _Spec("cpu_operations", "CPU_OPERATIONS", _cpu_operations),
+    _Spec("bucket_cap_mb", "BUCKET_CAP_MB", _float(0.0, "25 (MiB per gradient bucket; 0 reduces each gradient alone)")),
 )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 import shutil
 import shlex
@@ -172,6 +173,9 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
                         extra_ssh_args=_ssh_args(args)))
                 else:
                     job.add(spawn.start_local(slot, args.command, env, args.output_filename))
+                if args.verbose:
+                    print(f"roundelrun: started rank {slot.rank} on {slot.hostname} "
+                          f"(pid {job.workers[-1].process.pid})", file=sys.stderr, flush=True)
             except OSError as exc:
                 job.stop()
                 job.drain_output()
@@ -316,6 +320,13 @@ def _mpi_command(args: argparse.Namespace, plan: _Plan, env_names: list[str]) ->
     return cmd + shlex.split(args.mpi_args) + list(args.command)
 
 
+def _mpi_data_path_wanted(settings_env: dict[str, str]) -> bool:
+    """Under --mpi, data moves over MPI when mpi4py is installed and no CPU transport was chosen."""
+    chosen = any(f"{prefix}CPU_OPERATIONS" in env for env in (os.environ, settings_env)
+                 for prefix in ("ROUNDEL_", "HOROVOD_"))
+    return not chosen and importlib.util.find_spec("mpi4py") is not None
+
+
 def _launch_mpi(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -> int:
     """Hand the launch to mpirun with roundelrun's store and settings in the ranks' environment."""
     import subprocess
@@ -329,6 +340,8 @@ def _launch_mpi(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | Non
         addr = plan.addresses[plan.slots[0].hostname] if not plan.remote else \
             next(iter(set(plan.addresses.values())))
         extra = dict(plan.settings_env)
+        if _mpi_data_path_wanted(extra):
+            extra["ROUNDEL_CPU_OPERATIONS"] = "mpi"  # mpirun started the ranks: move the data over MPI too
         extra.update({"ROUNDEL_RENDEZVOUS_ADDR": addr, "ROUNDEL_RENDEZVOUS_PORT": str(port),
                       "ROUNDEL_SECRET": secret.hex(), "ROUNDEL_RENDEZVOUS_SERVER": "external",
                       "PYTHONUNBUFFERED": "1"})
@@ -419,6 +432,31 @@ def _print_ignored(args: argparse.Namespace) -> None:
         sys.stderr.flush()
 
 
+USAGE_EXAMPLES = """\
+examples:
+  roundelrun -np 4 python train.py
+      4 ranks on this machine
+  roundelrun -np 8 -H host1:4,host2:4 python train.py
+      8 ranks on two hosts, started over ssh (same paths and Python on both)
+  roundelrun -np 2 --output-filename logs python train.py
+      also write each rank's output to logs/rank.<N>/stdout and stderr
+  roundelrun -np 2 --verbose python train.py
+      show the launch plan, each rank's start, and the workers' debug logs
+  roundelrun -np 4 --host-discovery-script ./hosts.sh --min-np 2 python train.py
+      an elastic job that follows the hosts the script prints
+"""
+
+
+def _show_launcher_debug_log() -> None:
+    """The launcher's own debug log (the rendezvous server's) on stderr, for ``--verbose``."""
+    logger = logging.getLogger("roundel.runner")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("roundelrun: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+
+
 def run(argv: list[str], on_store: StoreHook | None = None) -> int:
     """Run ``roundelrun`` with command-line arguments ``argv``; return the exit status.
 
@@ -430,6 +468,8 @@ def run(argv: list[str], on_store: StoreHook | None = None) -> int:
     failed, and 128+signal when the launcher itself was interrupted.
     """
     parser = flags.parser()
+    parser.epilog = USAGE_EXAMPLES
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -449,6 +489,8 @@ def run(argv: list[str], on_store: StoreHook | None = None) -> int:
         if args.mpi and args.gloo:
             raise UsageError("--mpi and --gloo exclude each other")
         _print_ignored(args)
+        if args.verbose:
+            _show_launcher_debug_log()
         spawn.prefix_output_with_timestamp(args.prefix_output_with_timestamp)
         if args.host_discovery_script:
             return _launch_elastic(args, _elastic_settings(args), on_store)

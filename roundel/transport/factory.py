@@ -1,0 +1,73 @@
+"""Which transport moves CPU tensors: ``HOROVOD_CPU_OPERATIONS=gloo|mpi`` (default gloo).
+
+:func:`check` runs first in ``init()`` so that a job that asked for MPI but
+cannot have it fails at once with a clear message; :func:`job_backend` and
+:func:`process_set_backend` then build the communicators.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from roundel.common.errors import SettingsError
+from roundel.common.identity import detect_launcher
+from roundel.common.settings import Settings
+from roundel.transport.backend import Backend
+from roundel.transport.gloo import GlooBackend
+
+_MPI_LAUNCHERS = ("openmpi", "mpich")
+
+
+def mpi_importable() -> bool:
+    """Whether mpi4py is installed (without starting MPI)."""
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def check(settings: Settings) -> None:
+    """Raise SettingsError when ``settings`` ask for MPI and this process cannot use it.
+
+    MPI needs mpi4py and a job started by mpirun/mpiexec whose ``MPI.COMM_WORLD``
+    is the job roundel runs (same size, same ranks).
+    """
+    if settings.cpu_operations != "mpi":
+        return
+    if not mpi_importable():
+        raise SettingsError("HOROVOD_CPU_OPERATIONS=mpi needs mpi4py: pip install mpi4py (or "
+                            "pip install 'roundel[mpi]'), or set HOROVOD_CPU_OPERATIONS=gloo")
+    launcher = detect_launcher()
+    if launcher is None or launcher.launcher not in _MPI_LAUNCHERS:
+        started = "by roundelrun or directly" if launcher is None else f"by {launcher.launcher}"
+        raise SettingsError(f"HOROVOD_CPU_OPERATIONS=mpi needs a job started by mpirun/mpiexec, but this "
+                            f"process was started {started}; start it with mpirun (or 'roundelrun --mpi'), "
+                            "or set HOROVOD_CPU_OPERATIONS=gloo")
+    from mpi4py import MPI  # starts MPI: only once MPI is known to be wanted and possible
+
+    world = MPI.COMM_WORLD
+    if (world.Get_rank(), world.Get_size()) != (launcher.rank, launcher.size):
+        raise SettingsError(f"HOROVOD_CPU_OPERATIONS=mpi: MPI.COMM_WORLD says rank {world.Get_rank()} of "
+                            f"{world.Get_size()}, but {launcher.launcher}'s variables say rank {launcher.rank} "
+                            f"of {launcher.size}; start every rank with the same mpirun, or set "
+                            "HOROVOD_CPU_OPERATIONS=gloo")
+
+
+def job_backend(settings: Settings, store, rank: int, size: int, hostname: str,
+                world_ranks: tuple[int, ...]) -> Backend:
+    """The communicator of the whole job; ``world_ranks`` are its members' launched (COMM_WORLD) ranks."""
+    if settings.cpu_operations == "mpi":
+        from mpi4py import MPI
+        from roundel.transport.mpi import MPIBackend
+
+        return MPIBackend(MPI.COMM_WORLD, world_ranks)
+    return _gloo(settings, store, rank, size, hostname)
+
+
+def process_set_backend(settings: Settings, job: Backend, store, ranks: tuple[int, ...],
+                        hostname: str) -> Backend:
+    """The communicator of a process set of job ranks ``ranks`` (built by its members only)."""
+    if settings.cpu_operations == "mpi":
+        return job.subset(ranks)
+    return _gloo(settings, store, ranks.index(job.rank), len(ranks), hostname)
+
+
+def _gloo(settings: Settings, store, rank: int, size: int, hostname: str) -> Backend:
+    return GlooBackend(store, rank, size, settings.collective_timeout_s, hostname)
