@@ -44,6 +44,7 @@ from roundel.common.negotiation import Negotiator
 from roundel.common.requests import Request
 from roundel.common.response_cache import RankCache
 from roundel.common.settings import Settings
+from roundel.common.timeline import Timeline
 from roundel.common.wait_state import WaitTracker
 
 log = logging.getLogger("roundel")
@@ -61,7 +62,8 @@ class Engine:
     """One rank's engine; create it after the global backend, stop it with ``shutdown()``."""
 
     def __init__(self, rank: int, size: int, settings: Settings, secret: bytes,
-                 rendezvous, key_prefix: str, advertise_host: str, process_sets: dict):
+                 rendezvous, key_prefix: str, advertise_host: str, process_sets: dict,
+                 timeline: Timeline | None = None):
         self.rank = rank
         self.size = size
         self.settings = settings
@@ -80,7 +82,8 @@ class Engine:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._awaiting_idle = False
-        self.executor = Executor(process_sets, self._transport_failed, self._executor_idle)
+        self.timeline = timeline or Timeline()  # recorded on rank 0 only, once a file is started
+        self.executor = Executor(process_sets, self._transport_failed, self._executor_idle, self.timeline)
         self._stopped = threading.Event()
         self._rendezvous = rendezvous
         self._key_prefix = key_prefix
@@ -411,6 +414,7 @@ class Engine:
         if self._finishing_since is not None:  # leaving: wait for byes in bounded steps, never block
             return self._coordinator_finish()
         timeout = self._coordinator_timeout()
+        self.timeline.cycle()
         for key, _ in self._selector.select(timeout):
             if key.data == "wake":
                 self._coordinator_wake()
@@ -456,6 +460,8 @@ class Engine:
                 item.handle.set_error(self._broken)
             else:
                 self._register(item)
+                if self.timeline.active:
+                    self.timeline.rank_ready(item.request.name, item.request.kind.label, 0)
                 self._negotiator.submit(0, item.request, now)
 
     def _coordinator_receive(self, rank: int) -> None:
@@ -465,7 +471,7 @@ class Engine:
         except OSError:
             data = b""
         if not data:  # gone without saying goodbye: the job cannot go on, so every rank is told
-            reason = f"rank {rank} died or lost its connection to the coordinator"
+            reason = f"rank {rank} died (crashed or was killed) or lost its connection to the coordinator"
             self._drop_peer(rank, reason)
             self._break(f"{reason}; the job's communication is broken")
             self._broadcast_abort(str(self._broken))
@@ -483,17 +489,29 @@ class Engine:
                 stale = []
                 bit = 0
                 while bits:
-                    if bits & 1 and not negotiator.submit_bit(rank, bit, version, now):
-                        stale.append((version, bit))
+                    if bits & 1:
+                        if self.timeline.active:
+                            self._timeline_cached_arrival(rank, bit, version)
+                        if not negotiator.submit_bit(rank, bit, version, now):
+                            stale.append((version, bit))
                     bits >>= 1
                     bit += 1
                 for request in full:
+                    if self.timeline.active:
+                        self.timeline.rank_ready(request.name, request.kind.label, rank)
                     negotiator.submit(rank, request, now)
                 if stale:
                     self._resends.setdefault(rank, []).extend(stale)
             elif message[0] == "bye":
-                self._drop_peer(rank, f"rank {rank} has shut down (it finished or called hvd.shutdown())")
+                self._drop_peer(rank, f"rank {rank} has shut down: it finished, called hvd.shutdown(), "
+                                      "or failed and exited (its own output says which)")
                 return
+
+    def _timeline_cached_arrival(self, rank: int, bit: int, version: int) -> None:
+        cached = self._negotiator.cache.lookup(bit, version)
+        if cached is not None and rank in cached[1]:
+            request = cached[1][rank]
+            self.timeline.rank_ready(request.name, request.kind.label, rank)
 
     def _drop_peer(self, rank: int, reason: str) -> None:
         sock = self._peers.pop(rank, None)
@@ -596,6 +614,10 @@ class Engine:
         elif negotiator.has_direct():
             batches = negotiator.take_direct()
         self._awaiting_idle = negotiator.has_ready()
+        if self.timeline.active:
+            for _, batch in batches:
+                for entry in batch.entries:
+                    self.timeline.negotiated(entry.name)
         mine = []
         for members, batch in batches:
             for member in members:
@@ -631,7 +653,8 @@ class Engine:
         """Rank 0 is leaving: fail what needs it, let the others say goodbye, then stop."""
         if self._finishing_since is None:
             self._finishing_since = time.monotonic()
-            self._negotiator.rank_left(0, "rank 0 has shut down (it finished or called hvd.shutdown())")
+            self._negotiator.rank_left(0, "rank 0 has shut down: it finished, called hvd.shutdown(), "
+                                          "or failed and exited (its own output says which)")
             self._fail_inflight(RoundelInternalError("roundel was shut down on this rank"))
         self._dispatch(time.monotonic() + 1.0)
         self._heartbeat_peers(time.monotonic())  # the others wait for rank 0's goodbye, not a timeout

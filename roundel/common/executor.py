@@ -20,6 +20,7 @@ from roundel.common.errors import CollectiveDeadlockError, CollectiveMismatchErr
 from roundel.common.handles import Handle
 from roundel.common.ops import ReduceOp
 from roundel.common.requests import Batch, OpKind, Request
+from roundel.common.timeline import Timeline, transport_activity
 
 log = logging.getLogger("roundel")
 
@@ -61,7 +62,9 @@ class Executor:
     """A thread that executes batches on the backends of this rank's process sets."""
 
     def __init__(self, process_sets: dict, on_transport_failure: Callable[[RoundelInternalError], None],
-                 on_idle: Callable[[], None]):
+                 on_idle: Callable[[], None], timeline: Timeline | None = None):
+        self._timeline = timeline or Timeline()
+        self._names: list | None = None  # the running batch's names while the timeline records
         self._process_sets = process_sets  # id -> (ranks tuple, backend or None)
         self._on_transport_failure = on_transport_failure
         self._on_idle = on_idle
@@ -78,6 +81,8 @@ class Executor:
         with self._count_lock:
             self._outstanding += 1
             self._held[id(works)] = works
+        if self._timeline.active:
+            self._timeline.begin([e.name for e in batch.entries], batch.kind.label, "QUEUE")
         self._queue.put((batch, works))
 
     def abort(self, error: RoundelInternalError) -> None:
@@ -125,22 +130,40 @@ class Executor:
                 self._finished_one(works)
 
     def _execute(self, batch: Batch, works: list) -> None:
+        self._names = [e.name for e in batch.entries] if self._timeline.active else None
+        self._phase("")  # out of QUEUE
+        results = None
+        try:
+            results = self._execute_batch(batch, works)
+        finally:
+            if self._names is not None:
+                self._timeline.end(self._names, results)
+                self._names = None
+
+    def _phase(self, activity: str) -> None:
+        """Mark the running batch's next timeline activity ("" for none)."""
+        if self._names is not None:
+            self._timeline.activity(self._names, activity)
+
+    def _execute_batch(self, batch: Batch, works: list) -> list | None:
+        """Run ``batch`` and complete its handles; returns the results, None when it failed."""
         if batch.error:
             self._fail(works, _ERROR_TYPES.get(batch.error_type, CollectiveMismatchError)(batch.error))
-            return
+            return None
         try:
             results = self._run(batch, works)
         except RoundelInternalError as exc:
             self._fail(works, exc)
             self._on_transport_failure(exc)
-            return
+            return None
         except Exception as exc:  # a bug or an input the checks missed: fail these handles only
             log.debug("batch failed", exc_info=True)
             self._fail(works, exc)
-            return
+            return None
         for work, result in zip(works, results):
             if work is not None:
                 work.handle.set_result(result)
+        return results
 
     @staticmethod
     def _fail(works, exc) -> None:
@@ -202,6 +225,7 @@ class Executor:
         return outputs
 
     def _pack(self, tensors: list, dtype: torch.dtype) -> torch.Tensor:
+        self._phase("MEMCPY_IN_FUSION_BUFFER")
         total = sum(t.numel() for t in tensors)
         buffer = self._buffer(dtype, tensors[0].device if tensors else torch.device("cpu"), total)
         if tensors:  # one call, not one copy per tensor
@@ -209,8 +233,8 @@ class Executor:
                 torch.cat([t.reshape(-1) for t in tensors], out=buffer)
         return buffer
 
-    @staticmethod
-    def _unpack(buffer: torch.Tensor, outputs: list) -> None:
+    def _unpack(self, buffer: torch.Tensor, outputs: list) -> None:
+        self._phase("MEMCPY_OUT_FUSION_BUFFER")
         views = buffer.split([output.numel() for output in outputs])
         with torch.no_grad():
             torch._foreach_copy_(outputs, [view.view(output.shape) for view, output in zip(views, outputs)])
@@ -231,6 +255,7 @@ class Executor:
         else:
             buffer = self._pack(inputs, torch_dtype(request.dtype))
         _scale(buffer, request.prescale)
+        self._phase(transport_activity(backend.name, "allreduce"))
         backend.allreduce(buffer, op)
         _scale(buffer, post)
         if buffer is not outputs[0]:
@@ -242,7 +267,9 @@ class Executor:
         buffer = self._pack(inputs, torch_dtype(request.dtype))
         _scale(buffer, request.prescale)
         gathered = torch.empty(n * buffer.numel(), dtype=buffer.dtype, device=buffer.device)
+        self._phase(transport_activity(backend.name, "allgather"))
         backend.allgather(gathered, buffer)
+        self._phase("ADASUM_COMBINE")
         per_rank = gathered.view(n, buffer.numel())
         offset = 0
         for output in outputs:
@@ -264,6 +291,7 @@ class Executor:
                 buffer.copy_(inputs[0])
         else:
             buffer = self._pack(inputs, torch_dtype(request.dtype))
+        self._phase(transport_activity(backend.name, "broadcast"))
         backend.broadcast(buffer, ranks.index(request.root_rank))  # root_rank is global, as in Horovod
         if buffer is not outputs[0]:
             self._unpack(buffer, outputs)
@@ -283,7 +311,9 @@ class Executor:
             padded[:send.numel()].copy_(send)
             send = padded
         received = torch.empty(width * len(ranks), dtype=dtype, device=send.device)
+        self._phase(transport_activity(backend.name, "allgather"))
         backend.allgather(received, send)
+        self._phase("MEMCPY_OUT_FUSION_BUFFER")
         chunks = received.view(len(ranks), width) if width else received.view(len(ranks), 0)
         outputs = []
         offsets = [0] * len(ranks)
@@ -308,6 +338,7 @@ class Executor:
         dtype = torch_dtype(request.dtype)
         tensor = work.tensor.contiguous() if work is not None else torch.empty((0,) + tail, dtype=dtype)
         output = torch.empty((sum(recv_splits),) + tail, dtype=dtype)
+        self._phase(transport_activity(backend.name, "alltoall"))
         backend.alltoall(output, tensor, recv_splits, send_splits)
         return [(output, torch.tensor(recv_splits, dtype=torch.int32))]
 
@@ -322,6 +353,7 @@ class Executor:
         first, tail = tensor.shape[0], tuple(tensor.shape[1:])
         counts = [first // n + (1 if r < first % n else 0) for r in range(n)]
         chunk = max(counts)
+        self._phase("MEMCPY_IN_FUSION_BUFFER")
         padded = torch.zeros((chunk * n,) + tail, dtype=tensor.dtype)
         start = 0
         for r, count in enumerate(counts):
@@ -329,6 +361,7 @@ class Executor:
             start += count
         _scale(padded, request.prescale)
         output = torch.empty((chunk,) + tail, dtype=tensor.dtype)
+        self._phase(transport_activity(backend.name, "reducescatter"))
         backend.reducescatter(output, padded, op)
         output = output[:counts[me]].clone() if counts[me] != chunk else output
         _scale(output, request.postscale / (n if op == ReduceOp.Average else 1))

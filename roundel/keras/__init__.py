@@ -21,6 +21,7 @@ from roundel.common.basics import (
     shutdown, size,
 )
 from roundel.common.basics import add_process_set, remove_process_set
+from roundel.common.basics import start_timeline, stop_timeline
 from roundel.common.errors import (
     CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError, RoundelError,
     RoundelInternalError,
@@ -42,5 +43,5 @@ __all__ = [
     "callbacks", "cross_rank", "cross_size", "cuda_built", "gloo_built", "gloo_enabled", "global_process_set",
     "init", "is_homogeneous", "is_initialized", "keras", "load_model", "local_rank", "local_size", "mpi_built",
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "optimizers", "rank", "reducescatter",
-    "remove_process_set", "rocm_built", "shutdown", "size",
+    "remove_process_set", "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline",
 ]

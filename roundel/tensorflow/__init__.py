@@ -10,6 +10,7 @@ from roundel.common.basics import (
     nccl_built, rank, rocm_built, shutdown, size,
 )
 from roundel.common.basics import add_process_set, remove_process_set
+from roundel.common.basics import start_timeline, stop_timeline
 from roundel.common.errors import (
     CollectiveDeadlockError, CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError,
     RoundelError, RoundelInternalError,
