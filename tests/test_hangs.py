@@ -136,6 +136,14 @@ def test_unnamed_names_and_collective_errors_leave_the_job_usable(np):
 
 
 
+@pytest.mark.parametrize("np", [2, 3])
+def test_init_is_collective_so_an_early_shutdown_refuses_nobody(np):
+    # init() returns on rank 0 only once every rank has joined its coordinator, as Horovod's init();
+    # before, a rank still connecting when rank 0 shut down got "connection refused"
+    result = _run(np, "shutdown_right_after_init", timeout=120)
+    assert_checks_passed(result, np, "shutdown_right_after_init")
+
+
 def test_link_down_on_a_host_fails_every_rank(tmp_path):
     # rank 0 on this machine, rank 1 on rdl-h1, rank 2 on rdl-h2; rank 2 takes rdl-h2's link down.
     # Its output cannot reach the launcher any more, and neither can the launcher's stop signal:

@@ -162,7 +162,15 @@ def init(comm=None, process_sets=None) -> None:
                                resume=True)
             except ValueError as exc:  # as Horovod: the job runs on without a timeline
                 log.error("roundel: %s; the job goes on without a timeline", exc)
-        engine = Engine(ident.rank, ident.size, settings, secret, client, prefix, advertise, table, timeline)
+        try:
+            engine = Engine(ident.rank, ident.size, settings, secret, client, prefix, advertise, table, timeline)
+        except BaseException:
+            timeline.stop()
+            backend.close()
+            client.close()
+            if server is not None:
+                server.stop()
+            raise
         _runtime = _Runtime(ident, settings, engine, client, server, prefix, advertise, table, secret)
         _runtime.elastic = boot if boot.elastic else None
         global_process_set._bind(0, range(ident.size), ident.rank)

@@ -107,6 +107,10 @@ class Engine:
             self._hosts: dict[int, str] = {0: self._host}
             self._rank_waits: dict[int, tuple] = {}  # peer rank -> (sequence, waits)
             self._deadlock_seen: tuple | None = None  # (since, {rank: sequence}) while a deadlock holds
+            self._ever_connected: set[int] = set()  # peers may join and leave (bye) before the last joins
+            self._all_connected = threading.Event()  # every other rank has joined: init() may return
+            if size == 1:
+                self._all_connected.set()
             self._listener = control_channel.Listener(advertise_host, secret, self._connection_accepted,
                                                       backlog=max(128, size),
                                                       send_timeout_s=settings.heartbeat_timeout_s)
@@ -126,6 +130,20 @@ class Engine:
             target = self._rank_loop
         self._thread = threading.Thread(target=target, name="roundel-engine", daemon=True)
         self._thread.start()
+        if rank == 0:
+            self._await_peers(settings.start_timeout_s)
+
+    def _await_peers(self, timeout_s: float) -> None:
+        """Return once every other rank has joined the coordinator (init() is collective, as in Horovod:
+        a rank 0 that shuts down right after init() must not refuse a rank still connecting).
+        Raises RoundelInternalError naming the missing ranks after ``timeout_s``."""
+        if self._all_connected.wait(timeout_s):
+            return
+        missing = sorted(set(range(1, self.size)) - set(self._ever_connected))
+        self.shutdown()
+        raise RoundelInternalError(
+            f"rank(s) {', '.join(map(str, missing))} did not join rank 0's coordinator within {timeout_s:g} s "
+            "(HOROVOD_START_TIMEOUT); check that every rank started and can reach rank 0")
 
     # ------------------------------------------------------------ user side
     def submit(self, request: Request, tensor, output) -> Handle:
@@ -450,6 +468,9 @@ class Engine:
             self._peers[rank] = sock
             self._readers[rank] = control_channel.FrameReader(sock)
             self._selector.register(sock, selectors.EVENT_READ, rank)
+            self._ever_connected.add(rank)
+            if len(self._ever_connected) == self.size - 1:
+                self._all_connected.set()
         if self._broken is not None:
             self._fail_inflight(self._broken)
         now = time.monotonic()

@@ -202,7 +202,17 @@ def scenario_join_gather():
     passed("join_gather")
 
 
+def scenario_shutdown_right_after_init():
+    """Rank 0 leaves at once after each init(): every rank's init() must have joined by then."""
+    for _ in range(10):
+        hvd.shutdown()
+        hvd.init()
+    allreduce_works("after.reinit")
+    passed("shutdown_right_after_init")
+
+
 SCENARIOS = {
+    "shutdown_right_after_init": scenario_shutdown_right_after_init,
     "stopped_caught": scenario_stopped_caught,
     "diverged": scenario_diverged,
     "busy": scenario_busy,
