@@ -5,26 +5,32 @@ Run it with plain ``python``; it starts every job itself, on this machine only::
     python benchmarks/torch_training.py --quick                 # small CNN, one round, < 60 s
     python benchmarks/torch_training.py                         # ResNet-18 at 64x64, batch 32, 3 rounds
     python benchmarks/torch_training.py --model smallcnn --batch-size 32 --image-size 32 --rounds 5
-    python benchmarks/torch_training.py --interleaved ...       # all three in the same processes (below)
+    python benchmarks/torch_training.py --model mlp --interleaved  # communication-bound: 3 x 2048-wide Linear
+    python benchmarks/torch_training.py --interleaved ...       # all of them in the same processes (below)
 
-Three runs of the same training:
+Four runs of the same training:
 
     roundel  roundelrun -np 2 python torch_training.py --worker roundel ...   hvd.DistributedOptimizer
     ddp      python -m torch.distributed.run --standalone --nproc-per-node 2
                         torch_training.py --worker ddp ...                   DistributedDataParallel, Gloo
     single   python torch_training.py --worker single ...                   1 process, plain optimizer
+    ceiling  roundelrun -np 2 python torch_training.py --worker ceiling ...  2 processes training at once,
+                        each alone (plain optimizer, no communication): the no-communication ceiling
 
-By default each is a separate job, and the jobs alternate: one round runs all
-three, the next round starts with the next one (roundel, ddp, single; ddp,
-single, roundel; ...), so neither implementation always goes first on a
-noisy machine. With ``--interleaved`` one ``roundelrun -np 2`` job holds all
-three in the same processes (a ``torch.distributed`` Gloo group for DDP beside
+By default each is a separate job, and the jobs alternate: one round runs
+each once, the next round starts with the next one (roundel, ddp, single,
+ceiling; ddp, single, ceiling, roundel; ...), so no implementation always
+goes first on a noisy machine. With ``--interleaved`` one ``roundelrun -np 2`` job holds all
+of them in the same processes (a ``torch.distributed`` Gloo group for DDP beside
 roundel's own, as ``benchmarks/allreduce.py`` does; rank 0 alone trains the
 baseline while the others wait in a barrier) and alternates them span by
 span, seconds apart: on a machine shared with other work this pairs the
 measurements much more closely than separate jobs can.
 
-Every run trains the same model (``examples/models.py``) with SGD (momentum
+Every run trains the same model (``examples/models.py``, or ``mlp``: 2048
+features through three 2048-wide Linear layers with ReLU between them, the
+last one to ``--num-classes`` outputs; about 10.5 M parameters for so little
+compute that it is communication-bound) with SGD (momentum
 0.9, learning rate scaled by the rank count) and cross-entropy on one fixed
 random batch of ``--batch-size`` images per rank (no data loading is timed),
 with ``--threads`` PyTorch threads per process (default: usable cores / 2, so
@@ -49,8 +55,10 @@ a machine whose cores are all busy training comes straight out of throughput.
 Output: a Markdown table, ready for README.md: samples/sec of each (median
 over every span, with the range), ms per step and its split, CPU per step,
 then roundel / DDP (the ratio of the medians, and of each round's or span
-pair's figures, which ran close together in time) and scaling efficiency,
-2-rank throughput / (2 x 1-rank throughput), for both.
+pair's figures, which ran close together in time), each against the
+no-communication ceiling (the most a job of independent processes gets from
+this machine's cores) and scaling efficiency, 2-rank throughput / (2 x 1-rank
+throughput), for both.
 
 Exit status: 0 on success, 1 if a job failed (its output is shown).
 """
@@ -70,7 +78,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # models.py
 
-IMPLEMENTATIONS = ("roundel", "ddp", "single")
+IMPLEMENTATIONS = ("roundel", "ddp", "single", "ceiling")
+MLP_WIDTH = 2048
 RESULT = re.compile(r"BENCH_RESULT (\[.*\])\s*$")
 
 
@@ -84,20 +93,20 @@ def usable_cores() -> int:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="resnet18", help="a model name from examples/models.py (e.g. resnet18, "
-                                                        "resnet50, alexnet_owt, smallcnn)")
+    p.add_argument("--model", default="resnet18", help="mlp, or a model name from examples/models.py (e.g. "
+                                                        "resnet18, resnet50, alexnet_owt, smallcnn)")
     p.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
     p.add_argument("--image-size", type=int, default=64, help="height and width of the random images")
     p.add_argument("--num-classes", type=int, default=1000)
     p.add_argument("--np", type=int, default=2, help="ranks of the distributed jobs")
     p.add_argument("--threads", type=int, default=None,
                    help="PyTorch threads per process (default: usable cores / np, at least 1)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of (roundel, ddp, single) jobs")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of (roundel, ddp, single, ceiling) jobs")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each job")
     p.add_argument("--steps", type=int, default=5, help="steps per timed span")
     p.add_argument("--measurements", type=int, default=3, help="timed spans per job")
     p.add_argument("--only", default=",".join(IMPLEMENTATIONS),
-                   help="comma-separated subset of roundel,ddp,single to run")
+                   help="comma-separated subset of roundel,ddp,single,ceiling to run")
     p.add_argument("--quick", action="store_true",
                    help="defaults for a run of < 60 s: small CNN at 32x32, batch 32, one round of 10-step spans")
     p.add_argument("--timeout", type=float, default=600, help="seconds one job may take")
@@ -121,18 +130,32 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ================================================================ worker side
+def build(model_name: str, num_classes: int):
+    """(model, shape of one input sample) for ``--model``."""
+    import torch
+
+    from models import INPUT_SHAPES, build_model, canonical_name
+
+    if model_name == "mlp":
+        model = torch.nn.Sequential(torch.nn.Linear(MLP_WIDTH, MLP_WIDTH), torch.nn.ReLU(),
+                                    torch.nn.Linear(MLP_WIDTH, MLP_WIDTH), torch.nn.ReLU(),
+                                    torch.nn.Linear(MLP_WIDTH, num_classes))
+        return model, (MLP_WIDTH,)
+    name = canonical_name(model_name)
+    return build_model(name, num_classes=num_classes), (INPUT_SHAPES[name][0], None, None)
+
+
 class Trainer:
     """One model, its optimizer and its fixed batch; ``step()`` trains once and times the phases."""
 
     def __init__(self, kind: str, args, rank: int, size: int):
         import torch
 
-        from models import INPUT_SHAPES, build_model, canonical_name, count_parameters
+        from models import count_parameters
 
         self.kind, self.size = kind, size
         torch.manual_seed(0)
-        name = canonical_name(args.model)
-        model = build_model(name, num_classes=args.num_classes)
+        model, sample_shape = build(args.model, args.num_classes)
         self.params = count_parameters(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size, momentum=0.9)
         if kind == "roundel":
@@ -145,8 +168,8 @@ class Trainer:
             model = DistributedDataParallel(model)  # broadcasts rank 0's parameters and buffers
         self.model, self.optimizer = model, optimizer
         generator = torch.Generator().manual_seed(1 + rank)
-        channels = INPUT_SHAPES[name][0]
-        self.data = torch.randn(args.batch_size, channels, args.image_size, args.image_size, generator=generator)
+        sample_shape = tuple(args.image_size if d is None else d for d in sample_shape)
+        self.data = torch.randn(args.batch_size, *sample_shape, generator=generator)
         self.target = torch.randint(0, args.num_classes, (args.batch_size,), generator=generator)
         self.phases = {"forward": [], "backward": [], "step": []}
         self.rates: list[float] = []
@@ -199,7 +222,7 @@ def worker(args) -> None:
     import torch
     torch.set_num_threads(args.threads)
     rank, size, barrier = 0, 1, (lambda: None)
-    if args.worker == "roundel":
+    if args.worker in ("roundel", "ceiling"):
         import roundel.torch as hvd
         hvd.init()
         rank, size, barrier = hvd.rank(), hvd.size(), hvd.barrier
@@ -214,7 +237,7 @@ def worker(args) -> None:
         trainer.span(args, barrier)
     if rank == 0:
         emit([trainer.result()])
-    if args.worker == "roundel":
+    if args.worker in ("roundel", "ceiling"):
         hvd.shutdown()
     elif args.worker == "ddp":
         dist.destroy_process_group()
@@ -282,7 +305,7 @@ def worker_args(args) -> list[str]:
 
 def command(kind: str, args) -> list[str]:
     me = [str(Path(__file__).resolve()), "--worker", kind, *worker_args(args)]
-    if kind in ("roundel", "interleaved"):
+    if kind in ("roundel", "ceiling", "interleaved"):
         return [sys.executable, "-m", "roundel.runner.launch", "-np", str(args.np), sys.executable, *me]
     if kind == "ddp":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
@@ -346,7 +369,8 @@ def report(args, results: dict, pairs: list[float], pair_label: str) -> str:
         phase = {k: statistics.median(r["phases_ms"][k] for r in results[kind])
                  for k in ("forward", "backward", "step")}
         label = {"roundel": "roundel DistributedOptimizer", "ddp": "PyTorch DDP (Gloo)",
-                 "single": "1 process, no communication"}[kind]
+                 "single": "1 process, no communication",
+                 "ceiling": "independent processes at once, no communication"}[kind]
         lines.append(f"| {label} | {size} | {medians[kind]:,.1f} | {spread(rates)} | {ms:,.1f} | "
                      f"{phase['forward']:,.1f} / {phase['backward']:,.1f} / {phase['step']:,.1f} | "
                      f"{statistics.median(r['cpu_ms'] for r in results[kind]):,.1f} / "
@@ -356,6 +380,10 @@ def report(args, results: dict, pairs: list[float], pair_label: str) -> str:
         lines.append(f"roundel / DDP throughput: **{medians['roundel'] / medians['ddp']:.3f}** (ratio of medians; "
                      f"{pair_label}: median {statistics.median(pairs):.3f}, "
                      f"{', '.join(f'{x:.3f}' for x in pairs)})")
+    if "ceiling" in medians:
+        for kind in ("roundel", "ddp"):
+            if kind in medians:
+                lines.append(f"{kind} / no-communication ceiling: **{medians[kind] / medians['ceiling']:.3f}**")
     if "single" in medians:
         for kind in ("roundel", "ddp"):
             if kind in medians:

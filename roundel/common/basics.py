@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import logging
+import os
 import sys
 import threading
 from datetime import timedelta
@@ -69,6 +70,7 @@ _runtime: _Runtime | None = None
 _init_count = 0
 _lock = threading.RLock()
 _atexit_registered = False
+_stuck: list = []  # runtimes whose executor was left inside a transfer with a lost rank
 
 
 def _configure_logging(level: str) -> None:
@@ -175,7 +177,7 @@ def init(comm=None, process_sets=None) -> None:
         _runtime.elastic = boot if boot.elastic else None
         global_process_set._bind(0, range(ident.size), ident.rank)
         if not _atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_shutdown_at_exit)
             _atexit_registered = True
     for process_set in process_sets or ():
         add_process_set(process_set)
@@ -188,17 +190,33 @@ def shutdown() -> None:
         runtime, _runtime = _runtime, None
         if runtime is None:
             return
-        runtime.engine.shutdown()
+        stopped = runtime.engine.shutdown()
         runtime.engine.timeline.stop()
-        for _, backend in runtime.process_sets.values():
-            if backend is not None:
-                backend.close()
+        # a transfer stuck on a lost rank ends once that rank is killed (the launcher does so at once);
+        # a transport torn down with a thread inside it aborts the whole process
+        if not stopped and not runtime.engine.executor.wait_stopped(runtime.settings.heartbeat_timeout_s):
+            log.warning("roundel: a transfer with a lost rank is still running; its transport is left open")
+            _stuck.append(runtime)
+        else:
+            for _, backend in runtime.process_sets.values():
+                if backend is not None:
+                    backend.close()
         # dropping the last reference closes the transport's sockets, which frees peers still
         # blocked in a transfer with this rank after a failure
         runtime.process_sets.clear()
         runtime.client.close()
         if runtime.server is not None:
             runtime.server.stop()
+
+
+def _shutdown_at_exit() -> None:
+    """shutdown() at interpreter exit; if a transfer is still stuck on a lost rank, end the process
+    now (status 1, output flushed): finalizing with a thread inside the transport would abort it."""
+    shutdown()
+    if any(not rt.engine.executor.wait_stopped(0) for rt in _stuck):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def runtime(what: str = "this operation") -> _Runtime:

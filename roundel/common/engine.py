@@ -119,8 +119,13 @@ class Engine:
         else:
             address = rendezvous.get(key, timeout=settings.start_timeout_s).decode()
             host, port = address.rsplit(":", 1)
-            self._coordinator = control_channel.connect(host, int(port), secret, rank, settings.start_timeout_s,
-                                                        send_timeout_s=settings.heartbeat_timeout_s)
+            try:
+                self._coordinator = control_channel.connect(host, int(port), secret, rank, settings.start_timeout_s,
+                                                            send_timeout_s=settings.heartbeat_timeout_s)
+            except OSError as exc:  # ChannelError and AuthenticationError are OSErrors too
+                raise RoundelInternalError(
+                    f"rank {rank} could not join rank 0's coordinator at {host}:{port}: {exc}; rank 0 may have "
+                    "failed or exited (see its output)") from exc
             self._coordinator_reader = control_channel.FrameReader(self._coordinator)
             self._heard_coordinator = time.monotonic()
             self._coordinator_host = host

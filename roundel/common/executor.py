@@ -112,6 +112,10 @@ class Executor:
     def stop(self, timeout: float) -> bool:
         """Let the thread finish what is queued and end; False if it is still busy after ``timeout`` s."""
         self._queue.put(None)
+        return self.wait_stopped(timeout)
+
+    def wait_stopped(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the thread to end (after ``stop``); True once it has."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
 

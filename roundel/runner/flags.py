@@ -100,6 +100,8 @@ def parser() -> argparse.ArgumentParser:
                           "remembered, changed ones refused)")
     params = p.add_argument_group("tunable parameters")
     params.add_argument("--fusion-threshold-mb", type=float, help="fuse tensors up to this many MiB (0 disables)")
+    params.add_argument("--bucket-cap-mb", type=float,
+                        help="torch DistributedOptimizer's default gradient bucket size in MiB (default 25; 0: none)")
     params.add_argument("--cycle-time-ms", type=float, help="milliseconds between engine cycles")
     params.add_argument("--cache-capacity", type=int, help="entries in the response cache (0 turns it off)")
     _pair(params, "hierarchical-allreduce", "hierarchical_allreduce", "hierarchical allreduce (not yet used)")
@@ -197,6 +199,7 @@ def _bit(value: bool) -> str:
 # (dest, flag, variable, conversion); a dest left at None sets nothing
 _ENV_FLAGS = (
     ("fusion_threshold_mb", "--fusion-threshold-mb", "ROUNDEL_FUSION_THRESHOLD", lambda v: str(int(v * MIB))),
+    ("bucket_cap_mb", "--bucket-cap-mb", "ROUNDEL_BUCKET_CAP_MB", repr),
     ("cycle_time_ms", "--cycle-time-ms", "ROUNDEL_CYCLE_TIME", lambda v: repr(float(v))),
     ("cache_capacity", "--cache-capacity", "ROUNDEL_CACHE_CAPACITY", str),
     ("hierarchical_allreduce", "--hierarchical-allreduce", "ROUNDEL_HIERARCHICAL_ALLREDUCE", _bit),

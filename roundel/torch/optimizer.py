@@ -8,14 +8,24 @@ is final for the step (after ``backward_passes_per_step`` passes), the hook
 copies them into the bucket's flat buffer and starts one asynchronous
 allreduce of it, so communication overlaps the rest of the backward pass and
 the engine matches a few names per step instead of one per parameter.
-``step()`` waits for them, copies the results back into the gradients, and
-applies the wrapped optimizer's update.
+``step()`` waits for them and applies the wrapped optimizer's update.
+
+As in DDP, the first step records the order in which gradients became ready
+and rebuilds the buckets in that order (rank 0's order, broadcast, so that
+every rank has the same buckets). From then on, without compression, each
+``.grad`` in a bucket of several parameters is a view into the bucket's flat
+buffer (DDP's ``gradient_as_bucket_view=True``): backward accumulates straight
+into the bucket, which is reduced in place, with no copy in or out. A gradient
+that is not the view when its bucket starts (``zero_grad(set_to_none=True)``
+left None, or user code replaced it) is copied into the view once and ``.grad``
+pointed at the view again, as DDP does; sparse gradients are reduced apart.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import torch
 
@@ -23,9 +33,11 @@ from roundel.common import basics
 from roundel.common.errors import RoundelError
 from roundel.common.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
+from roundel.common.settings import Settings
 from roundel.torch.compression import Compression
 from roundel.torch.adasum_optimizer import _DistributedAdasumOptimizer
-from roundel.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async, synchronize
+from roundel.torch.mpi_ops import (allreduce_async_, broadcast_, grouped_allreduce_async_, sparse_allreduce_async,
+                                   synchronize)
 
 _FIRST_BUCKET_BYTES = 1024 * 1024
 _MIB = 1024 * 1024
@@ -112,22 +124,39 @@ def _split_by_size(params: list, cap_bytes: float) -> list[tuple]:
 class _Bucket:
     """Parameters whose gradients are reduced together, once per step."""
 
-    __slots__ = ("params", "name", "sizes", "flat", "ready", "started")
+    __slots__ = ("params", "name", "sizes", "flat", "views", "ready", "started")
 
-    def __init__(self, params: tuple, names: dict, flat: bool):
+    def __init__(self, params: tuple, names: dict, flat: bool, kind: str = "bucket"):
         self.params = params
         flat = flat and len({(p.dtype, p.device) for p in params}) == 1  # else one request per gradient
         first = names[params[0]]
         if len(params) == 1:
             self.name = f"allreduce.{first}"
         elif flat:
-            self.name = f"allreduce.bucket.{first}.{len(params)}"
+            self.name = f"allreduce.{kind}.{first}.{len(params)}"
         else:
             self.name = f"grouped_allreduce.{first}"
         self.sizes = [p.numel() for p in params] if flat else None
         self.flat = None  # the flat gradient buffer, allocated on first use
+        self.views = None  # per parameter, its gradient's place in ``flat`` (gradients as bucket views)
         self.ready = 0  # gradients final for this step
         self.started = False
+
+    def attach_views(self) -> None:
+        """Make each dense gradient a view into a new flat buffer holding its current value."""
+        first = self.params[0]
+        self.flat = torch.zeros(sum(self.sizes), dtype=first.dtype, device=first.device)
+        self.views = [chunk.view(p.shape) for p, chunk in zip(self.params, self.flat.split(self.sizes))]
+        with torch.no_grad():
+            for p, view in zip(self.params, self.views):
+                if p.grad is None or not p.grad.is_sparse:
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    p.grad = view
+
+
+def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.stride() == view.stride()
 
 
 def _write_back(targets: list, results) -> None:
@@ -143,6 +172,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, bucket_cap_mb):
         super(self.__class__, self).__init__(params)
+        if bucket_cap_mb is None:
+            bucket_cap_mb = Settings.from_env().bucket_cap_mb
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
         if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
@@ -161,10 +192,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         explicit = _split_groups(sorted(trainable, key=self._parameter_names.get), groups)  # the same on every rank
         grouped = {p for group in explicit for p in group}
         rest = [p for p in reversed(self._parameter_names) if p in trainable and p not in grouped]  # backward order
-        cap = 0 if op == ReduceOp.Adasum else bucket_cap_mb * _MIB  # Adasum combines each gradient alone
-        self._buckets = [_Bucket(g, self._parameter_names, flat=op != ReduceOp.Adasum)
-                         for g in explicit + _split_by_size(rest, cap)]
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._cap = 0 if op == ReduceOp.Adasum else bucket_cap_mb * _MIB  # Adasum combines each gradient alone
+        self._explicit = [_Bucket(g, self._parameter_names, flat=op != ReduceOp.Adasum) for g in explicit]
+        self._sized = rest  # the parameters bucketed by size, in the order of their first buckets
+        self._views = compression is Compression.none and op != ReduceOp.Adasum
+        self._start_over()
         self._passes_left = dict.fromkeys(self._bucket_of, backward_passes_per_step)
         self._pending: list = []  # per started reduction: a function that waits and writes the gradients
         self._densified: list = []  # parameters whose sparse gradient is reduced dense (sparse_as_dense)
@@ -172,8 +204,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
 
+    def _start_over(self) -> None:
+        """The first buckets (reverse registration order), to be rebuilt after the next step."""
+        flat = self.op != ReduceOp.Adasum
+        self._buckets = self._explicit + [_Bucket(g, self._parameter_names, flat)
+                                          for g in _split_by_size(self._sized, self._cap)]
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._ready_order: list | None = []  # gradients in the order they became final; None once rebuilt
+        self._runtime = None  # a weak reference to the runtime (the init()) these buckets were agreed in
+
+    def _follow_runtime(self) -> None:
+        """After an elastic reset (a new ``init()``) start over, as the optimizer of a worker that just joined."""
+        if not basics.is_initialized():
+            return
+        current = basics.runtime()
+        if self._runtime is None:
+            self._runtime = weakref.ref(current)
+        elif self._runtime() is not current:
+            self._reset()
+            self._start_over()
+            self._runtime = weakref.ref(current)
+
     # ---------------------------------------------------------------- hooks
     def _on_grad_ready(self, p) -> None:
+        self._follow_runtime()
         left = self._passes_left[p]
         if left <= 0:
             raise GradientSyncError(
@@ -182,6 +236,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "backward_passes_per_step to accumulate more passes locally")
         self._passes_left[p] = left - 1
         if left == 1:
+            if self._ready_order is not None:
+                self._ready_order.append(p)
             bucket = self._bucket_of[p]
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
@@ -204,6 +260,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _start(self, bucket: _Bucket) -> None:
         bucket.started = True
+        if bucket.views is not None:
+            self._start_viewed(bucket)
+            return
         targets = []  # the dense gradients that receive the results; None for a sparse one
         for p in bucket.params:
             self._prepare_grad(p)
@@ -234,6 +293,60 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._pending.append(lambda: _write_back(
                 targets, [compression.decompress(r, c[1]) for r, c in zip(synchronize(handle), compressed)]))
 
+    def _start_viewed(self, bucket: _Bucket) -> None:
+        """Reduce the flat buffer in place; a gradient that is not its view is copied in and re-pointed."""
+        with torch.no_grad():
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not None:
+                    self._prepare_grad(p)
+                grad = p.grad
+                if grad is not None and grad.is_sparse:  # reduced apart; its place in the bucket is zeros
+                    view.zero_()
+                    self._pending.append(self._start_sparse(p))
+                    continue
+                if grad is None:
+                    view.zero_()
+                elif not _is_view(grad, view):
+                    view.copy_(grad)
+                p.grad = view
+        handle = self._allreduce_async(bucket.flat, bucket.name)
+        self._pending.append(lambda: _write_back(bucket.views, synchronize(handle).split(bucket.sizes)))
+
+    def _rebuild_buckets(self) -> None:
+        """Re-bucket in the order rank 0's gradients became ready in the first step, then attach views.
+
+        Parameters whose gradient was never ready keep their order after the
+        others; those with a sparse gradient on the wire go in buckets of
+        their own.
+        """
+        if self._sized:
+            order, sparse = self._agreed_order()
+            dense = [p for p, on_wire in zip(order, sparse) if not on_wire]
+            alone = [(p,) for p, on_wire in zip(order, sparse) if on_wire]
+            flat = self.op != ReduceOp.Adasum
+            self._buckets = self._explicit + [_Bucket(g, self._parameter_names, flat, kind="rebuilt")
+                                              for g in _split_by_size(dense, self._cap) + alone]
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        if self._views:
+            for bucket in self._buckets:
+                if bucket.sizes is not None and len(bucket.params) > 1:
+                    bucket.attach_views()
+
+    def _agreed_order(self) -> tuple[list, list]:
+        """Rank 0's ready order of the size-bucketed parameters (never ready: last) and which are sparse."""
+        index = {p: i for i, p in enumerate(self._sized)}
+        seen = [p for p in dict.fromkeys(self._ready_order) if p in index]
+        seen_set = set(seen)
+        order = seen + [p for p in self._sized if p not in seen_set]
+        plan = torch.tensor([[index[p] for p in order], [int(self._sparse_on_wire(p)) for p in order]])
+        if self._process_set.size() > 1:
+            name = f"broadcast.bucket_order.{self._parameter_names[self._sized[0]]}"
+            broadcast_(plan, root_rank=self._process_set.ranks[0], name=name, process_set=self._process_set)
+        return [self._sized[i] for i in plan[0].tolist()], [bool(flag) for flag in plan[1].tolist()]
+
+    def _sparse_on_wire(self, p) -> bool:
+        return p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense
+
     def _start_sparse(self, p):
         wait = sparse_allreduce_async(p.grad, name=f"sparse.{self._parameter_names[p]}", op=self.op,
                                       process_set=self._process_set)
@@ -246,6 +359,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------- public API
     def synchronize(self) -> None:
         """Wait for every gradient reduction of this step (starting those whose hooks did not fire)."""
+        self._follow_runtime()
         try:
             for bucket in self._buckets:
                 if not bucket.started:  # unused parameters: every rank must still take part
@@ -254,7 +368,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 finish()
             for p in self._densified:
                 p.grad = p.grad.to_sparse()
+            if self._ready_order is not None:
+                self._rebuild_buckets()
         finally:
+            self._ready_order = None
             self._reset()
         self._synchronized = True
 
@@ -292,6 +409,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear gradients; an error while reductions of this step are still in flight."""
+        self._follow_runtime()
         if self._pending or any(bucket.ready for bucket in self._buckets):
             raise GradientSyncError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
@@ -314,7 +432,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=ReduceOp.Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=global_process_set,
-                         bucket_cap_mb=25):
+                         bucket_cap_mb=None):
     """Wrap ``optimizer`` so that gradients are averaged (or summed, or Adasum-combined) across ranks.
 
     Returns an instance of a subclass of the optimizer's own class, built on
@@ -322,8 +440,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     as before). Gradients are reduced in buckets, each as one flat buffer:
     ``groups`` (a count, or lists of parameters; ``num_groups`` is the older
     count form) sets buckets explicitly, and the other gradients go in buckets
-    of about ``bucket_cap_mb`` MiB (25, as PyTorch DDP), the first one small.
-    ``bucket_cap_mb=0`` reduces each gradient on its own.
+    of about ``bucket_cap_mb`` MiB, the first one small: by default
+    ``ROUNDEL_BUCKET_CAP_MB`` (``roundelrun --bucket-cap-mb``), else 25, as
+    PyTorch DDP. ``bucket_cap_mb=0`` reduces each gradient on its own. After
+    the first step the buckets follow the order in which gradients became
+    ready, and without compression each ``.grad`` is a view into its bucket.
     ``op=Adasum`` (with more than one rank) is Horovod's delta-based Adasum
     optimizer: as soon as a gradient is ready, the wrapped optimizer updates
     that parameter locally, and ``step()`` applies the Adasum combination of

@@ -4,6 +4,7 @@ Every check compares distributed training with one process stepping on the
 whole (concatenated) batch, computed here in the same process.
 """
 
+import sys
 import warnings
 
 import numpy as np
@@ -35,8 +36,13 @@ def loss_fn(model, x, y):
     return ((model(x) - y) ** 2).mean()
 
 
-def train_pair(make_opt, steps=4, per_rank=4, passes=1, **dist_kwargs):
-    """Train distributed and single-process; return both models' parameters."""
+def train_pair(make_opt, steps=4, per_rank=4, passes=1, set_to_none=True, on_backward=None, replace_grads=False,
+               **dist_kwargs):
+    """Train distributed and single-process; return both models' parameters.
+
+    ``on_backward(opt, model, step)`` runs after each step's backward passes, before ``opt.step()``;
+    ``replace_grads`` gives every parameter a new zero ``.grad`` after ``zero_grad()``.
+    """
     n = hvd.size()
     data = batches(steps, per_rank * passes, n)
     ref = make_model()
@@ -44,15 +50,20 @@ def train_pair(make_opt, steps=4, per_rank=4, passes=1, **dist_kwargs):
     model = make_model()
     opt = hvd.DistributedOptimizer(make_opt(model.parameters()), named_parameters=model.named_parameters(),
                                    backward_passes_per_step=passes, **dist_kwargs)
-    for x, y in data:
+    for step, (x, y) in enumerate(data):
         ref_opt.zero_grad()
         loss_fn(ref, x, y).backward()
         ref_opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
+        if replace_grads:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
         xs, ys = mine(x, per_rank * passes), mine(y, per_rank * passes)
         for k in range(passes):
             sl = slice(k * per_rank, (k + 1) * per_rank)
             (loss_fn(model, xs[sl], ys[sl]) / passes).backward()
+        if on_backward is not None:
+            on_backward(opt, model, step)
         opt.step()
     return model, ref
 
@@ -104,6 +115,67 @@ def check_equivalence():
             assert_close(model, ref, TOL, f"bucket_cap_mb={cap}, backward_passes_per_step={passes}")
     model, ref = train_pair(sgd, compression=hvd.Compression.fp16, bucket_cap_mb=0.0001)
     assert_close(model, ref, FP16_TOL, "fp16 compression in two buckets")
+
+
+def assert_grads_are_bucket_views(opt, model, step):
+    """From the second step on, every gradient lies in its bucket's flat buffer (after backward, before step)."""
+    if step == 0:
+        return
+    for name, p in model.named_parameters():
+        bucket = opt._bucket_of[p]
+        if len(bucket.params) == 1:
+            continue
+        start = bucket.flat.data_ptr()
+        end = start + bucket.flat.numel() * bucket.flat.element_size()
+        assert start <= p.grad.data_ptr() < end, f"step {step}: {name}.grad is not a view into its bucket"
+
+
+def check_bucket_views():
+    """Gradients as bucket views: equivalence at 1 and 2 passes, zero_grad both ways; .grad lives in the bucket."""
+    for cap in (25, 0.0001):  # one bucket of four parameters; two of two
+        for passes in (1, 2):
+            for set_to_none in (True, False):
+                what = f"bucket views, bucket_cap_mb={cap}, passes={passes}, set_to_none={set_to_none}"
+                model, ref = train_pair(sgd, steps=3, passes=passes, set_to_none=set_to_none,
+                                        on_backward=assert_grads_are_bucket_views, bucket_cap_mb=cap)
+                assert_close(model, ref, TOL, what)
+    # user code that replaces .grad before backward: copied into the bucket, .grad points at the view again
+    model, ref = train_pair(adam, steps=3, replace_grads=True)
+    assert_close(model, ref, TOL, "bucket views with .grad replaced before every backward")
+
+
+def check_rebuilt_order():
+    """After step 1 the buckets follow the order gradients became ready, the same on every rank."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"head": torch.nn.Linear(8, 2), "body": torch.nn.Linear(4, 8)})  # run body first
+    hvd.broadcast_parameters(model.state_dict(), 0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), bucket_cap_mb=0.00005)
+    names = {p: n for n, p in model.named_parameters()}
+    registration_reversed = [n.split(".")[0] for b in opt._buckets for n in map(names.get, b.params)]
+    assert registration_reversed[0] == "body", registration_reversed
+    for _ in range(2):
+        opt.zero_grad()
+        model["head"](model["body"](torch.randn(3, 4))).sum().backward()
+        opt.step()
+    rebuilt = [names[p] for b in opt._buckets for p in b.params]
+    assert [n.split(".")[0] for n in rebuilt] == ["head", "head", "body", "body"], rebuilt
+    bucket_names = [b.name for b in opt._buckets]
+    assert any(".rebuilt." in n for n in bucket_names), bucket_names
+    everyone = hvd.allgather_object(bucket_names)
+    assert all(n == bucket_names for n in everyone), f"ranks rebuilt different buckets: {everyone}"
+
+
+def check_cap_from_environment(expected_mb: float):
+    """Without bucket_cap_mb the cap comes from ROUNDEL_BUCKET_CAP_MB (roundelrun --bucket-cap-mb); the keyword wins."""
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))  # 1 MiB weights
+    default = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters())
+    sizes = [len(b.params) for b in default._buckets]
+    expected = [1, 1, 1, 1] if expected_mb == 0 else [2, 2]  # 0: each gradient alone; 25: 1 MiB then the rest
+    assert sizes == expected, f"bucket sizes {sizes} with the cap from the environment, expected {expected}"
+    keyword = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
+                                       bucket_cap_mb=25)
+    assert [len(b.params) for b in keyword._buckets] == [2, 2], "bucket_cap_mb= did not win over the environment"
 
 
 def check_sum_op():
@@ -221,7 +293,10 @@ def check_training_loop_rules():
 
 
 def check_unused_and_frozen():
-    """A parameter unused on one rank and a frozen one: no hang, gradients agree (with and without buckets)."""
+    """A parameter unused on one rank and a frozen one: no hang, gradients agree (with and without buckets).
+
+    The second step runs on the buckets rebuilt after the first (the unused parameter never became ready).
+    """
     for cap in (25, 0):
         model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 3), "b": torch.nn.Linear(3, 3),
                                      "frozen": torch.nn.Linear(3, 3)})
@@ -231,21 +306,26 @@ def check_unused_and_frozen():
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(), bucket_cap_mb=cap)
         x = torch.ones(2, 3)
-        out = model["a"](x) if hvd.rank() == 0 else model["b"](model["a"](x))
-        out.sum().backward()
-        if hvd.rank() == 0:  # a bucket waits for the unused gradients: still part of this step
-            try:
-                opt.zero_grad()
-            except AssertionError as exc:
-                assert "zero_grad" in str(exc)
-            else:
-                raise AssertionError(f"zero_grad() with a bucket partly ready did not raise (cap {cap})")
-        opt.step()
-        assert_same_on_all_ranks(model, f"unused parameter (bucket_cap_mb={cap})")
+        for step in range(2):
+            opt.zero_grad()
+            out = model["a"](x) if hvd.rank() == 0 else model["b"](model["a"](x))
+            out.sum().backward()
+            if hvd.rank() == 0 and step == 0:  # a bucket waits for the unused gradients: still part of this step
+                try:
+                    opt.zero_grad()
+                except AssertionError as exc:
+                    assert "zero_grad" in str(exc)
+                else:
+                    raise AssertionError(f"zero_grad() with a bucket partly ready did not raise (cap {cap})")
+            opt.step()
+            assert_same_on_all_ranks(model, f"unused parameter (bucket_cap_mb={cap}, step {step})")
 
 
 def check_sparse():
-    """A sparse gradient alone and in a bucket with a dense one (whose gradient is all ones on every rank)."""
+    """A sparse gradient alone and in a bucket with a dense one (whose gradient is all ones on every rank).
+
+    Two steps of the same constant gradients: the second on the rebuilt buckets (the sparse one alone).
+    """
     for dense, cap in ((False, 0), (True, 0), (False, 25), (True, 25)):
         torch.manual_seed(0)
         emb = torch.nn.Embedding(10, 4, sparse=True)
@@ -255,23 +335,29 @@ def check_sparse():
         opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=1.0), named_parameters=named,
                                        sparse_as_dense=dense, bucket_cap_mb=cap)
         idx = torch.tensor([hvd.rank(), 5])
-        (emb(idx).sum() + lin(torch.ones(1, 4)).sum()).backward()
-        opt.step()
+        for _ in range(2):
+            opt.zero_grad()
+            (emb(idx).sum() + lin(torch.ones(1, 4)).sum()).backward()
+            opt.step()
         for p, p0 in zip(lin.parameters(), lin_start):
-            assert torch.allclose(p.detach(), p0 - 1.0), f"dense gradient beside a sparse one (cap {cap}) is off"
+            assert torch.allclose(p.detach(), p0 - 2.0), f"dense gradient beside a sparse one (cap {cap}) is off"
         expected = torch.zeros(10, 4)
         for r in range(hvd.size()):
             expected[r] += 1.0 / hvd.size()
         expected[5] += 1.0
         torch.manual_seed(0)
         start = torch.nn.Embedding(10, 4).weight.detach()
-        diff = (start - emb.weight.detach() - expected).abs().max().item()
+        diff = (start - emb.weight.detach() - 2 * expected).abs().max().item()
         assert diff < 1e-6, f"sparse gradient (sparse_as_dense={dense}) update off by {diff}"
 
 
 if __name__ == "__main__":
     hvd.init()
-    for check in (check_equivalence, check_sum_op, check_adasum, check_broadcast_state,
-                  check_training_loop_rules, check_unused_and_frozen, check_sparse):
+    if len(sys.argv) > 1:  # cap-from-environment EXPECTED_MB
+        check_cap_from_environment(float(sys.argv[2]))
+        print("CHECKS PASSED torch_optimizer")
+        sys.exit(0)
+    for check in (check_equivalence, check_bucket_views, check_rebuilt_order, check_sum_op, check_adasum,
+                  check_broadcast_state, check_training_loop_rules, check_unused_and_frozen, check_sparse):
         check()
     print("CHECKS PASSED torch_optimizer")
