@@ -38,7 +38,6 @@ NOT_YET = {
     "hierarchical_allgather": "--hierarchical-allgather",
     "torus_allreduce": "--torus-allreduce",
     "autotune": "--autotune",
-    "timeline_mark_cycles": "--timeline-mark-cycles",
 }
 """Flags whose variables are passed to the workers but which roundel's engine does not act on yet."""
 
