@@ -17,7 +17,7 @@ import pickle
 import timeit
 
 from roundel.common import control_codec
-from roundel.common.ops import ReduceOp
+from roundel.ops import ReduceOp
 from roundel.common.requests import Batch, Entry, OpKind, Request
 
 # the parameter count of ResNet-50: its gradients fused into one batch each step

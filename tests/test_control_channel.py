@@ -32,7 +32,7 @@ import pytest
 
 from launch_util import LAUNCHER, WORKERS_DIR, clean_env, rank_lines
 from roundel.common import control_channel
-from roundel.common.ops import ReduceOp
+from roundel.ops import ReduceOp
 from roundel.common.requests import Batch, Entry, OpKind, Request
 
 SECRET = b"s" * 32

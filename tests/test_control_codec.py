@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from roundel.common import control_codec
-from roundel.common.ops import ReduceOp
+from roundel.ops import ReduceOp
 from roundel.common.requests import Batch, Entry, OpKind, Request
 
 REQUEST = Request("grad.layer1.weight", OpKind.ALLREDUCE, 0, dtype="float32", shape=(256, 128),

@@ -90,7 +90,7 @@ def test_keras_mnist_elastic_example(tmp_path):
 TF_STATE_SCRIPT = '''
 import numpy as np, tensorflow as tf
 import roundel.tensorflow as hvd
-from roundel.common.errors import RoundelInternalError
+from roundel.errors import RoundelInternalError
 
 hvd.init()
 v = tf.Variable([1.0, 2.0])

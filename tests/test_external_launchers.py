@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from launch_util import WORKERS_DIR, clean_env, describe, run_command, run_job
-from roundel.common.errors import SettingsError
-from roundel.common.identity import cross_ranks, detect_launcher
-from roundel.runner import bootstrap
+from roundel.errors import SettingsError
+from roundel.rendezvous.identity import cross_ranks, detect_launcher
+from roundel.rendezvous import bootstrap
 
 COLLECTIVES = str(WORKERS_DIR / "torch_collectives.py")
 BIN = Path(sys.executable).parent

@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
-from roundel.common.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
+from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
 from roundel.common.executor import Executor, Work
 from roundel.common.handles import Handle
-from roundel.common.ops import ReduceOp
+from roundel.ops import ReduceOp
 from roundel.common.requests import Batch, Entry, OpKind, Request
 from roundel.transport.backend import Backend
 

@@ -5,7 +5,7 @@ import socket
 import psutil
 import pytest
 
-from roundel.common.identity import Identity
+from roundel.rendezvous.identity import Identity
 from roundel.runner.hosts import assign_slots, is_local_host, parse_hostfile, parse_hosts
 
 

@@ -66,7 +66,7 @@ def test_partial_and_binary_lines():
 
 ENV_DUMP = (
     "import json, os\n"
-    "from roundel.runner.rendezvous import RendezvousClient\n"
+    "from roundel.rendezvous.store import RendezvousClient\n"
     "e = os.environ\n"
     "c = RendezvousClient(e['ROUNDEL_RENDEZVOUS_ADDR'], int(e['ROUNDEL_RENDEZVOUS_PORT']),"
     " bytes.fromhex(e['ROUNDEL_SECRET']))\n"

@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from roundel.common.negotiation import JOIN_NAME, Negotiator
-from roundel.common.ops import ReduceOp
+from roundel.ops import ReduceOp
 from roundel.common.requests import OpKind, Request
 
 

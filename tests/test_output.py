@@ -146,7 +146,7 @@ def test_verbose_shows_the_traceback_and_each_start():
         lines = rank_lines(result.stderr, rank, "stderr")
         assert "Traceback (most recent call last):" in lines, result.stderr
         assert any("roundel/common/basics.py" in line for line in lines), result.stderr
-        assert lines[-1].startswith("roundel.common.errors.NotInitializedError: "), result.stderr
+        assert lines[-1].startswith("roundel.errors.NotInitializedError: "), result.stderr
 
 
 def test_help_ends_with_usage_examples():

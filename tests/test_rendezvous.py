@@ -11,10 +11,10 @@ from datetime import timedelta
 
 import pytest
 
-from roundel.common.errors import RoundelError
-from roundel.runner import rendezvous
-from roundel.runner import rendezvous_wire as wire
-from roundel.runner.rendezvous import (
+from roundel.errors import RoundelError
+from roundel.rendezvous import store as rendezvous
+from roundel.rendezvous import wire
+from roundel.rendezvous.store import (
     RendezvousClient,
     RendezvousError,
     RendezvousServer,
@@ -153,7 +153,7 @@ def test_two_processes(server, client, secret):
             sys.executable,
             "-c",
             "import os, sys\n"
-            "from roundel.runner.rendezvous import RendezvousClient\n"
+            "from roundel.rendezvous.store import RendezvousClient\n"
             "c = RendezvousClient(sys.argv[1], int(sys.argv[2]), bytes.fromhex(os.environ['SECRET']))\n"
             "v = c.get('to-child', timeout=20)\n"
             "c.set('to-parent', v + b'!')\n"

@@ -26,7 +26,7 @@ import pytest
 
 from elastic_util import ElasticJob, check_training
 from launch_util import WORKERS_DIR
-from roundel.runner.rendezvous import RendezvousClient, RendezvousError, RendezvousServer, new_secret
+from roundel.rendezvous.store import RendezvousClient, RendezvousError, RendezvousServer, new_secret
 
 # The documented bound on noticing a server that stopped answering: GET_POLL_S + RESPONSE_GRACE_S.
 DETECTION_BOUND_S = 15.0
@@ -36,7 +36,7 @@ FRAME_DEADLINE_S = 10.0  # rendezvous_wire.FRAME_DEADLINE_S: a frame once begun 
 
 _SERVER = """
 import logging, os, resource, sys, time
-from roundel.runner.rendezvous import RendezvousServer
+from roundel.rendezvous.store import RendezvousServer
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
 server = RendezvousServer(bytes.fromhex(os.environ["SECRET"]))
 port = server.start()
@@ -567,7 +567,7 @@ def test_accept_survives_failed_thread_starts(server, secret, monkeypatch, caplo
         return start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", failing_start)
-    with caplog.at_level("WARNING", logger="roundel.runner.rendezvous"):
+    with caplog.at_level("WARNING", logger="roundel.rendezvous.store"):
         assert assert_store_serves(server.port, secret, within=10) < 5
     assert failures == [0]
     assert "cannot start a thread" in caplog.text

@@ -31,7 +31,7 @@ from torch.distributed import TCPStore
 
 from launch_util import LAUNCHER, WORKERS_DIR, assert_checks_passed, clean_env, describe, rank_lines, run_job
 from netns_util import NetnsHosts, require_tools
-from roundel.runner.rendezvous import RendezvousClient, RendezvousError
+from roundel.rendezvous.store import RendezvousClient, RendezvousError
 
 WORKER = str(WORKERS_DIR / "secrets_worker.py")
 BIN = Path(sys.executable).parent
@@ -252,7 +252,7 @@ def test_gloo_connection_flood_does_not_kill_the_job(tmp_path):
 
 
 def test_secret_file_is_private_and_checked(tmp_path):
-    from roundel.runner import secret_file
+    from roundel.rendezvous import secret_file
 
     env = {"ROUNDEL_SECRET_DIR": str(tmp_path / "jobs")}
     path = secret_file.job_secret_path("srun", "77.0.init0", env)

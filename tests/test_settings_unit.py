@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from roundel.common.errors import SettingsError
+from roundel.errors import SettingsError
 from roundel.common.settings import MIB, Settings
 
 # field, variable suffix, default, (raw, parsed) accepted, raws refused

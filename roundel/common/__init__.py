@@ -1,1 +1,1 @@
-"""Framework-independent core: runtime, engine, negotiation, settings and errors."""
+"""The framework-neutral core: collectives API, runtime (init, ranks, process sets), engine, negotiation, settings, elastic state."""

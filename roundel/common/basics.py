@@ -17,12 +17,18 @@ import threading
 from datetime import timedelta
 
 from roundel.common import communicator
-from roundel.common.errors import NotInitializedError, RoundelInternalError
-from roundel.common.identity import Identity
+from roundel.common.engine import Engine
 from roundel.common.process_sets import ProcessSet, global_process_set
 from roundel.common.requests import OpKind, Request
 from roundel.common.settings import Settings
 from roundel.common.timeline import Timeline
+from roundel.errors import NotInitializedError, RoundelInternalError
+from roundel.rendezvous import bootstrap
+from roundel.rendezvous.identity import Identity, detect_launcher
+from roundel.rendezvous.store import RendezvousClient
+from roundel.transport import factory
+from roundel.transport.gloo import raise_open_file_limit
+from roundel.transport.store_adapter import RendezvousStore
 
 log = logging.getLogger("roundel")
 
@@ -60,10 +66,16 @@ class _Runtime:
         every member agrees on the n-th name, including ranks that joined late
         (an elastic reset) or ran other collectives on other process sets.
         """
-        key = (label, process_set_id)
+        return f"{label}.noname.{self._count((label, process_set_id))}"
+
+    def next_barrier(self, process_set_id: int) -> int:
+        """The number of this barrier on a process set since this ``init()`` (the same on every member)."""
+        return self._count(("barrier", process_set_id))
+
+    def _count(self, key: tuple) -> int:
         with self._unnamed_lock:
             count = self._unnamed_counts[key] = self._unnamed_counts.get(key, 0) + 1
-        return f"{label}.noname.{count}"
+        return count
 
 
 _runtime: _Runtime | None = None
@@ -101,13 +113,6 @@ def init(comm=None, process_sets=None) -> None:
     bad settings and ``RoundelInternalError`` when the other ranks cannot be reached.
     """
     global _runtime, _init_count, _atexit_registered
-    from roundel.runner import bootstrap
-    from roundel.runner.rendezvous import RendezvousClient
-    from roundel.transport import factory
-    from roundel.transport.gloo import raise_open_file_limit
-    from roundel.transport.store_adapter import RendezvousStore
-    from roundel.common.engine import Engine
-
     with _lock:
         if _runtime is not None:
             return
@@ -117,7 +122,7 @@ def init(comm=None, process_sets=None) -> None:
             process_sets = None
         settings = Settings.from_env()
         _configure_logging(settings.log_level)
-        factory.check(settings)
+        factory.check(_transport(settings), detect_launcher())
         prefix = f"init{_init_count}/"
         _init_count += 1
         raise_open_file_limit()  # stray connections to Gloo's port must not exhaust the descriptors
@@ -147,7 +152,7 @@ def init(comm=None, process_sets=None) -> None:
         advertise = bootstrap.advertise_address(host, port)
         try:
             backend = factory.job_backend(
-                settings, RendezvousStore(client, prefix + "ps0/", timedelta(seconds=settings.start_timeout_s)),
+                _transport(settings), RendezvousStore(client, prefix + "ps0/", timedelta(seconds=settings.start_timeout_s)),
                 ident.rank, ident.size, advertise, members or tuple(range(ident.size)))
         except RuntimeError as exc:
             client.close()
@@ -217,6 +222,10 @@ def _shutdown_at_exit() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+def _transport(settings: Settings) -> factory.Choice:
+    return factory.Choice(settings.cpu_operations, settings.collective_timeout_s)
 
 
 def runtime(what: str = "this operation") -> _Runtime:
@@ -333,9 +342,6 @@ def add_process_set(process_set) -> ProcessSet:
     Accepts a ``ProcessSet`` or a list of ranks; returns the registered ``ProcessSet``.
     Raises ValueError for ranks outside the job or a set that is already registered.
     """
-    from roundel.transport import factory
-    from roundel.transport.store_adapter import RendezvousStore
-
     rt = runtime("add_process_set()")
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
@@ -357,7 +363,7 @@ def add_process_set(process_set) -> ProcessSet:
         if me in ranks:
             store = RendezvousStore(rt.client, f"{rt.prefix}ps{set_id}/",
                                     timedelta(seconds=rt.settings.start_timeout_s))
-            backend = factory.process_set_backend(rt.settings, rt.process_sets[0][1], store, ranks,
+            backend = factory.process_set_backend(_transport(rt.settings), rt.process_sets[0][1], store, ranks,
                                                   rt.advertise_host)
         rt.process_sets[set_id] = (ranks, backend)
         _process_set_barrier(rt, f"added{set_id}", ())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from roundel.common.identity import Identity, cross_ranks
+from roundel.rendezvous.identity import Identity, cross_ranks
 
 
 def _mpi():

@@ -18,7 +18,7 @@ import struct
 import types
 import typing
 
-from roundel.common.ops import ReduceOp
+from roundel.ops import ReduceOp
 from roundel.common.requests import Batch, Entry, OpKind, Request
 
 MAX_DEPTH = 64

@@ -4,7 +4,7 @@ A training function decorated with a framework's ``elastic.run`` gets a
 ``State``. The loop ``commit()``s it now and then. When a peer fails, every
 survivor sees ``HorovodInternalError`` on its main thread; the loop rolls its
 state back to the last commit, leaves the broken communicator, joins the
-next generation (see :mod:`roundel.runner.elastic_rendezvous`), runs the
+next generation (see :mod:`roundel.rendezvous.elastic_join`), runs the
 reset callbacks, takes rank 0's state (which also becomes the point to roll
 back to) and calls the training function again.
 When the driver plans a membership change, rank 0 notices it at a
@@ -19,11 +19,13 @@ import copy
 import functools
 import logging
 
-from roundel.common import basics
-from roundel.common.errors import HostsUpdatedInterrupt, RoundelInternalError
-from roundel.runner import elastic_rendezvous
+import numpy as np
 
-__all__ = ["ObjectState", "State", "reset", "run_fn"]
+from roundel.common import basics
+from roundel.errors import HostsUpdatedInterrupt, RoundelInternalError
+from roundel.rendezvous import elastic_join
+
+__all__ = ["ModelState", "ObjectState", "State", "VariablesState", "reset", "run_fn"]
 
 log = logging.getLogger("roundel")
 
@@ -62,7 +64,7 @@ class State:
         runtime = basics.runtime("check_host_updates()")
         if runtime.elastic is None:
             return
-        latest = elastic_rendezvous.hosts_version(runtime.client) if basics.rank() == 0 else None
+        latest = elastic_join.hosts_version(runtime.client) if basics.rank() == 0 else None
         latest = self._bcast_object(latest, root_rank=0, name="elastic.hosts_version")
         if latest > runtime.elastic.hosts_version:
             raise HostsUpdatedInterrupt()
@@ -109,6 +111,67 @@ class ObjectState(State):
             self._apply_saved()
 
 
+class VariablesState(ObjectState):
+    """ObjectState plus a list of variables, saved as NumPy copies and broadcast from rank 0 by ``sync()``.
+
+    A variable is anything NumPy can read that has ``assign(value)`` (a
+    ``tf.Variable``, a Keras variable); ``bcast_variables(variables, root_rank)``
+    is the framework's ``broadcast_variables``.
+    """
+
+    def __init__(self, bcast_object, bcast_variables, variables, **kwargs):
+        self._variables = list(variables)
+        self._bcast_variables = bcast_variables
+        self._saved_values = self._values()
+        super().__init__(bcast_object, **kwargs)
+
+    def _values(self) -> list:
+        return [np.array(v, copy=True) for v in self._variables]
+
+    def save(self) -> None:
+        self._saved_values = self._values()
+        super().save()
+
+    def restore(self) -> None:
+        for v, value in zip(self._variables, self._saved_values):
+            v.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        if self._variables:
+            self._bcast_variables(self._variables, root_rank=0)
+            self._saved_values = self._values()
+        super().sync()
+
+
+class ModelState(VariablesState):
+    """The state of a Keras 3 model and optimizer (and picklable keywords), for any Keras backend.
+
+    Holds the built ``model``'s weights and the variables of ``optimizer``
+    (default ``model.optimizer``), which is built for the model's trainable
+    variables here if it is not yet, so its slots exist before the first
+    step. The optimizer's learning rate is left out: a reset callback rescales
+    it on the ranks that reset, while ranks that just joined set it
+    themselves (as Horovod leaves hyper-parameters to each rank). After every
+    reset the model's traced functions are dropped, so the next
+    ``fit``/``evaluate``/``predict`` traces them again for the new size.
+    """
+
+    def __init__(self, bcast_object, bcast_variables, model, optimizer=None, **kwargs):
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        variables = list(model.weights)
+        if self.optimizer is not None:
+            if not self.optimizer.built:
+                self.optimizer.build(model.trainable_variables)
+            variables += [v for v in self.optimizer.variables if v is not self.optimizer.learning_rate]
+        super().__init__(bcast_object, bcast_variables, variables, **kwargs)
+
+    def on_reset(self) -> None:
+        self.model.train_function = self.model.test_function = self.model.predict_function = None
+        super().on_reset()
+
+
 def reset() -> None:
     """Leave the current communicator and join the next generation of the job."""
     basics.shutdown()
@@ -136,7 +199,7 @@ def run_fn(func):
                     state.on_reset()
                 state.sync()
                 return func(state, *args, **kwargs)
-            except elastic_rendezvous.JoinError:
+            except elastic_join.JoinError:
                 raise
             except RoundelInternalError as exc:
                 log.warning("roundel elastic: %s; rolling back to the last commit and re-forming the job", exc)

@@ -37,7 +37,7 @@ import threading
 import time
 
 from roundel.common import control_channel, deadlock
-from roundel.common.errors import RoundelInternalError
+from roundel.errors import RoundelInternalError
 from roundel.common.executor import Executor, Work
 from roundel.common.handles import Handle
 from roundel.common.negotiation import Negotiator

@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 
 from roundel.common.adasum import adasum_tree
-from roundel.common.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
+from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
 from roundel.common.handles import Handle
-from roundel.common.ops import ReduceOp
+from roundel.ops import ReduceOp
 from roundel.common.requests import Batch, OpKind, Request
 from roundel.common.timeline import Timeline, transport_activity
 

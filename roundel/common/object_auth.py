@@ -15,9 +15,9 @@ import hashlib
 import hmac
 import struct
 
-from roundel.common.errors import RoundelInternalError
+from roundel.errors import RoundelInternalError
 
-__all__ = ["TAG_BYTES", "seal", "unseal"]
+__all__ = ["TAG_BYTES", "tag", "unseal"]
 
 TAG_BYTES = 32
 _HEADER = struct.Struct("!qQ")  # sender rank, length of the name
@@ -28,26 +28,22 @@ def _object_key(secret: bytes) -> bytes:
     return hmac.new(secret, b"roundel/object-auth/v1", hashlib.sha256).digest()
 
 
-def _tag(secret: bytes, name: str, sender: int, payload) -> bytes:
+def tag(secret: bytes, name: str, sender: int, payload) -> bytes:
+    """The tag a sender appends to ``payload`` (bytes-like) for the collective ``name`` from rank ``sender``."""
     label = name.encode()
     mac = hmac.new(_object_key(secret), _HEADER.pack(sender, len(label)) + label, hashlib.sha256)
     mac.update(payload)
     return mac.digest()
 
 
-def seal(secret: bytes, name: str, sender: int, payload: bytes) -> bytes:
-    """``payload`` followed by its tag, for the collective ``name`` sent by rank ``sender``."""
-    return payload + _tag(secret, name, sender, payload)
-
-
-def unseal(secret: bytes, name: str, sender: int, sealed: bytes) -> bytes:
-    """The payload of ``sealed`` once its tag checks out.
+def unseal(secret: bytes, name: str, sender: int, sealed):
+    """The payload of ``sealed`` (payload then tag, bytes-like) once its tag checks out.
 
     Raises RoundelInternalError, before anything is unpickled, when the tag is
     missing or does not match (bytes not sent by a holder of the job secret).
     """
-    payload, tag = sealed[:-TAG_BYTES], sealed[-TAG_BYTES:]
-    if len(sealed) < TAG_BYTES or not hmac.compare_digest(tag, _tag(secret, name, sender, payload)):
+    payload, received = sealed[:-TAG_BYTES], sealed[-TAG_BYTES:]
+    if len(sealed) < TAG_BYTES or not hmac.compare_digest(received, tag(secret, name, sender, payload)):
         raise RoundelInternalError(
             f"object from rank {sender} failed authentication in {name!r}: its bytes were not sent by a "
             "rank of this job (injected or altered on the network?); refusing to unpickle them. Fence "

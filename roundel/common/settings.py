@@ -15,7 +15,7 @@ import dataclasses
 import os
 from typing import Callable, Mapping
 
-from roundel.common.errors import SettingsError
+from roundel.errors import SettingsError
 
 MIB = 1024 * 1024
 

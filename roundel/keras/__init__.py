@@ -16,22 +16,22 @@ from __future__ import annotations
 import keras
 
 from roundel.common.basics import (
-    cross_rank, cross_size, cuda_built, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized,
+    cross_rank, cross_size, cuda_built, gloo_built, gloo_enabled, is_homogeneous, is_initialized,
     local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
     shutdown, size,
 )
 from roundel.common.basics import add_process_set, remove_process_set
 from roundel.common.basics import start_timeline, stop_timeline
-from roundel.common.errors import (
+from roundel.errors import (
     CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError, RoundelError,
     RoundelInternalError,
 )
-from roundel.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from roundel.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from roundel.common.process_sets import ProcessSet, global_process_set
 from roundel.keras import callbacks, elastic, optimizers
 from roundel.keras.core import (
     Compression, DistributedOptimizer, PartialDistributedOptimizer, allgather, allgather_object, allreduce,
-    broadcast, broadcast_global_variables, broadcast_object, broadcast_variables, load_model, reducescatter,
+    broadcast, broadcast_global_variables, broadcast_object, broadcast_variables, init, load_model, reducescatter,
 )
 
 __all__ = [

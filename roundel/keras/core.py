@@ -2,10 +2,11 @@
 
 Value-level helpers (``allreduce``, ``broadcast_variables``, ...) work on any
 backend: they read values with ``keras.ops.convert_to_numpy``, reduce them
-through the engine as CPU torch tensors, and assign or return NumPy arrays.
-``DistributedOptimizer`` reduces gradients inside the compiled train step:
-with ``roundel.tensorflow`` ops on the TensorFlow backend, with
-``roundel.torch`` ops on the PyTorch backend.
+through the engine (:mod:`roundel.common.collectives`), and assign or return
+NumPy arrays. ``DistributedOptimizer`` reduces gradients inside the compiled
+train step: with ``roundel.tensorflow`` ops on the TensorFlow backend, and
+directly on the gradients (torch tensors, the engine's own buffer type) on
+the PyTorch backend.
 """
 
 from __future__ import annotations
@@ -13,23 +14,19 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from roundel.common.errors import RoundelError
-from roundel.common.ops import ReduceOp, resolve_op
+from roundel.common import basics, buffers, collectives, objects
+from roundel.common.gradient_groups import group_indices
 from roundel.common.process_sets import global_process_set
-from roundel.gradient_groups import group_indices
-from roundel.torch import functions as _torch_functions
-from roundel.torch import mpi_ops as _torch_ops
-
-if keras.backend.backend() == "tensorflow":
-    import torch
-    torch.set_num_threads(1)  # torch only moves the engine's buffers here; see roundel.tensorflow.mpi_ops
+from roundel.errors import RoundelError
+from roundel.ops import ReduceOp, resolve_op
 
 
 class Compression:
     """Gradient compression for ``DistributedOptimizer``: ``none``, ``fp16`` or ``bf16`` (any backend).
 
-    A compressor class of ``roundel.tensorflow.Compression`` or
-    ``roundel.torch.Compression`` is accepted too, for its own backend.
+    Any compressor (an object with ``compress(tensor) -> (tensor, ctx)`` and
+    ``decompress(tensor, ctx)``, such as ``roundel.tensorflow.Compression.fp16``
+    or ``roundel.torch.Compression.fp16`` for their backend) is accepted too.
     """
 
     none = "none"
@@ -41,6 +38,18 @@ def _backend() -> str:
     return keras.backend.backend()
 
 
+def init(comm=None, process_sets=None) -> None:
+    """Join the job, as ``roundel.common.basics.init`` (Horovod's ``hvd.init``).
+
+    On the TensorFlow backend, first gives torch one thread
+    (:func:`roundel.common.buffers.use_one_packing_thread`): there torch only
+    moves the engine's buffers.
+    """
+    if _backend() == "tensorflow":
+        buffers.use_one_packing_thread()
+    basics.init(comm, process_sets)
+
+
 def _resolve_compression(compression):
     if compression is None:
         compression = Compression.none
@@ -48,61 +57,78 @@ def _resolve_compression(compression):
         return compression
     if compression not in ("none", "fp16", "bf16"):
         raise ValueError(f"compression={compression!r}: use hvd.Compression.none, fp16 or bf16")
-    if _backend() == "tensorflow":
-        from roundel.tensorflow.compression import Compression as TFCompression
-        return getattr(TFCompression, compression)
-    from roundel.torch.compression import Compression as TorchCompression
-    return getattr(TorchCompression, compression)
+    if compression == "none":
+        return _NoCompression
+    return _Cast(compression.replace("fp", "float").replace("bf", "bfloat"))
+
+
+class _NoCompression:
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class _Cast:
+    """Sends floating-point gradients as ``wire`` (float16 or bfloat16), on any Keras backend."""
+
+    def __init__(self, wire: str):
+        self.wire = wire
+
+    def compress(self, tensor):
+        dtype = keras.backend.standardize_dtype(tensor.dtype)
+        if "float" in dtype and dtype != self.wire:
+            return keras.ops.cast(tensor, self.wire), dtype
+        return tensor, None
+
+    def decompress(self, tensor, ctx):
+        return tensor if ctx is None else keras.ops.cast(tensor, ctx)
 
 
 # ------------------------------------------------------------ value-level collectives
-def _np_to_torch(value):
-    import torch
-    array = np.array(keras.ops.convert_to_numpy(value), copy=True, order="C")  # keeps 0-d shapes
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
-    return torch.from_numpy(array)
+def _buffer(value):
+    """An engine buffer holding a copy of ``value`` (a copy: the caller may change ``value`` meanwhile)."""
+    return buffers.from_numpy(np.array(keras.ops.convert_to_numpy(value), copy=True, order="C"))
 
 
-def _torch_to_np(tensor):
-    import torch
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.float()
-    return tensor.numpy()
+def _result(handle) -> np.ndarray:
+    return buffers.to_numpy(collectives.synchronize(handle))  # bfloat16 comes back as float32
 
 
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
               compression=None, process_set=global_process_set):
     """Reduce a tensor-like ``value`` (Average by default) across the set; returns a NumPy array."""
     op = resolve_op(op, average)
-    out = _torch_ops.allreduce(_np_to_torch(value), name=name, op=op, prescale_factor=prescale_factor,
-                               postscale_factor=postscale_factor, process_set=process_set)
-    return _torch_to_np(out)
+    return _result(collectives.allreduce_async(_buffer(value), name, op, prescale_factor, postscale_factor,
+                                               process_set))
 
 
 def allgather(value, name=None, process_set=global_process_set):
     """Concatenate every rank's ``value`` along dimension 0; returns a NumPy array."""
-    return _torch_to_np(_torch_ops.allgather(_np_to_torch(value), name=name, process_set=process_set))
+    return _result(collectives.allgather_async(_buffer(value), name, process_set))
 
 
 def broadcast(value, root_rank, name=None, process_set=global_process_set):
     """The root rank's ``value`` on every rank, as a NumPy array."""
-    return _torch_to_np(_torch_ops.broadcast(_np_to_torch(value), root_rank, name=name, process_set=process_set))
+    return _result(collectives.broadcast_async(_buffer(value), root_rank, name, process_set))
 
 
 def reducescatter(value, name=None, op=ReduceOp.Average, process_set=global_process_set):
     """Reduce ``value`` and return this rank's slice of dimension 0, as a NumPy array."""
-    return _torch_to_np(_torch_ops.reducescatter(_np_to_torch(value), name=name, op=op, process_set=process_set))
+    return _result(collectives.reducescatter_async(_buffer(value), name, resolve_op(op), process_set))
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """The root rank's ``obj`` on every rank (anything cloudpickle can serialize)."""
-    return _torch_functions.broadcast_object(obj, root_rank, name=name or "object", process_set=process_set)
+    return objects.broadcast_object(obj, root_rank, name=name or "object", process_set=process_set)
 
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """Every rank's ``obj``, in rank order."""
-    return _torch_functions.allgather_object(obj, name=name or "object", process_set=process_set)
+    return objects.allgather_object(obj, name=name or "object", process_set=process_set)
 
 
 def broadcast_variables(variables, root_rank=0, process_set=global_process_set, prefix="variables") -> None:
@@ -110,11 +136,9 @@ def broadcast_variables(variables, root_rank=0, process_set=global_process_set, 
     variables = list(variables)
     handles = []
     for i, v in enumerate(variables):
-        handles.append(_torch_ops.broadcast_async(_np_to_torch(v), root_rank, name=f"keras.{prefix}.{i}",
-                                                  process_set=process_set))
+        handles.append(collectives.broadcast_async(_buffer(v), root_rank, f"keras.{prefix}.{i}", process_set))
     for v, h in zip(variables, handles):
-        value = _torch_to_np(_torch_ops.synchronize(h))
-        v.assign(value)  # Keras casts to the variable's dtype
+        v.assign(_result(h))  # Keras casts to the variable's dtype
 
 
 _optimizers: list = []
@@ -249,14 +273,13 @@ def _reduce_torch(grads, settings, groups):
         postscale = settings["gradient_predivide_factor"] / process_set.size()
     present = [i for i, g in enumerate(grads) if g is not None]
     results = list(grads)
+    compression = settings["compression"]
     for number, group in enumerate(group_indices(present, settings["num_groups"], groups)):
-        reduced = _torch_ops.grouped_allreduce([grads[i].detach() for i in group],
-                                               name=f"keras.gradients.group{number}",
-                                               compression=settings["compression"], op=op,
-                                               prescale_factor=prescale, postscale_factor=postscale,
-                                               process_set=process_set)
-        for i, r in zip(group, reduced):
-            results[i] = r
+        compressed = [compression.compress(grads[i].detach()) for i in group]
+        reduced = collectives.synchronize(collectives.grouped_allreduce_async(
+            [c[0] for c in compressed], f"keras.gradients.group{number}", op, prescale, postscale, process_set))
+        for i, r, (_, ctx) in zip(group, reduced, compressed):
+            results[i] = compression.decompress(r, ctx)
     return results
 
 

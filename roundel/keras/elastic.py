@@ -16,10 +16,9 @@ of ranks (a traced step keeps what ``hvd.size()`` was when it was traced).
 from __future__ import annotations
 
 import keras
-import numpy as np
 
 from roundel.common import elastic as common
-from roundel.common.errors import HorovodInternalError, HostsUpdatedInterrupt
+from roundel.errors import HorovodInternalError, HostsUpdatedInterrupt
 from roundel.keras.core import broadcast_object, broadcast_variables
 
 __all__ = ["CommitStateCallback", "HorovodInternalError", "HostsUpdatedInterrupt", "KerasState", "ObjectState",
@@ -53,66 +52,20 @@ class ObjectState(common.ObjectState):
         super().__init__(broadcast_object, **kwargs)
 
 
-class VariablesState(common.ObjectState):
-    """ObjectState plus a list of variables, saved as NumPy copies and broadcast from rank 0 by ``sync()``.
-
-    ``bcast_variables(variables, root_rank)`` is the framework's ``broadcast_variables``.
-    """
-
-    def __init__(self, bcast_object, bcast_variables, variables, **kwargs):
-        self._variables = list(variables)
-        self._bcast_variables = bcast_variables
-        self._saved_values = self._values()
-        super().__init__(bcast_object, **kwargs)
-
-    def _values(self) -> list:
-        return [np.array(v, copy=True) for v in self._variables]
-
-    def save(self) -> None:
-        self._saved_values = self._values()
-        super().save()
-
-    def restore(self) -> None:
-        for v, value in zip(self._variables, self._saved_values):
-            v.assign(value)
-        super().restore()
-
-    def sync(self) -> None:
-        if self._variables:
-            self._bcast_variables(self._variables, root_rank=0)
-            self._saved_values = self._values()
-        super().sync()
-
-
-class KerasState(VariablesState):
+class KerasState(common.ModelState):
     """Elastic state of a Keras 3 job: ``KerasState(model, optimizer=None, epoch=0, batch=0, ...)``.
 
-    Holds the built ``model``'s weights and the variables of ``optimizer``
-    (default ``model.optimizer``; a ``DistributedOptimizer`` is fine), which
-    is built for the model's trainable variables here if it is not yet, so
-    its slots exist before the first step; its learning rate is not part
-    of the state (set it for ``hvd.size()`` in a reset callback, as new
-    ranks do when they start). Other keywords are picklable
-    values handled as by ``ObjectState``. ``model`` and ``optimizer`` are
-    attributes. After every reset the model's traced functions are dropped
-    so that the next ``fit``/``evaluate``/``predict`` traces them again.
+    Holds the built ``model``'s weights and ``optimizer``'s variables
+    (default ``model.optimizer``; a ``DistributedOptimizer`` is fine) but not
+    its learning rate (set it for ``hvd.size()`` in a reset callback). Other
+    keywords are picklable values handled as by ``ObjectState``. ``model`` and
+    ``optimizer`` are attributes. After every reset the model's traced
+    functions are dropped so that the next ``fit``/``evaluate``/``predict``
+    traces them again.
     """
 
     def __init__(self, model, optimizer=None, **kwargs):
-        self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        variables = list(model.weights)
-        if self.optimizer is not None:
-            if not self.optimizer.built:
-                self.optimizer.build(model.trainable_variables)
-            # the learning rate is left to each rank (like Horovod's hyperparameters): a reset callback
-            # rescales it on the ranks that reset, while ranks that just joined set it themselves
-            variables += [v for v in self.optimizer.variables if v is not self.optimizer.learning_rate]
-        super().__init__(broadcast_object, broadcast_variables, variables, **kwargs)
-
-    def on_reset(self) -> None:
-        self.model.train_function = self.model.test_function = self.model.predict_function = None
-        super().on_reset()
+        super().__init__(broadcast_object, broadcast_variables, model, optimizer, **kwargs)
 
 
 class CommitStateCallback(keras.callbacks.Callback):

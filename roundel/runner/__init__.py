@@ -1,7 +1,10 @@
 """The ``roundelrun`` launcher: host slots, rendezvous store, worker processes.
 
-Modules: ``hosts`` (parsing and slot assignment), ``rendezvous`` (the
-authenticated key-value store), ``spawn`` (starting workers and relaying
-their output) and ``launch`` (the command line). Nothing here imports a
-deep-learning framework, so the launcher starts quickly.
+Modules: ``launch`` (the command line) with ``flags`` and ``config``,
+``hosts`` (parsing and slot assignment), ``spawn`` (starting workers and
+relaying their output), ``remote`` (the worker's end of ssh),
+``elastic_driver`` and ``discovery`` (elastic jobs) and ``run_api``
+(``roundel.run``). Its rendezvous store is ``roundel.rendezvous.store``. No
+worker needs this package, and nothing here imports a deep-learning
+framework, so the launcher starts quickly.
 """

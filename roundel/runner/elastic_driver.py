@@ -2,7 +2,7 @@
 
 The driver polls the host discovery script, starts one worker per usable
 slot (up to ``--max-np``), and forms *generations* of the job through the
-rendezvous store (see :mod:`roundel.runner.elastic_rendezvous`):
+rendezvous store (see :mod:`roundel.rendezvous.elastic_join`):
 
 * at the start, once at least ``--min-np`` slots exist;
 * after a worker fails, or a peer reports it lost (silent, e.g. SIGSTOPped:
@@ -35,13 +35,13 @@ import threading
 import time
 from typing import Callable
 
-from roundel.common.identity import cross_ranks, rendezvous_env
-from roundel.runner import elastic_rendezvous as protocol
+from roundel.rendezvous.identity import cross_ranks, rendezvous_env
+from roundel.rendezvous import elastic_join as protocol
 from roundel.runner import spawn
 from roundel.runner.discovery import Blacklist, HostDiscovery
 from roundel.runner.hosts import SlotInfo, is_local_host
 from roundel.runner.lost_ranks import describe_lost, lost_ranks
-from roundel.runner.rendezvous import RendezvousServer
+from roundel.rendezvous.store import RendezvousServer
 
 __all__ = ["ElasticSettings", "run"]
 

@@ -13,7 +13,7 @@ import argparse
 import os
 
 from roundel import __version__
-from roundel.common.errors import SettingsError
+from roundel.errors import SettingsError
 from roundel.common.settings import MIB, Settings
 from roundel.runner.spawn import FORWARD_VARS, STRICT_HOST_KEY_CHECKING
 

@@ -14,7 +14,7 @@ import socket
 
 import psutil
 
-from roundel.common.identity import Identity
+from roundel.rendezvous.identity import Identity
 
 __all__ = ["SlotInfo", "assign_slots", "format_hosts", "is_local_host", "parse_hostfile", "parse_hosts",
            "validate_hostname"]

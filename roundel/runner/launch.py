@@ -33,14 +33,16 @@ import sys
 import threading
 from typing import Callable
 
-from roundel.common.errors import SettingsError
+from roundel import __version__ as roundel_version
 from roundel.common.settings import Settings
+from roundel.errors import SettingsError
+from roundel.rendezvous import network
+from roundel.rendezvous.store import RendezvousServer, new_secret
 from roundel.runner import config as configlib
+from roundel.runner import elastic_driver, flags, lost_ranks, spawn
 from roundel.runner import hosts as hostlib
-from roundel.runner import elastic_driver, flags, lost_ranks, network, spawn
-from roundel.runner.flags import UsageError
 from roundel.runner.discovery import Blacklist, HostDiscovery
-from roundel.runner.rendezvous import RendezvousServer, new_secret
+from roundel.runner.flags import UsageError
 
 __all__ = ["StoreHook", "main", "run"]
 
@@ -373,8 +375,6 @@ def _launch_mpi(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | Non
 
 def check_build() -> str:
     """What ``--check-build`` prints: the frameworks, controllers and tensor operations available."""
-    from roundel import __version__ as version
-
     def mark(ok: bool) -> str:
         return "[X]" if ok else "[ ]"
 
@@ -393,7 +393,7 @@ def check_build() -> str:
         pass
     mpi = has("mpi4py")
     lines = [
-        f"roundel v{version}:",
+        f"roundel v{roundel_version}:",
         "",
         "Available Frameworks:",
         f"    {mark(has('tensorflow'))} TensorFlow",

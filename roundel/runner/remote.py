@@ -26,6 +26,8 @@ import subprocess
 import sys
 import threading
 
+from roundel.rendezvous.store import RendezvousClient, RendezvousError
+
 GRACE_SECONDS = 3.0
 """Between SIGTERM and SIGKILL of the remote worker's process group."""
 
@@ -91,7 +93,7 @@ def main() -> int:
     rank, host = spec["rank"], spec["host"]
     env = dict(os.environ)
     env.update(spec["env"])
-    from roundel.runner.rendezvous import RendezvousClient, RendezvousError
+
 
     addr, port = spec["rendezvous"]
     try:

@@ -18,9 +18,10 @@ from typing import Any, Callable, Sequence
 
 import cloudpickle
 
-from roundel.common import basics, identity
+from roundel.common import basics
+from roundel.rendezvous import identity
 from roundel.runner import launch
-from roundel.runner.rendezvous import RendezvousClient
+from roundel.rendezvous.store import RendezvousClient
 
 __all__ = ["RankFailedError", "run"]
 

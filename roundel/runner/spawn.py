@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Mapping, TextIO
 
-from roundel.common.identity import LAUNCHER_PID, rendezvous_env
+from roundel.rendezvous.identity import LAUNCHER_PID, rendezvous_env
 from roundel.runner.hosts import SlotInfo, validate_hostname
 from roundel.runner.redraw import LineAssembler, LivePrefixer
 

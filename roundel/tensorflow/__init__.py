@@ -1,21 +1,22 @@
 """roundel for TensorFlow 2: ``import roundel.tensorflow as hvd`` in place of ``import horovod.tensorflow as hvd``.
 
-Tensors travel through the same engine as ``roundel.torch`` (NumPy and CPU
-torch tensors underneath), so ``torch`` must be installed alongside TensorFlow.
+Tensors travel through roundel's engine as NumPy views of CPU torch tensors,
+so ``torch`` must be installed alongside TensorFlow; ``roundel.torch`` is not
+imported.
 """
 
 from roundel.common.basics import (
-    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
     nccl_built, rank, rocm_built, shutdown, size,
 )
 from roundel.common.basics import add_process_set, remove_process_set
 from roundel.common.basics import start_timeline, stop_timeline
-from roundel.common.errors import (
+from roundel.errors import (
     CollectiveDeadlockError, CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError,
     RoundelError, RoundelInternalError,
 )
-from roundel.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from roundel.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from roundel.common.process_sets import ProcessSet, global_process_set
 from roundel.tensorflow.compression import Compression
 from roundel.tensorflow.functions import (
@@ -25,7 +26,7 @@ from roundel.tensorflow import elastic
 from roundel.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from roundel.tensorflow.mpi_ops import (
     _allreduce, allgather, allreduce, alltoall, barrier, broadcast, broadcast_, grouped_allgather,
-    grouped_allreduce, grouped_reducescatter, join, local_rank_op, local_size_op, process_set_included_op,
+    grouped_allreduce, grouped_reducescatter, init, join, local_rank_op, local_size_op, process_set_included_op,
     rank_op, reducescatter, size_op,
 )
 from roundel.tensorflow.optimizer import DistributedOptimizer

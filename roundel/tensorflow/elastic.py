@@ -17,8 +17,7 @@ import re
 import tensorflow as tf
 
 from roundel.common import elastic as common
-from roundel.common.errors import HorovodInternalError, HostsUpdatedInterrupt, RoundelInternalError
-from roundel.keras.elastic import KerasState, VariablesState
+from roundel.errors import HorovodInternalError, HostsUpdatedInterrupt, RoundelInternalError
 from roundel.tensorflow.functions import broadcast_object, broadcast_variables
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "TensorFlowKerasState",
@@ -67,7 +66,7 @@ class ObjectState(common.ObjectState):
         super().__init__(broadcast_object, **kwargs)
 
 
-class TensorFlowState(VariablesState):
+class TensorFlowState(common.VariablesState):
     """Elastic state of ``tf.Variable``s: ``TensorFlowState(variables, epoch=0, ...)``.
 
     The variables (the same list, in the same order, on every rank) are
@@ -80,8 +79,11 @@ class TensorFlowState(VariablesState):
         super().__init__(broadcast_object, broadcast_variables, variables or [], **kwargs)
 
 
-class TensorFlowKerasState(KerasState):
+class TensorFlowKerasState(common.ModelState):
     """Elastic state of a Keras model and optimizer: ``TensorFlowKerasState(model, optimizer=None, epoch=0, ...)``.
 
-    The same as ``roundel.keras.elastic.KerasState``.
+    As ``roundel.keras.elastic.KerasState``, on Keras' TensorFlow backend.
     """
+
+    def __init__(self, model, optimizer=None, **kwargs):
+        super().__init__(broadcast_object, broadcast_variables, model, optimizer, **kwargs)

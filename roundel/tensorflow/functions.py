@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-_do_not_convert = tf.autograph.experimental.do_not_convert
-
+from roundel.common import collectives, objects
 from roundel.common.process_sets import global_process_set
 from roundel.tensorflow import mpi_ops
-from roundel.torch.functions import allgather_object as _allgather_object
-from roundel.torch.functions import broadcast_object as _broadcast_object
+
+_do_not_convert = tf.autograph.experimental.do_not_convert
 
 
 @_do_not_convert
@@ -29,10 +28,10 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     names = [f"broadcast_variables.{i}.{getattr(v, 'path', None) or getattr(v, 'name', '')}"
              for i, v in enumerate(variables)]
     if tf.executing_eagerly():
-        handles = [mpi_ops._ops.broadcast_async(mpi_ops.to_torch(t.numpy()), root_rank, name=n,
+        handles = [collectives.broadcast_async(mpi_ops.to_buffer(t.numpy()), root_rank, name=n,
                                                 process_set=process_set) for t, n in zip(values, names)]
         for v, h in zip(variables, handles):
-            v.assign(mpi_ops.to_numpy(mpi_ops._ops.synchronize(h)))
+            v.assign(mpi_ops.to_numpy(collectives.synchronize(h)))
         return None
     assigns = [v.assign(mpi_ops.broadcast(t, root_rank, name=n, process_set=process_set))
                for v, t, n in zip(variables, values, names)]
@@ -54,13 +53,13 @@ def broadcast_global_variables(root_rank):
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Return the root rank's ``obj`` on every rank (anything cloudpickle can serialize). Eager only."""
     # A fixed default name: the root's object and the others' placeholders may differ in type.
-    return _broadcast_object(obj, root_rank, name=name or "object", process_set=process_set)
+    return objects.broadcast_object(obj, root_rank, name=name or "object", process_set=process_set)
 
 
 @_do_not_convert
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """Return the list of every rank's ``obj``, in rank order. Eager only."""
-    return _allgather_object(obj, name=name or "object", process_set=process_set)
+    return objects.allgather_object(obj, name=name or "object", process_set=process_set)
 
 
 @_do_not_convert

@@ -7,9 +7,9 @@ import tensorflow as tf
 
 _do_not_convert = tf.autograph.experimental.do_not_convert
 
-from roundel.common.ops import ReduceOp, resolve_op
+from roundel.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
-from roundel.gradient_groups import group_indices
+from roundel.common.gradient_groups import group_indices
 from roundel.tensorflow import mpi_ops
 from roundel.tensorflow.compression import Compression
 
@@ -22,7 +22,7 @@ def reduce_gradients(grads, compression=Compression.none, op=ReduceOp.Average, g
 
     Dense gradients go in ``num_groups`` grouped allreduces (0: one group), or
     in the groups of ``groups`` (lists of positions in ``grads``, see
-    ``roundel.gradient_groups``); ``tf.IndexedSlices`` are allgathered unless ``sparse_as_dense``.
+    ``roundel.common.gradient_groups``); ``tf.IndexedSlices`` are allgathered unless ``sparse_as_dense``.
     ``gradient_predivide_factor`` f splits Average into scaling by 1/f before
     the sum and f/size after it.
     """

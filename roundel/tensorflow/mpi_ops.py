@@ -1,9 +1,9 @@
 """Collectives on TensorFlow tensors, eagerly and inside ``tf.function``.
 
-TensorFlow tensors are handed to the same engine ``roundel.torch`` uses:
-each collective converts its inputs to NumPy, wraps them as CPU torch tensors
-(``torch.from_numpy``, no copy), submits them through ``roundel.torch.mpi_ops``
-and converts the results back. Nothing here talks to the other ranks itself.
+Each collective converts its inputs to NumPy, wraps them as the engine's
+buffers (:mod:`roundel.common.buffers`, no copy), submits them through
+:mod:`roundel.common.collectives` and converts the results back. Nothing here
+talks to the other ranks itself.
 
 Eagerly, a collective submits and waits in place. Inside a ``tf.function``
 each collective becomes two ``tf.numpy_function`` ops:
@@ -17,13 +17,6 @@ that does not itself depend on the wait (control edges added while tracing).
 So a rank submits all the collectives of a step before it blocks on any, and
 ranks whose executors reach the ops in different orders still match them by
 name; a blocked wait never holds the inter-op thread another submit needs.
-
-Importing this module sets torch to one intra-op thread
-(``torch.set_num_threads(1)``): in a TensorFlow process torch only packs and
-unpacks the engine's buffers, and with more threads torch's OpenMP workers
-spin on the cores TensorFlow computes on (measured on 2 cores: a small CNN's
-training step took about 40% longer). It must happen before the engine's
-threads first use torch, so before ``hvd.init()`` has run any collective.
 
 Names: a ``name=`` you pass is used as is. Inside ``tf.function`` a missing
 name is derived from the function's name and the input tensor's graph name
@@ -44,17 +37,14 @@ import re
 import numpy as np
 import tensorflow as tf
 
-_do_not_convert = tf.autograph.experimental.do_not_convert
-import torch
-
-from roundel.common import basics
-from roundel.common.errors import CollectiveMismatchError
-from roundel.common.ops import ReduceOp, resolve_op
+from roundel.common import basics, buffers, collectives
 from roundel.common.process_sets import global_process_set
+from roundel.errors import CollectiveMismatchError
+from roundel.ops import ReduceOp, resolve_op
 from roundel.tensorflow import tf_errors
-from roundel.torch import mpi_ops as _ops
+from roundel.tensorflow.compression import Compression
 
-torch.set_num_threads(1)  # see the module notes
+_do_not_convert = tf.autograph.experimental.do_not_convert
 
 _BF16 = tf.bfloat16.as_numpy_dtype
 _SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
@@ -63,23 +53,15 @@ _SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bf
 
 # ------------------------------------------------------------ conversions
 @_do_not_convert
-def to_torch(array) -> torch.Tensor:
-    """A CPU torch tensor sharing memory with ``array`` where possible (bfloat16 through an int16 view)."""
-    array = np.asarray(array)
-    if not array.flags.c_contiguous or not array.flags.writeable:
-        array = np.array(array, order="C")
-    if array.dtype == _BF16:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+def to_buffer(array):
+    """The engine's buffer sharing memory with ``array`` where possible (see roundel.common.buffers)."""
+    return buffers.from_numpy(array)
 
 
 @_do_not_convert
-def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """The NumPy view of a CPU torch tensor (bfloat16 as TensorFlow's NumPy bfloat16)."""
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.contiguous().view(torch.int16).numpy().view(_BF16)
-    return tensor.numpy()
+def to_numpy(buffer) -> np.ndarray:
+    """The NumPy view of an engine buffer (bfloat16 as TensorFlow's NumPy bfloat16)."""
+    return buffers.to_numpy(buffer, bfloat16=_BF16)
 
 
 @_do_not_convert
@@ -87,6 +69,16 @@ def _check_dtype(tensor, what: str) -> None:
     if tensor.dtype not in _SUPPORTED:
         names = ", ".join(d.name for d in _SUPPORTED)
         raise TypeError(f"{what}: dtype {tensor.dtype.name} is not supported; use one of {names}")
+
+
+def init(comm=None, process_sets=None) -> None:
+    """Join the job, as ``roundel.common.basics.init`` (Horovod's ``hvd.init``).
+
+    First gives torch one thread (:func:`roundel.common.buffers.use_one_packing_thread`):
+    in a TensorFlow process torch only moves the engine's buffers.
+    """
+    buffers.use_one_packing_thread()
+    basics.init(comm, process_sets)
 
 
 # ------------------------------------------------------------ graph mode
@@ -170,13 +162,13 @@ def _collective(kind: str, inputs: list, name, submit, finish, out_dtypes: list,
     """Run one collective on ``inputs`` (tf tensors); returns the list of output tensors.
 
     ``submit(arrays, name)`` hands NumPy arrays to the engine and returns a
-    roundel.torch handle; ``finish(result)`` turns what ``synchronize``
+    roundel.common.collectives handle; ``finish(result)`` turns what ``synchronize``
     returned into a list of NumPy arrays.
     """
     if tf.executing_eagerly():
         try:
             handle = submit([t.numpy() for t in inputs], name)
-            arrays = finish(_ops.synchronize(handle))
+            arrays = finish(collectives.synchronize(handle))
         except CollectiveMismatchError as error:
             raise tf_errors.translate(kind, error) from error
         return [tf.convert_to_tensor(a, dtype=d) for a, d in zip(arrays, out_dtypes)]
@@ -189,7 +181,7 @@ def _collective(kind: str, inputs: list, name, submit, finish, out_dtypes: list,
         return np.int64(submit([np.array(a, copy=True) for a in arrays], op_name))
 
     def wait_np(handle):
-        arrays = finish(_ops.synchronize(int(handle)))
+        arrays = finish(collectives.synchronize(int(handle)))
         return [np.asarray(a, dtype=d.as_numpy_dtype) for a, d in zip(arrays, out_dtypes)]
 
     safe = re.sub(r"[^A-Za-z0-9_.\-/]", "_", kind)
@@ -235,7 +227,7 @@ def _dense_allreduce(tensor, name, op, prescale_factor, postscale_factor, proces
     @tf.custom_gradient
     def run(x):
         def submit(arrays, nm):
-            return _ops.allreduce_async(to_torch(arrays[0]), name=nm, op=op, prescale_factor=prescale_factor,
+            return collectives.allreduce_async(to_buffer(arrays[0]), name=nm, op=op, prescale_factor=prescale_factor,
                                         postscale_factor=postscale_factor, process_set=process_set)
 
         (out,) = _collective("allreduce", [x], name, submit, _first_np, [x.dtype], [x.shape])
@@ -264,7 +256,7 @@ def _dense_grouped_allreduce(tensors, name, op, prescale_factor, postscale_facto
     @tf.custom_gradient
     def run(*xs):
         def submit(arrays, nm):
-            return _ops.grouped_allreduce_async([to_torch(a) for a in arrays], name=nm, op=op,
+            return collectives.grouped_allreduce_async([to_buffer(a) for a in arrays], name=nm, op=op,
                                                 prescale_factor=prescale_factor,
                                                 postscale_factor=postscale_factor, process_set=process_set)
 
@@ -308,7 +300,6 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     ``device_sparse`` and ``ignore_name_scope`` are accepted for Horovod
     compatibility and ignored (everything runs on the CPU).
     """
-    from roundel.tensorflow.compression import Compression
     op = resolve_op(op, average)
     compression = compression or Compression.none
     if isinstance(tensor, tf.IndexedSlices):
@@ -329,7 +320,6 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
 
     ``tf.IndexedSlices`` entries are reduced as in ``allreduce``. Arguments in Horovod's order.
     """
-    from roundel.tensorflow.compression import Compression
     op = resolve_op(op, average)
     compression = compression or Compression.none
     tensors = list(tensors)
@@ -372,7 +362,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     @tf.custom_gradient
     def run(x):
         def submit(arrays, nm):
-            return _ops.allgather_async(to_torch(arrays[0]), name=nm, process_set=process_set)
+            return collectives.allgather_async(to_buffer(arrays[0]), name=nm, process_set=process_set)
 
         (out,) = _collective("allgather", [x], name, submit, _first_np, [x.dtype], [_gather_shape(x.shape)])
 
@@ -399,7 +389,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
         _check_dtype(t, "grouped_allgather")
 
     def submit(arrays, nm):
-        return _ops.grouped_allgather_async([to_torch(a) for a in arrays], name=nm, process_set=process_set)
+        return collectives.grouped_allgather_async([to_buffer(a) for a in arrays], name=nm, process_set=process_set)
 
     return _collective("grouped_allgather", tensors, name, submit, _list_np, [t.dtype for t in tensors],
                        [_gather_shape(t.shape) for t in tensors])
@@ -416,7 +406,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     @tf.custom_gradient
     def run(x):
         def submit(arrays, nm):
-            return _ops.broadcast_async(to_torch(arrays[0]), root_rank, name=nm, process_set=process_set)
+            return collectives.broadcast_async(to_buffer(arrays[0]), root_rank, name=nm, process_set=process_set)
 
         (out,) = _collective("broadcast", [x], name, submit, _first_np, [x.dtype], [x.shape])
 
@@ -448,12 +438,12 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     @tf.custom_gradient
     def run(x):
         def submit(arrays, nm):
-            return _ops.alltoall_async(to_torch(arrays[0]), None if even else arrays[1].tolist(), name=nm,
+            return collectives.alltoall_async(to_buffer(arrays[0]), None if even else arrays[1].tolist(), name=nm,
                                        process_set=process_set)
 
         def finish(result):
             out, received = result
-            return [to_numpy(out), np.asarray(received.numpy() if isinstance(received, torch.Tensor)
+            return [to_numpy(out), np.asarray(received.numpy() if hasattr(received, "numpy")
                                               else received, dtype=np.int32)]
 
         out, received = _collective("alltoall", [x, splits_t], name, submit, finish, [x.dtype, tf.int32],
@@ -479,7 +469,6 @@ def reducescatter(tensor, device_dense="", compression=None, op=ReduceOp.Average
     Lower ranks get one extra row when the first dimension does not divide
     evenly. Arguments in Horovod's order; ``device_dense`` is ignored.
     """
-    from roundel.tensorflow.compression import Compression
     op = resolve_op(op)
     compression = compression or Compression.none
     tensor = tf.convert_to_tensor(tensor)
@@ -490,7 +479,7 @@ def reducescatter(tensor, device_dense="", compression=None, op=ReduceOp.Average
     @tf.custom_gradient
     def run(x):
         def submit(arrays, nm):
-            return _ops.reducescatter_async(to_torch(arrays[0]), name=nm, op=op, prescale_factor=pre,
+            return collectives.reducescatter_async(to_buffer(arrays[0]), name=nm, op=op, prescale_factor=pre,
                                             postscale_factor=post, process_set=process_set)
 
         (out,) = _collective("reducescatter", [x], name, submit, _first_np, [x.dtype], [_gather_shape(x.shape)])
@@ -509,13 +498,12 @@ def reducescatter(tensor, device_dense="", compression=None, op=ReduceOp.Average
 def grouped_reducescatter(tensors, device_dense="", compression=None, op=ReduceOp.Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0, name=None):
     """Reducescatter a list of tensors together; returns the list of this rank's slices (Horovod's argument order)."""
-    from roundel.tensorflow.compression import Compression
     op = resolve_op(op)
     compression = compression or Compression.none
     compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
 
     def submit(arrays, nm):
-        return _ops.grouped_reducescatter_async([to_torch(a) for a in arrays], name=nm, op=op,
+        return collectives.grouped_reducescatter_async([to_buffer(a) for a in arrays], name=nm, op=op,
                                                 prescale_factor=float(prescale_factor),
                                                 postscale_factor=float(postscale_factor), process_set=process_set)
 
@@ -529,7 +517,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=None, op=ReduceO
 def barrier(process_set=global_process_set):
     """Return once every rank of the set has called barrier (in graph mode: an op that does so)."""
     def fn():
-        _ops.barrier(process_set=process_set)
+        collectives.barrier(process_set=process_set)
         return 0
 
     out = _blocking("Barrier", fn, tf.int32)
@@ -542,7 +530,7 @@ def join():
 
     Until every rank has joined, the others' allreduces go on with this rank contributing zeros.
     """
-    return _blocking("Join", _ops.join, tf.int32)
+    return _blocking("Join", collectives.join, tf.int32)
 
 
 # Horovod's codes from process_set_included_op

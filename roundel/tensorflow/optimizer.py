@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from roundel.common.ops import ReduceOp, resolve_op
+from roundel.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
 from roundel.keras import core as keras_core
 from roundel.tensorflow.compression import Compression

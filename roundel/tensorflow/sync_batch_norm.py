@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from roundel.common.ops import ReduceOp
+from roundel.ops import ReduceOp
 from roundel.common.process_sets import global_process_set
 from roundel.tensorflow import mpi_ops
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from roundel.common.errors import CollectiveDeadlockError, CollectiveMismatchError
+from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError
 
 
 class MismatchPreconditionError(tf.errors.FailedPreconditionError, CollectiveMismatchError):

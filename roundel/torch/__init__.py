@@ -7,11 +7,11 @@ from roundel.common.basics import (
 )
 from roundel.common.basics import add_process_set, remove_process_set
 from roundel.common.basics import start_timeline, stop_timeline
-from roundel.common.errors import (
+from roundel.errors import (
     CollectiveDeadlockError, CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError,
     RoundelError, RoundelInternalError,
 )
-from roundel.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from roundel.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from roundel.common.process_sets import ProcessSet, global_process_set
 from roundel.torch import elastic
 from roundel.torch.compression import Compression

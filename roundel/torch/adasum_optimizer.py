@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from roundel.common.errors import RoundelError
-from roundel.common.ops import ReduceOp
+from roundel.errors import RoundelError
+from roundel.ops import ReduceOp
 from roundel.torch.mpi_ops import allreduce_async_, synchronize
 
 

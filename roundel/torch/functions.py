@@ -1,56 +1,15 @@
-"""Python objects across ranks: ``broadcast_object`` and ``allgather_object``."""
+"""Model and optimizer state across ranks: parameters, optimizer state, and (from roundel.common) Python objects."""
 
 from __future__ import annotations
 
-import cloudpickle
 import torch
 
-from roundel.common import basics, object_auth
+from roundel.common import basics
+from roundel.common.objects import allgather_object, broadcast_object
 from roundel.common.process_sets import global_process_set
-from roundel.torch.mpi_ops import allgather, broadcast_, broadcast_async_, synchronize
+from roundel.torch.mpi_ops import broadcast_async_, synchronize
 
-
-def _to_bytes_tensor(obj, secret: bytes, name: str, sender: int) -> torch.Tensor:
-    """``obj`` pickled and sealed (:mod:`roundel.common.object_auth`) for collective ``name`` from ``sender``."""
-    sealed = object_auth.seal(secret, name, sender, cloudpickle.dumps(obj))
-    return torch.frombuffer(bytearray(sealed), dtype=torch.uint8)
-
-
-def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Return the root rank's ``obj`` on every rank (any object cloudpickle can serialize).
-
-    Without ``name``, calls are matched across ranks by their order since
-    ``init()``, so the other ranks may pass any placeholder (such as None).
-    """
-    name = name or f"unnamed.{basics.runtime('broadcast_object()').next_unnamed()}"
-    secret, data_name = basics.runtime("broadcast_object()").secret, f"broadcast_object.{name}.data"
-    payload = (_to_bytes_tensor(obj, secret, data_name, root_rank) if basics.rank() == root_rank
-               else torch.empty(0, dtype=torch.uint8))
-    length = broadcast_(torch.tensor([payload.numel()], dtype=torch.int64), root_rank,
-                        name=f"broadcast_object.{name}.size", process_set=process_set)
-    if basics.rank() != root_rank:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    broadcast_(payload, root_rank, name=data_name, process_set=process_set)
-    if basics.rank() == root_rank:
-        return obj
-    return cloudpickle.loads(object_auth.unseal(secret, data_name, root_rank, payload.numpy().tobytes()))
-
-
-def allgather_object(obj, name=None, process_set=global_process_set) -> list:
-    """Return the list of every rank's ``obj``, in rank order."""
-    name = name or type(obj).__name__
-    secret, data_name = basics.runtime("allgather_object()").secret, f"allgather_object.{name}.data"
-    me = process_set.rank()  # senders are numbered by their rank in the set, as the gathered list is
-    payload = _to_bytes_tensor(obj, secret, data_name, -1 if me is None else me)
-    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64),
-                      name=f"allgather_object.{name}.size", process_set=process_set)
-    gathered = allgather(payload, name=data_name, process_set=process_set).numpy()
-    sealed, offset = [], 0
-    for size in sizes.tolist():
-        sealed.append(gathered[offset:offset + size].tobytes())
-        offset += size
-    payloads = [object_auth.unseal(secret, data_name, sender, data) for sender, data in enumerate(sealed)]
-    return [cloudpickle.loads(data) for data in payloads]
+__all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
 
 
 def broadcast_parameters(params, root_rank=0, process_set=global_process_set) -> None:

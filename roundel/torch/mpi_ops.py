@@ -2,128 +2,42 @@
 
 Every collective has an ``_async`` form that returns an integer handle for
 ``poll()``/``synchronize()``; the plain forms wait and, where Horovod does,
-carry gradients through autograd.
+carry gradients through autograd. Requests, naming and handles are
+:mod:`roundel.common.collectives`'; this module adds Horovod's argument
+conventions, compression and autograd.
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
-
 import torch
 
-from roundel.common import basics
-from roundel.common.ops import ReduceOp, resolve_op
+from roundel.common import basics, collectives
+from roundel.common.collectives import barrier, join, poll, synchronize
 from roundel.common.process_sets import global_process_set
-from roundel.common.requests import OpKind, Request
+from roundel.ops import ReduceOp, resolve_op
 from roundel.torch.compression import Compression
 
-_handles: dict[int, tuple[list, object]] = {}
-_handles_lock = threading.Lock()
-_counter = itertools.count()
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).split(".", 1)[1]
-
-
-def _set_id(process_set) -> int:
-    set_id = process_set.process_set_id
-    if set_id is None:
-        raise ValueError(f"{process_set!r} is not registered; call hvd.add_process_set() on every rank first")
-    return set_id
-
-
-def _submit(what: str, kind: OpKind, tensor: torch.Tensor, output, name, process_set,
-            cacheable: bool | None = None, **fields):
-    runtime = basics.runtime(what)
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
-    set_id = _set_id(process_set)
-    request = Request(
-        name if name is not None else runtime.unnamed_name(kind.label, set_id), kind, set_id,
-        dtype=_dtype_name(tensor), shape=tuple(tensor.shape), device=str(tensor.device),
-        cacheable=name is not None if cacheable is None else cacheable, **fields)
-    return runtime.engine.submit(request, tensor, output)
-
-
-def _register(handle_id: int, handles: list, finish) -> int:
-    with _handles_lock:
-        _handles[handle_id] = (handles, finish)
-    return handle_id
-
-
-def _first(results):
-    return results[0]
-
-
-def poll(handle: int) -> bool:
-    """True once the collective behind ``handle`` has finished; ``synchronize`` will not block."""
-    with _handles_lock:
-        entry = _handles.get(handle)
-    if entry is None:
-        raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
-    return all(h.done() for h in entry[0])
-
-
-def synchronize(handle: int):
-    """Wait for the collective behind ``handle`` and return its result (or raise its error)."""
-    with _handles_lock:
-        entry = _handles.pop(handle, None)
-    if entry is None:
-        raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
-    handles, finish = entry
-    return finish([h.wait() for h in handles])
+__all__ = ["allgather", "allgather_async", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+           "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
+           "broadcast_async_", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+           "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+           "grouped_reducescatter_async", "join", "poll", "reducescatter", "reducescatter_async",
+           "sparse_allreduce_async", "synchronize"]
 
 
 # ------------------------------------------------------------------ allreduce
-def _allreduce_problem(tensor: torch.Tensor, op: ReduceOp) -> str | None:
-    if op == ReduceOp.Adasum and not tensor.dtype.is_floating_point:
-        return f"Adasum needs floating-point tensors, not {tensor.dtype}"
-    if tensor.dtype == torch.bool and op in (ReduceOp.Average,):
-        return "Average is not defined for bool tensors; use op=hvd.Sum (logical or), Min, Max or Product"
-    return None
-
-
-def _allreduce_submit(tensor, output, name, op, prescale_factor, postscale_factor, process_set,
-                      cacheable=None):
-    return _submit("allreduce", OpKind.ALLREDUCE, tensor, output, name, process_set, cacheable,
-                   reduce_op=int(op), prescale=float(prescale_factor), postscale=float(postscale_factor),
-                   error=_allreduce_problem(tensor, op))
-
-
-def _in_place_target(tensor: torch.Tensor):
-    """The contiguous buffer an in-place op writes to, and how to finish into ``tensor``."""
-    if tensor.is_contiguous():
-        return tensor, _first
-    buffer = tensor.contiguous()
-
-    def finish(results):
-        tensor.copy_(results[0])
-        return tensor
-
-    return buffer, finish
-
-
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set) -> int:
     """Start reducing ``tensor`` across the set into a new tensor; returns a handle."""
-    op = resolve_op(op, average)
-    handle_id = next(_counter)
-    source = tensor.contiguous()
-    handle = _allreduce_submit(source, torch.empty_like(source), name, op, prescale_factor,
-                               postscale_factor, process_set)
-    return _register(handle_id, [handle], _first)
+    return collectives.allreduce_async(tensor, name, resolve_op(op, average), prescale_factor, postscale_factor,
+                                       process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set) -> int:
     """Start reducing ``tensor`` in place; returns a handle."""
-    op = resolve_op(op, average)
-    handle_id = next(_counter)
-    target, finish = _in_place_target(tensor)
-    handle = _allreduce_submit(target, target, name, op, prescale_factor, postscale_factor, process_set)
-    return _register(handle_id, [handle], finish)
+    return collectives.allreduce_async(tensor, name, resolve_op(op, average), prescale_factor, postscale_factor,
+                                       process_set, in_place=True)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -157,44 +71,18 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
                                         process_set))
 
 
-def _group_names(name, count: int, kind: str, process_set) -> tuple[list, bool]:
-    """Per-tensor names for a grouped op, and whether they are worth caching (user-given)."""
-    base = name if name is not None else \
-        basics.runtime(f"grouped_{kind}").unnamed_name(f"grouped_{kind}", _set_id(process_set))
-    return [f"{base}.{i}" for i in range(count)], name is not None
-
-
-def _grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set,
-                             in_place: bool) -> int:
-    op = resolve_op(op, average)
-    handle_id = next(_counter)
-    names, named = _group_names(name, len(tensors), "allreduce", process_set)
-    handles, finishers = [], []
-    for tensor, sub_name in zip(tensors, names):
-        if in_place:
-            target, finish = _in_place_target(tensor)
-            output = target
-        else:
-            target, finish = tensor.contiguous(), _first
-            output = torch.empty_like(target)
-        handles.append(_allreduce_submit(target, output, sub_name, op, prescale_factor, postscale_factor,
-                                         process_set, named))
-        finishers.append(finish)
-    return _register(handle_id, handles, lambda results: [f([r]) for f, r in zip(finishers, results)])
-
-
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set) -> int:
     """Start reducing a list of tensors together; ``synchronize`` returns the list of results."""
-    return _grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                                    process_set, in_place=False)
+    return collectives.grouped_allreduce_async(tensors, name, resolve_op(op, average), prescale_factor,
+                                               postscale_factor, process_set)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> int:
     """Start reducing a list of tensors in place; returns one handle for the group."""
-    return _grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                                    process_set, in_place=True)
+    return collectives.grouped_allreduce_async(tensors, name, resolve_op(op, average), prescale_factor,
+                                               postscale_factor, process_set, in_place=True)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -258,17 +146,9 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 
 # ------------------------------------------------------------------ allgather
-def _allgather_submit(tensor, name, process_set, cacheable=None):
-    source = tensor.contiguous()
-    if source.dim() == 0:
-        source = source.reshape(1)
-    return _submit("allgather", OpKind.ALLGATHER, source, None, name, process_set, cacheable)
-
-
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
     """Start concatenating every rank's ``tensor`` along dimension 0; returns a handle."""
-    handle_id = next(_counter)
-    return _register(handle_id, [_allgather_submit(tensor, name, process_set)], _first)
+    return collectives.allgather_async(tensor, name, process_set)
 
 
 def _gathered_grads(grads, shapes: list, process_set) -> list:
@@ -302,10 +182,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
     """Start allgathering a list of tensors together; ``synchronize`` returns the list of results."""
-    handle_id = next(_counter)
-    names, named = _group_names(name, len(tensors), "allgather", process_set)
-    handles = [_allgather_submit(t, n, process_set, named) for t, n in zip(tensors, names)]
-    return _register(handle_id, handles, list)
+    return collectives.grouped_allgather_async(tensors, name, process_set)
 
 
 class _GroupedAllgather(torch.autograd.Function):
@@ -326,28 +203,17 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 
 # ------------------------------------------------------------------ broadcast
-def _broadcast_submit(tensor, output, root_rank, name, process_set):
-    return _submit("broadcast", OpKind.BROADCAST, tensor, output, name, process_set,
-                   root_rank=int(root_rank))
-
-
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
     """Start copying the root's ``tensor`` to every rank into a new tensor; returns a handle.
 
     ``root_rank`` is a global rank (a member of ``process_set``), as in Horovod.
     """
-    handle_id = next(_counter)
-    source = tensor.contiguous()
-    handle = _broadcast_submit(source, torch.empty_like(source), root_rank, name, process_set)
-    return _register(handle_id, [handle], _first)
+    return collectives.broadcast_async(tensor, root_rank, name, process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
     """Start overwriting ``tensor`` with the root's copy, in place; returns a handle."""
-    handle_id = next(_counter)
-    target, finish = _in_place_target(tensor)
-    return _register(handle_id, [_broadcast_submit(target, target, root_rank, name, process_set)],
-                     finish)
+    return collectives.broadcast_async(tensor, root_rank, name, process_set, in_place=True)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -384,26 +250,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     without ``splits``, as in Horovod. Without ``splits`` the first dimension
     is divided evenly.
     """
-    handle_id = next(_counter)
-    members = basics.runtime("alltoall").process_sets.get(_set_id(process_set), ((),))[0]
-    source = tensor.contiguous()
-    error = None
-    if source.dim() == 0:
-        error = "alltoall needs a tensor with at least one dimension"
-        split_list = (0,) * len(members)
-    elif splits is None:
-        if source.shape[0] % len(members):
-            error = (f"alltoall without splits needs the first dimension ({source.shape[0]}) to divide "
-                     f"evenly among {len(members)} ranks; pass splits=")
-        split_list = (source.shape[0] // len(members),) * len(members)
-    else:
-        split_list = tuple(int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits))
-        if any(s < 0 for s in split_list) or sum(split_list) != source.shape[0]:
-            error = (f"alltoall splits {list(split_list)} must be non-negative and sum to the first "
-                     f"dimension of the tensor ({source.shape[0]})")
-    handle = _submit("alltoall", OpKind.ALLTOALL, source, None, name, process_set,
-                     splits=split_list, error=error)
-    return _register(handle_id, [handle], _first)
+    return collectives.alltoall_async(tensor, splits, name, process_set)
 
 
 class _Alltoall(torch.autograd.Function):
@@ -433,21 +280,11 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 
 # -------------------------------------------------------------- reducescatter
-def _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor, process_set,
-                          cacheable=None):
-    error = _allreduce_problem(tensor, op) if op != ReduceOp.Adasum else "reducescatter does not support Adasum"
-    return _submit("reducescatter", OpKind.REDUCESCATTER, tensor.contiguous(), None, name, process_set,
-                   cacheable, reduce_op=int(op), prescale=float(prescale_factor),
-                   postscale=float(postscale_factor), error=error)
-
-
 def reducescatter_async(tensor, name=None, op=ReduceOp.Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0) -> int:
     """Start reducing ``tensor`` and keeping this rank's slice of dimension 0; returns a handle."""
-    op = resolve_op(op)
-    handle_id = next(_counter)
-    handle = _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor, process_set)
-    return _register(handle_id, [handle], _first)
+    return collectives.reducescatter_async(tensor, name, resolve_op(op), process_set, prescale_factor,
+                                           postscale_factor)
 
 
 def _scattered_grad(grad, op, process_set, prescale_factor, postscale_factor):
@@ -486,12 +323,8 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=ReduceOp.A
 def grouped_reducescatter_async(tensors, name=None, op=ReduceOp.Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
     """Start reducescattering a list of tensors; ``synchronize`` returns the list of slices."""
-    op = resolve_op(op)
-    handle_id = next(_counter)
-    names, named = _group_names(name, len(tensors), "reducescatter", process_set)
-    handles = [_reducescatter_submit(t, n, op, prescale_factor, postscale_factor, process_set, named)
-               for t, n in zip(tensors, names)]
-    return _register(handle_id, handles, list)
+    return collectives.grouped_reducescatter_async(tensors, name, resolve_op(op), process_set, prescale_factor,
+                                                   postscale_factor)
 
 
 class _GroupedReducescatter(torch.autograd.Function):
@@ -516,31 +349,3 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=R
     reduced = _GroupedReducescatter.apply(name, resolve_op(op), process_set, prescale_factor, postscale_factor,
                                           *[c[0] for c in compressed])
     return [compression.decompress(r, c[1]) for r, c in zip(reduced, compressed)]
-
-
-# ------------------------------------------------------------ barrier and join
-_barrier_counts: dict[tuple[str, int], int] = {}  # (runtime prefix, set id) -> barriers called
-
-
-def barrier(process_set=global_process_set) -> None:
-    """Return once every rank of the set has called barrier."""
-    runtime = basics.runtime("barrier")
-    set_id = _set_id(process_set)
-    # Numbered per set (not by the global handle counter), so that the members agree on the name
-    # even when they ran different numbers of other collectives, e.g. on other process sets.
-    key = (runtime.prefix, set_id)
-    with _handles_lock:
-        count = _barrier_counts[key] = _barrier_counts.get(key, 0) + 1
-    request = Request(f"__barrier__.{count}", OpKind.BARRIER, set_id, cacheable=False)
-    runtime.engine.submit(request, None, None).wait()
-
-
-def join(device=-1) -> int:
-    """Declare that this rank has no more data; returns the last rank to join.
-
-    Until every rank has joined, the others' allreduces go on with this rank
-    contributing zeros (and empty rows to allgathers).
-    """
-    from roundel.common.negotiation import JOIN_NAME
-    request = Request(JOIN_NAME, OpKind.JOIN, 0, cacheable=False)
-    return basics.runtime("join").engine.submit(request, None, None).wait()

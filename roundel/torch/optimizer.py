@@ -30,8 +30,8 @@ import weakref
 import torch
 
 from roundel.common import basics
-from roundel.common.errors import RoundelError
-from roundel.common.ops import ReduceOp, resolve_op
+from roundel.errors import RoundelError
+from roundel.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
 from roundel.common.settings import Settings
 from roundel.torch.compression import Compression

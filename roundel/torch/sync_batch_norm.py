@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from roundel.common.ops import ReduceOp
+from roundel.ops import ReduceOp
 from roundel.common.process_sets import global_process_set
 from roundel.torch import mpi_ops
 

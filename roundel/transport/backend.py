@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 
-from roundel.common.ops import ReduceOp
+from roundel.ops import ReduceOp
 
 
 class Backend(abc.ABC):

@@ -2,20 +2,28 @@
 
 :func:`check` runs first in ``init()`` so that a job that asked for MPI but
 cannot have it fails at once with a clear message; :func:`job_backend` and
-:func:`process_set_backend` then build the communicators.
+:func:`process_set_backend` then build the communicators. The caller passes
+what its settings ask for as a :class:`Choice`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
-from roundel.common.errors import SettingsError
-from roundel.common.identity import detect_launcher
-from roundel.common.settings import Settings
+from roundel.errors import SettingsError
 from roundel.transport.backend import Backend
 from roundel.transport.gloo import GlooBackend
 
 _MPI_LAUNCHERS = ("openmpi", "mpich")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The transport the settings ask for: ``cpu_operations`` ("gloo" or "mpi"), and Gloo's timeout in seconds."""
+
+    cpu_operations: str
+    timeout_s: float
 
 
 def mpi_importable() -> bool:
@@ -23,18 +31,18 @@ def mpi_importable() -> bool:
     return importlib.util.find_spec("mpi4py") is not None
 
 
-def check(settings: Settings) -> None:
-    """Raise SettingsError when ``settings`` ask for MPI and this process cannot use it.
+def check(choice: Choice, launcher) -> None:
+    """Raise SettingsError when ``choice`` is MPI and this process cannot use it.
 
     MPI needs mpi4py and a job started by mpirun/mpiexec whose ``MPI.COMM_WORLD``
-    is the job roundel runs (same size, same ranks).
+    is the job roundel runs (same size, same ranks). ``launcher`` is the
+    ``LauncherIdentity`` of the launcher that started this process, or None.
     """
-    if settings.cpu_operations != "mpi":
+    if choice.cpu_operations != "mpi":
         return
     if not mpi_importable():
         raise SettingsError("HOROVOD_CPU_OPERATIONS=mpi needs mpi4py: pip install mpi4py (or "
                             "pip install 'roundel[mpi]'), or set HOROVOD_CPU_OPERATIONS=gloo")
-    launcher = detect_launcher()
     if launcher is None or launcher.launcher not in _MPI_LAUNCHERS:
         started = "by roundelrun or directly" if launcher is None else f"by {launcher.launcher}"
         raise SettingsError(f"HOROVOD_CPU_OPERATIONS=mpi needs a job started by mpirun/mpiexec, but this "
@@ -50,24 +58,20 @@ def check(settings: Settings) -> None:
                             "HOROVOD_CPU_OPERATIONS=gloo")
 
 
-def job_backend(settings: Settings, store, rank: int, size: int, hostname: str,
+def job_backend(choice: Choice, store, rank: int, size: int, hostname: str,
                 world_ranks: tuple[int, ...]) -> Backend:
     """The communicator of the whole job; ``world_ranks`` are its members' launched (COMM_WORLD) ranks."""
-    if settings.cpu_operations == "mpi":
+    if choice.cpu_operations == "mpi":
         from mpi4py import MPI
-        from roundel.transport.mpi import MPIBackend
+        from roundel.transport.mpi import MPIBackend  # imports mpi4py: only when MPI was asked for
 
         return MPIBackend(MPI.COMM_WORLD, world_ranks)
-    return _gloo(settings, store, rank, size, hostname)
+    return GlooBackend(store, rank, size, choice.timeout_s, hostname)
 
 
-def process_set_backend(settings: Settings, job: Backend, store, ranks: tuple[int, ...],
+def process_set_backend(choice: Choice, job: Backend, store, ranks: tuple[int, ...],
                         hostname: str) -> Backend:
     """The communicator of a process set of job ranks ``ranks`` (built by its members only)."""
-    if settings.cpu_operations == "mpi":
+    if choice.cpu_operations == "mpi":
         return job.subset(ranks)
-    return _gloo(settings, store, ranks.index(job.rank), len(ranks), hostname)
-
-
-def _gloo(settings: Settings, store, rank: int, size: int, hostname: str) -> Backend:
-    return GlooBackend(store, rank, size, settings.collective_timeout_s, hostname)
+    return GlooBackend(store, ranks.index(job.rank), len(ranks), choice.timeout_s, hostname)

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from roundel.common.ops import ReduceOp
+from roundel.ops import ReduceOp
 from roundel.transport.backend import Backend
 
 _TORCH_OPS = {

@@ -20,7 +20,7 @@ import math
 import torch
 from mpi4py import MPI
 
-from roundel.common.ops import ReduceOp
+from roundel.ops import ReduceOp
 from roundel.transport.backend import Backend
 
 _MPI_OPS = {

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 import roundel.torch as hvd
-from roundel.common.errors import SettingsError
+from roundel.errors import SettingsError
 from _checks import check, expect_raises, make, run_scenarios, to_np
 
 NO_INIT = {"before_init", "reinit", "bad_settings"}

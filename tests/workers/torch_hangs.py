@@ -21,7 +21,7 @@ import time
 import torch
 
 import roundel.torch as hvd
-from roundel.common.errors import CollectiveDeadlockError
+from roundel.errors import CollectiveDeadlockError
 from _checks import check, expect_raises, make, to_np
 
 SURVIVOR_EXIT = 3

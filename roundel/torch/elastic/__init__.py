@@ -1,7 +1,7 @@
 """Elastic training for PyTorch: ``hvd.elastic.run``, ``TorchState`` and ``ElasticSampler``."""
 
 from roundel.common.elastic import run_fn
-from roundel.common.errors import HorovodInternalError, HostsUpdatedInterrupt
+from roundel.errors import HorovodInternalError, HostsUpdatedInterrupt
 from roundel.torch.elastic.sampler import ElasticSampler
 from roundel.torch.elastic.state import ObjectState, State, TorchState
 

@@ -22,7 +22,7 @@ The secret: ``ROUNDEL_SECRET`` (hex) when exported before the launcher
 (``export ROUNDEL_SECRET=$(openssl rand -hex 32)``), always; else a fresh
 random one from rank 0, over MPI under ``mpirun``, and under ``srun`` and
 ``torchrun`` through a private file in the shared home directory
-(:mod:`roundel.runner.secret_file`), removed once every rank has joined.
+(:mod:`roundel.rendezvous.secret_file`), removed once every rank has joined.
 
 Rank 0's store listens on the job's address only (the first host's, or the
 interface ``ROUNDEL_NETWORK_INTERFACE`` names); ``ROUNDEL_RENDEZVOUS_BIND``
@@ -31,7 +31,7 @@ interface ``ROUNDEL_NETWORK_INTERFACE`` names); ``ROUNDEL_RENDEZVOUS_BIND``
 An elastic worker (``roundelrun --host-discovery-script``) has no rank in
 its environment, only ``ROUNDEL_ELASTIC_WORKER_ID``: it joins the driver's
 next generation through the store and gets its identity there
-(:mod:`roundel.runner.elastic_rendezvous`).
+(:mod:`roundel.rendezvous.elastic_join`).
 
 Under any launcher, ``ROUNDEL_RENDEZVOUS_ADDR``, ``ROUNDEL_RENDEZVOUS_PORT``
 and ``ROUNDEL_SECRET`` together with ``ROUNDEL_RENDEZVOUS_SERVER=external``
@@ -58,11 +58,11 @@ from typing import Mapping
 
 import psutil
 
-from roundel.common import identity as identity_env
-from roundel.common.errors import RoundelInternalError, SettingsError
-from roundel.common.identity import Identity, LauncherIdentity, cross_ranks, detect_launcher
-from roundel.runner import elastic_rendezvous, horovod_gloo, network, secret_file
-from roundel.runner.rendezvous import RendezvousClient, RendezvousServer, new_secret
+from roundel.errors import RoundelInternalError, SettingsError
+from roundel.rendezvous import elastic_join, horovod_gloo, network, secret_file
+from roundel.rendezvous import identity as identity_env
+from roundel.rendezvous.identity import Identity, LauncherIdentity, cross_ranks, detect_launcher
+from roundel.rendezvous.store import RendezvousClient, RendezvousServer, new_secret
 
 __all__ = ["Bootstrap", "advertise_address", "discover", "slurm_first_host", "slurm_port"]
 
@@ -102,7 +102,7 @@ class Bootstrap:
         if self.identity is not None:
             return self.identity
         if self.elastic:
-            assignment = elastic_rendezvous.join(client, self.worker_id, _elastic_timeout())
+            assignment = elastic_join.join(client, self.worker_id, _elastic_timeout())
             self.generation, self.hosts_version = assignment.generation, assignment.hosts_version
             return assignment.identity
         info = self.launcher
@@ -165,9 +165,9 @@ def _roundelrun_store(env: Mapping[str, str]) -> tuple[str, int, bytes]:
 
 def _elastic_timeout() -> float:
     try:
-        return float(os.environ.get(elastic_rendezvous.TIMEOUT, "600"))
+        return float(os.environ.get(elastic_join.TIMEOUT, "600"))
     except ValueError:
-        raise SettingsError(f"{elastic_rendezvous.TIMEOUT}={os.environ[elastic_rendezvous.TIMEOUT]!r} "
+        raise SettingsError(f"{elastic_join.TIMEOUT}={os.environ[elastic_join.TIMEOUT]!r} "
                             "must be a number of seconds") from None
 
 
@@ -408,7 +408,7 @@ def discover(prefix: str, timeout_s: float, environ: Mapping[str, str] | None = 
     """
     env = os.environ if environ is None else environ
     follow_launcher(env)
-    worker_id = elastic_rendezvous.worker_id(env)
+    worker_id = elastic_join.worker_id(env)
     if worker_id is not None:
         return Bootstrap(*_roundelrun_store(env), None, None, worker_id=worker_id)
     ident = Identity.from_env(env)

@@ -8,7 +8,7 @@ rendezvous. roundel does not speak that protocol: rank 0 serves roundel's own
 authenticated store at that address and port instead, and the others connect
 to it. The secret is ``ROUNDEL_SECRET`` when exported (every rank must see the
 same value); otherwise rank 0 makes one and hands it over in a private file
-(:mod:`roundel.runner.secret_file`, which needs the ranks to share that
+(:mod:`roundel.rendezvous.secret_file`, which needs the ranks to share that
 directory: the same machine, or a shared home).
 """
 
@@ -17,11 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from roundel.common import identity as identity_env
-from roundel.common.errors import RoundelInternalError, SettingsError
-from roundel.common.identity import LauncherIdentity
-from roundel.runner import network, secret_file
-from roundel.runner.rendezvous import RendezvousServer, new_secret
+from roundel.errors import RoundelInternalError, SettingsError
+from roundel.rendezvous import identity as identity_env
+from roundel.rendezvous import network, secret_file
+from roundel.rendezvous.identity import LauncherIdentity
+from roundel.rendezvous.store import RendezvousServer, new_secret
 
 __all__ = ["ADDR", "PORT", "store"]
 

@@ -1,9 +1,9 @@
 """Exception types raised by roundel, under the names Horovod scripts catch.
 
-An uncaught one prints a single line per rank (see :mod:`roundel.common.excepthook`).
+An uncaught one prints a single line per rank (see :mod:`roundel.excepthook`).
 """
 
-from roundel.common.excepthook import install_short_tracebacks
+from roundel.excepthook import install_short_tracebacks
 
 
 class RoundelError(Exception):

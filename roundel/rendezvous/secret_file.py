@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from roundel.common import identity as identity_env
-from roundel.common.errors import RoundelInternalError, SettingsError
+from roundel.errors import RoundelInternalError, SettingsError
+from roundel.rendezvous import identity as identity_env
 
 __all__ = ["SECRET_DIR", "JobSecret", "SecretFileError", "job_secret_path", "publish", "read", "remove"]
 

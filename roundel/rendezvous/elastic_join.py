@@ -24,8 +24,8 @@ import json
 import os
 import sys
 
-from roundel.common.errors import RoundelInternalError
-from roundel.common.identity import Identity
+from roundel.errors import RoundelInternalError
+from roundel.rendezvous.identity import Identity
 
 __all__ = ["HOSTS_VERSION_KEY", "TIMEOUT", "WORKER_ID", "Assignment", "JoinError", "WorkerRemoved", "assign_key",
            "hosts_version", "join", "join_key", "key_prefix", "removal", "worker_id"]

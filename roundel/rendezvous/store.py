@@ -4,7 +4,7 @@
 :class:`RendezvousClient` (directly, or through a ``torch.distributed`` Store
 adapter that Gloo calls from its own threads).
 
-Wire protocol (TCP; see rendezvous_wire.py for the handshake and framing):
+Wire protocol (TCP; see wire.py for the handshake and framing):
 after a handshake in which both sides prove they hold the job's secret, each
 request and response is one frame tagged with a per-connection, per-direction
 session key and an implicit sequence number. A request body is ``!BdI`` (op
@@ -17,7 +17,7 @@ Bounds:
 - Server: at most MAX_PENDING_HANDSHAKES unauthenticated connections at once
   (more are closed at once), each with HANDSHAKE_TIMEOUT_S to finish the
   handshake however slowly it sends; a request or response frame, once begun,
-  must arrive within rendezvous_wire.FRAME_DEADLINE_S (plus one second per MiB).
+  must arrive within wire.FRAME_DEADLINE_S (plus one second per MiB).
   Idle authenticated connections stay open (workers pool them for the whole
   job); TCP keepalive and TCP_USER_TIMEOUT drop those whose peer vanished.
   Failed ``accept`` calls (out of file descriptors, memory) are logged,
@@ -44,8 +44,8 @@ import struct
 import threading
 import time
 
-from roundel.common.errors import RoundelError
-from roundel.runner import rendezvous_wire as wire
+from roundel.errors import RoundelError
+from roundel.rendezvous import wire
 
 __all__ = [
     "RendezvousClient",

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Mapping
 
-from roundel.common.errors import SettingsError
+from roundel.errors import SettingsError
 
 RENDEZVOUS_ADDR = "ROUNDEL_RENDEZVOUS_ADDR"
 RENDEZVOUS_PORT = "ROUNDEL_RENDEZVOUS_PORT"

@@ -1,0 +1,286 @@
+"""The collectives every framework adapter submits through, on the engine's buffers.
+
+The engine moves CPU (or CUDA) torch tensors, the buffer type of its
+transports; an adapter converts its framework's tensors to them (NumPy arrays
+through :mod:`roundel.common.buffers`, without a copy) and back. Here live
+what every adapter shares: building and validating requests, naming unnamed
+ops (one policy, restarted by ``init()``), handles, and barrier/join.
+
+Every ``*_async`` function returns an integer handle, Horovod's boundary type;
+``poll(handle)`` says whether it finished and ``synchronize(handle)`` waits and
+returns its result, or raises the collective's error. Inside, a handle is a
+:class:`Pending` object.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Callable
+
+import torch
+
+from roundel.common import basics
+from roundel.common.negotiation import JOIN_NAME
+from roundel.common.process_sets import global_process_set
+from roundel.common.requests import OpKind, Request
+from roundel.ops import ReduceOp
+
+__all__ = ["Pending", "allgather_async", "allreduce_async", "alltoall_async", "barrier", "broadcast_async",
+           "grouped_allgather_async", "grouped_allreduce_async", "grouped_reducescatter_async", "join", "poll",
+           "reducescatter_async", "set_id", "synchronize"]
+
+
+class Pending:
+    """A collective in flight: the engine handles it waits for, and how their results become its result."""
+
+    __slots__ = ("handles", "finish")
+
+    def __init__(self, handles: list, finish: Callable[[list], object]):
+        self.handles = handles
+        self.finish = finish
+
+    def done(self) -> bool:
+        """True once every part has finished (successfully or not)."""
+        return all(h.done() for h in self.handles)
+
+    def wait(self):
+        """Block until every part has finished; return the result or raise the first error."""
+        return self.finish([h.wait() for h in self.handles])
+
+
+_pending: dict[int, Pending] = {}
+_pending_lock = threading.Lock()
+_handle_ids = itertools.count()
+
+
+def _register(pending: Pending) -> int:
+    handle = next(_handle_ids)
+    with _pending_lock:
+        _pending[handle] = pending
+    return handle
+
+
+def poll(handle: int) -> bool:
+    """True once the collective behind ``handle`` has finished; ``synchronize`` will not block."""
+    with _pending_lock:
+        pending = _pending.get(handle)
+    if pending is None:
+        raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+    return pending.done()
+
+
+def synchronize(handle: int):
+    """Wait for the collective behind ``handle`` and return its result (or raise its error)."""
+    with _pending_lock:
+        pending = _pending.pop(handle, None)
+    if pending is None:
+        raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+    return pending.wait()
+
+
+def set_id(process_set) -> int:
+    """The id of a registered process set; ValueError for one not registered on this rank."""
+    number = process_set.process_set_id
+    if number is None:
+        raise ValueError(f"{process_set!r} is not registered; call hvd.add_process_set() on every rank first")
+    return number
+
+
+def _dtype_name(buffer: torch.Tensor) -> str:
+    return str(buffer.dtype).split(".", 1)[1]
+
+
+def _submit(what: str, kind: OpKind, buffer: torch.Tensor, output, name, process_set,
+            cacheable: bool | None = None, **fields):
+    """Queue one request on the engine; returns the engine's handle."""
+    runtime = basics.runtime(what)
+    number = set_id(process_set)
+    request = Request(
+        name if name is not None else runtime.unnamed_name(kind.label, number), kind, number,
+        dtype=_dtype_name(buffer), shape=tuple(buffer.shape), device=str(buffer.device),
+        cacheable=name is not None if cacheable is None else cacheable, **fields)
+    return runtime.engine.submit(request, buffer, output)
+
+
+def _checked(what: str, buffer) -> torch.Tensor:
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"{what} expects a tensor, got {type(buffer).__name__}")
+    return buffer
+
+
+def _first(results):
+    return results[0]
+
+
+def _in_place_target(buffer: torch.Tensor):
+    """The contiguous buffer an in-place op writes to, and how to finish into ``buffer``."""
+    if buffer.is_contiguous():
+        return buffer, _first
+    target = buffer.contiguous()
+
+    def finish(results):
+        buffer.copy_(results[0])
+        return buffer
+
+    return target, finish
+
+
+def _target(buffer: torch.Tensor, in_place: bool):
+    """What a collective reads from and writes to, and how its result becomes the caller's."""
+    if in_place:
+        target, finish = _in_place_target(buffer)
+        return target, target, finish
+    target = buffer.contiguous()
+    return target, torch.empty_like(target), _first
+
+
+def _group_names(name, count: int, kind: str, process_set) -> tuple[list, bool]:
+    """Per-tensor names for a grouped op, and whether they are worth caching (user-given)."""
+    base = name if name is not None else \
+        basics.runtime(f"grouped_{kind}").unnamed_name(f"grouped_{kind}", set_id(process_set))
+    return [f"{base}.{i}" for i in range(count)], name is not None
+
+
+# ------------------------------------------------------------------ allreduce
+def _reduction_problem(buffer: torch.Tensor, op: ReduceOp) -> str | None:
+    if op == ReduceOp.Adasum and not buffer.dtype.is_floating_point:
+        return f"Adasum needs floating-point tensors, not {_dtype_name(buffer)}"
+    if buffer.dtype == torch.bool and op == ReduceOp.Average:
+        return "Average is not defined for bool tensors; use op=hvd.Sum (logical or), Min, Max or Product"
+    return None
+
+
+def _allreduce_part(buffer, in_place: bool, name, op, prescale, postscale, process_set, cacheable=None):
+    target, output, finish = _target(_checked("allreduce", buffer), in_place)
+    handle = _submit("allreduce", OpKind.ALLREDUCE, target, output, name, process_set, cacheable,
+                     reduce_op=int(op), prescale=float(prescale), postscale=float(postscale),
+                     error=_reduction_problem(target, op))
+    return handle, finish
+
+
+def allreduce_async(buffer, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=global_process_set, in_place: bool = False) -> int:
+    """Start reducing ``buffer`` across the set, into a new buffer or (``in_place``) into itself."""
+    handle, finish = _allreduce_part(buffer, in_place, name, op, prescale_factor, postscale_factor,
+                                     process_set)
+    return _register(Pending([handle], finish))
+
+
+def grouped_allreduce_async(buffers, name=None, op=ReduceOp.Average, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set, in_place: bool = False) -> int:
+    """Start reducing a list of buffers together; the result is the list of reduced buffers."""
+    names, named = _group_names(name, len(buffers), "allreduce", process_set)
+    parts = [_allreduce_part(b, in_place, n, op, prescale_factor, postscale_factor, process_set, named)
+             for b, n in zip(buffers, names)]
+    finishers = [finish for _, finish in parts]
+    return _register(Pending([handle for handle, _ in parts],
+                             lambda results: [f([r]) for f, r in zip(finishers, results)]))
+
+
+# ------------------------------------------------------------------ allgather
+def _allgather_part(buffer, name, process_set, cacheable=None):
+    source = _checked("allgather", buffer).contiguous()
+    if source.dim() == 0:
+        source = source.reshape(1)
+    return _submit("allgather", OpKind.ALLGATHER, source, None, name, process_set, cacheable)
+
+
+def allgather_async(buffer, name=None, process_set=global_process_set) -> int:
+    """Start concatenating every rank's ``buffer`` along dimension 0 (first dimensions may differ)."""
+    return _register(Pending([_allgather_part(buffer, name, process_set)], _first))
+
+
+def grouped_allgather_async(buffers, name=None, process_set=global_process_set) -> int:
+    """Start allgathering a list of buffers together; the result is the list of gathered buffers."""
+    names, named = _group_names(name, len(buffers), "allgather", process_set)
+    return _register(Pending([_allgather_part(b, n, process_set, named) for b, n in zip(buffers, names)], list))
+
+
+# ------------------------------------------------------------------ broadcast
+def broadcast_async(buffer, root_rank, name=None, process_set=global_process_set, in_place: bool = False) -> int:
+    """Start copying the root's ``buffer`` to every rank, into a new buffer or (``in_place``) over it.
+
+    ``root_rank`` is a global rank (a member of ``process_set``), as in Horovod.
+    """
+    target, output, finish = _target(_checked("broadcast", buffer), in_place)
+    handle = _submit("broadcast", OpKind.BROADCAST, target, output, name, process_set, root_rank=int(root_rank))
+    return _register(Pending([handle], finish))
+
+
+# ------------------------------------------------------------------- alltoall
+def _split_list(buffer: torch.Tensor, splits, members: int) -> tuple[tuple, str | None]:
+    """The rows ``buffer`` sends to each of ``members`` ranks, and what is wrong with them (or None)."""
+    if buffer.dim() == 0:
+        return (0,) * members, "alltoall needs a tensor with at least one dimension"
+    rows = buffer.shape[0]
+    if splits is None:
+        error = None if rows % members == 0 else (
+            f"alltoall without splits needs the first dimension ({rows}) to divide evenly among {members} "
+            "ranks; pass splits=")
+        return (rows // members,) * members, error
+    split_list = tuple(int(s) for s in (splits.tolist() if hasattr(splits, "tolist") else splits))
+    if any(s < 0 for s in split_list) or sum(split_list) != rows:
+        return split_list, (f"alltoall splits {list(split_list)} must be non-negative and sum to the first "
+                            f"dimension of the tensor ({rows})")
+    return split_list, None
+
+
+def alltoall_async(buffer, splits=None, name=None, process_set=global_process_set) -> int:
+    """Start sending ``splits[j]`` rows of ``buffer`` to rank j of the set (even split without ``splits``).
+
+    The result is ``(received buffer, received splits)``.
+    """
+    members = basics.runtime("alltoall").process_sets.get(set_id(process_set), ((),))[0]
+    source = _checked("alltoall", buffer).contiguous()
+    split_list, error = _split_list(source, splits, len(members))
+    handle = _submit("alltoall", OpKind.ALLTOALL, source, None, name, process_set, splits=split_list, error=error)
+    return _register(Pending([handle], _first))
+
+
+# -------------------------------------------------------------- reducescatter
+def _reducescatter_part(buffer, name, op, prescale, postscale, process_set, cacheable=None):
+    source = _checked("reducescatter", buffer).contiguous()
+    error = _reduction_problem(source, op) if op != ReduceOp.Adasum else "reducescatter does not support Adasum"
+    return _submit("reducescatter", OpKind.REDUCESCATTER, source, None, name, process_set, cacheable,
+                   reduce_op=int(op), prescale=float(prescale), postscale=float(postscale), error=error)
+
+
+def reducescatter_async(buffer, name=None, op=ReduceOp.Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0) -> int:
+    """Start reducing ``buffer`` and keeping this rank's slice of dimension 0.
+
+    Ranks with a lower index get one extra row when the first dimension does not divide evenly.
+    """
+    handle = _reducescatter_part(buffer, name, op, prescale_factor, postscale_factor, process_set)
+    return _register(Pending([handle], _first))
+
+
+def grouped_reducescatter_async(buffers, name=None, op=ReduceOp.Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0) -> int:
+    """Start reducescattering a list of buffers; the result is the list of this rank's slices."""
+    names, named = _group_names(name, len(buffers), "reducescatter", process_set)
+    handles = [_reducescatter_part(b, n, op, prescale_factor, postscale_factor, process_set, named)
+               for b, n in zip(buffers, names)]
+    return _register(Pending(handles, list))
+
+
+# ------------------------------------------------------------ barrier and join
+def barrier(process_set=global_process_set) -> None:
+    """Return once every rank of the set has called barrier."""
+    runtime = basics.runtime("barrier")
+    number = set_id(process_set)
+    # numbered per set, so that the members agree on the name even when they ran different
+    # numbers of other collectives (e.g. on other process sets); restarted by init()
+    request = Request(f"__barrier__.{runtime.next_barrier(number)}", OpKind.BARRIER, number, cacheable=False)
+    runtime.engine.submit(request, None, None).wait()
+
+
+def join() -> int:
+    """Declare that this rank has no more data; returns the last rank to join.
+
+    Until every rank has joined, the others' allreduces go on with this rank
+    contributing zeros (and empty rows to allgathers).
+    """
+    request = Request(JOIN_NAME, OpKind.JOIN, 0, cacheable=False)
+    return basics.runtime("join").engine.submit(request, None, None).wait()

@@ -1,0 +1,171 @@
+"""The package's layers: imports only go down, adapters stay apart, and nothing hides a cycle.
+
+    adapters   roundel.torch · roundel.tensorflow · roundel.keras   (and roundel.timeline, a tool)
+    core       roundel.common
+    below it   roundel.transport · roundel.rendezvous               (not each other)
+    ground     roundel.errors · roundel.excepthook · roundel.ops · the roundel package itself
+    launcher   roundel.runner (may use everything but the adapters; no worker needs it)
+
+Read from the source with ``ast`` (every import, at module level or inside a
+function), and checked in fresh interpreters for what importing an adapter loads.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "roundel"
+
+GROUND = ("roundel", "roundel.errors", "roundel.excepthook", "roundel.ops")
+LEVELS = {
+    "ground": 0,
+    "roundel.transport": 1, "roundel.rendezvous": 1,
+    "roundel.common": 2,
+    "roundel.torch": 3, "roundel.tensorflow": 3, "roundel.keras": 3, "roundel.timeline": 3,
+    "roundel.runner": 4,
+}
+ADAPTERS = ("roundel.torch", "roundel.tensorflow", "roundel.keras")
+
+# (importing module, imported package or module) allowed across packages of one layer: Keras runs on
+# TensorFlow; roundel.tensorflow.keras is Horovod's name for the Keras adapter, and TensorFlow's
+# DistributedOptimizer hands Keras optimizers to the Keras one, as Horovod's does.
+SIDEWAYS = {
+    ("roundel.keras.core", "roundel.tensorflow.gradient_tape"),
+    ("roundel.keras.elastic", "roundel.tensorflow.elastic"),
+    ("roundel.tensorflow.keras", "roundel.keras"),
+    ("roundel.tensorflow.optimizer", "roundel.keras.core"),
+}
+# The top-level package's lazy attributes (roundel.run) reach the launcher.
+LAZY = {("roundel", "roundel.runner.run_api")}
+# Imports inside a function, each for a reason other than a cycle.
+IN_FUNCTION = {
+    ("roundel", "roundel.runner.run_api"): "roundel.run loads the launcher only when used",
+    ("roundel.transport.factory", "roundel.transport.mpi"): "mpi4py is optional and starts MPI when imported",
+    ("roundel.timeline.__main__", "roundel.timeline.plot"): "matplotlib only when a plot is asked for",
+    ("roundel.keras.core", "roundel.tensorflow.gradient_tape"): "TensorFlow backend only",
+    ("roundel.keras.elastic", "roundel.tensorflow.elastic"): "TensorFlow backend only",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _package(module: str) -> str:
+    if module in GROUND:
+        return "ground"
+    return max((p for p in LEVELS if module == p or module.startswith(p + ".")), key=len, default="unknown")
+
+
+def _imports(module: str) -> list[tuple[str, bool]]:
+    """(imported roundel module, whether the import is inside a function) for each import in ``module``."""
+    tree = ast.parse(MODULES[module].read_text())
+    found = []
+
+    def visit(node, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend((a.name, in_function) for a in child.names if a.name.split(".")[0] == "roundel")
+            elif isinstance(child, ast.ImportFrom):
+                assert child.level == 0, f"{module}: relative import (use absolute roundel.* imports)"
+                if child.module and child.module.split(".")[0] == "roundel":
+                    for alias in child.names:
+                        target = f"{child.module}.{alias.name}"
+                        found.append((target if target in MODULES else child.module, in_function))
+            visit(child, nested)
+
+    visit(tree, False)
+    return found
+
+
+EDGES = {m: _imports(m) for m in MODULES}
+
+
+def test_the_layout_is_what_this_test_knows():
+    assert len(MODULES) > 80
+    unknown = [m for m in MODULES if _package(m) == "unknown"]
+    assert not unknown, f"modules outside every layer: {unknown}"
+    assert "roundel.common.collectives" in MODULES and "roundel.rendezvous.bootstrap" in MODULES
+
+
+def test_imports_only_go_down():
+    wrong = []
+    for module, imports in EDGES.items():
+        package = _package(module)
+        for target, _ in imports:
+            other = _package(target)
+            if other == package or (module, target) in LAZY or any(
+                    module == m and (target == t or target.startswith(t + ".")) for m, t in SIDEWAYS):
+                continue
+            if LEVELS[other] >= LEVELS[package]:
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports that go up or sideways:\n" + "\n".join(wrong)
+
+
+def test_launcher_imports_no_adapter():
+    wrong = [f"{m} -> {t}" for m, imports in EDGES.items() if _package(m) == "roundel.runner"
+             for t, _ in imports if _package(t) in ADAPTERS]
+    assert not wrong, wrong
+
+
+def test_imports_inside_functions_are_the_listed_ones():
+    found = {(m, t) for m, imports in EDGES.items() for t, inside in imports if inside}
+    assert found == set(IN_FUNCTION), (f"not listed: {sorted(found - set(IN_FUNCTION))}; "
+                                       f"listed but gone: {sorted(set(IN_FUNCTION) - found)}")
+
+
+def test_no_cycle_among_module_level_imports():
+    graph = {m: {t for t, inside in imports if not inside and t in MODULES and t != m}
+             for m, imports in EDGES.items()}
+    # a package's __init__ importing its own submodules is how packages re-export; drop those edges
+    graph = {m: {t for t in targets if not t.startswith(m + ".")} for m, targets in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module)
+
+
+def _loaded_after(statement: str) -> str:
+    code = (f"import sys, torch\nthreads = torch.get_num_threads()\n{statement}\n"
+            "print(sorted({m.rsplit('.', 1)[0] if m.count('.') > 1 else m for m in sys.modules "
+            "if m.startswith('roundel')}), torch.get_num_threads() == threads, 'tensorflow' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("adapter", ["roundel.tensorflow", "roundel.keras"])
+def test_tensorflow_adapters_load_no_other_adapter_and_leave_torch_threads_alone(adapter):
+    line = _loaded_after(f"import {adapter}")
+    assert "roundel.torch" not in line and "roundel.runner" not in line, line
+    assert line.endswith("True True"), f"importing {adapter} changed torch's thread count: {line}"
+
+
+def test_torch_adapter_loads_neither_tensorflow_nor_the_launcher():
+    line = _loaded_after("import roundel.torch")
+    assert "roundel.tensorflow" not in line and "roundel.keras" not in line and "roundel.runner" not in line, line
+    assert line.endswith("True False"), line
