@@ -41,6 +41,9 @@ duplicate of ``MPI.COMM_WORLD``, and ``Iallreduce`` for the many-tensors
 async case; the Gloo group then only times and checks.
 
 Only rank 0 prints; the tables are Markdown, ready to paste into README.md.
+Rank 0 also draws bus bandwidth against message size (log-log, one line for
+roundel, one for the raw baseline) into a PNG, ``--plot PATH`` (default
+``allreduce.png`` in the current directory), and prints where it is.
 Exit status is 0 on success and 1 if any result was wrong (on any rank).
 """
 
@@ -365,6 +368,17 @@ def print_report(header: str, rows, many, idle, world: int) -> None:
         print()
 
 
+def plot_bandwidth(path, rows, world: int, backend: str):
+    """Draw the single-tensor rows' bus bandwidth, roundel against the raw baseline; returns the PNG's path."""
+    from plots import bus_bandwidth_plot  # benchmarks/plots.py, beside this script
+
+    sizes = [row[0] for row in rows]
+    lines = {"roundel": [bus_bandwidth_gbs(n, t, world) for n, t, *_ in rows],
+             RAW.label: [bus_bandwidth_gbs(n, t, world) for n, _, t, *_ in rows]}
+    return bus_bandwidth_plot(path, sizes, lines, f"allreduce bus bandwidth, {world} ranks, "
+                              f"roundel on {backend} vs {RAW.label}, torch {torch.__version__}")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -381,6 +395,8 @@ def parse_args(argv=None):
                    help="roundel's CPU transport and the raw baseline: gloo (default) or mpi (under mpirun)")
     p.add_argument("--threads", type=int,
                    help="torch intra-op threads per rank (default: CPU cores / ranks on this host)")
+    p.add_argument("--plot", default="allreduce.png", metavar="PATH",
+                   help="PNG of bus bandwidth vs message size, written by rank 0 (default: %(default)s)")
     opts = p.parse_args(argv)
     if opts.sizes is None:
         opts.sizes = QUICK_SIZES if opts.quick else FULL_SIZES
@@ -426,8 +442,9 @@ def main(argv=None) -> int:
                   f"{threads} torch thread(s)/rank, {os.cpu_count()} CPU cores, "
                   f"{opts.rounds} alternating rounds (median){', --quick' if opts.quick else ''}.")
         print_report(header, rows, many, idle, world)
+        plot = plot_bandwidth(opts.plot, rows, world, opts.backend)
         verdict = "FAILED: some results were wrong" if failed else "all results correct"
-        print(f"{verdict}; total {time.perf_counter() - started:.1f} s", flush=True)
+        print(f"{verdict}; total {time.perf_counter() - started:.1f} s; plot: {plot}", flush=True)
 
     hvd.shutdown()
     dist.destroy_process_group()

@@ -58,7 +58,9 @@ then roundel / DDP (the ratio of the medians, and of each round's or span
 pair's figures, which ran close together in time), each against the
 no-communication ceiling (the most a job of independent processes gets from
 this machine's cores) and scaling efficiency, 2-rank throughput / (2 x 1-rank
-throughput), for both.
+throughput), for both. The same figures go into a PNG, ``--plot PATH``
+(default ``torch_training.png`` in the current directory): samples/sec of each
+run with its range, and the scaling efficiencies; its path is printed last.
 
 Exit status: 0 on success, 1 if a job failed (its output is shown).
 """
@@ -79,6 +81,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # models.py
 
 IMPLEMENTATIONS = ("roundel", "ddp", "single", "ceiling")
+RUN_LABELS = {"roundel": "roundel DistributedOptimizer", "ddp": "PyTorch DDP (Gloo)",
+              "single": "1 process, no communication",
+              "ceiling": "independent processes at once, no communication"}
 MLP_WIDTH = 2048
 RESULT = re.compile(r"BENCH_RESULT (\[.*\])\s*$")
 
@@ -113,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--interleaved", action="store_true",
                    help="run roundel, DDP and the baseline in the same processes under roundelrun, alternating "
                         "span by span (fairer on a busy machine) instead of as separate jobs")
+    p.add_argument("--plot", default="torch_training.png", metavar="PATH",
+                   help="PNG of samples/sec per run and scaling efficiency")
     p.add_argument("--worker", choices=IMPLEMENTATIONS + ("interleaved",), help=argparse.SUPPRESS)  # by the driver
     if p.parse_known_args(argv)[0].quick:  # --quick changes the defaults; options given still win
         p.set_defaults(model="small_cnn", batch_size=32, image_size=32, rounds=1, warmup=3, steps=10,
@@ -368,9 +375,7 @@ def report(args, results: dict, pairs: list[float], pair_label: str) -> str:
         ms = 1000 * size * args.batch_size / medians[kind]
         phase = {k: statistics.median(r["phases_ms"][k] for r in results[kind])
                  for k in ("forward", "backward", "step")}
-        label = {"roundel": "roundel DistributedOptimizer", "ddp": "PyTorch DDP (Gloo)",
-                 "single": "1 process, no communication",
-                 "ceiling": "independent processes at once, no communication"}[kind]
+        label = RUN_LABELS[kind]
         lines.append(f"| {label} | {size} | {medians[kind]:,.1f} | {spread(rates)} | {ms:,.1f} | "
                      f"{phase['forward']:,.1f} / {phase['backward']:,.1f} / {phase['step']:,.1f} | "
                      f"{statistics.median(r['cpu_ms'] for r in results[kind]):,.1f} / "
@@ -392,6 +397,27 @@ def report(args, results: dict, pairs: list[float], pair_label: str) -> str:
                 lines.append(f"scaling efficiency, {kind}: **{eff:.3f}** "
                              f"({size}-rank {medians[kind]:,.1f} / ({size} x {medians['single']:,.1f}))")
     return "\n".join(lines)
+
+
+def plot(args, results: dict):
+    """Draw samples/sec per run (median, range) and scaling efficiency into ``args.plot``; returns its path."""
+    from plots import throughput_plot  # benchmarks/plots.py, beside this script
+
+    rates, medians = {}, {}
+    for kind in IMPLEMENTATIONS:
+        if results.get(kind):
+            spans = [rate for r in results[kind] for rate in r["rates"]]
+            medians[kind] = statistics.median(spans)
+            rates[f"{RUN_LABELS[kind]}, {results[kind][0]['size']} rank(s)"] = (medians[kind], min(spans), max(spans))
+    efficiency = {}
+    if "single" in medians:
+        for kind in ("roundel", "ddp"):
+            if kind in medians:
+                efficiency[RUN_LABELS[kind]] = medians[kind] / (results[kind][0]["size"] * medians["single"])
+    return throughput_plot(args.plot, rates, efficiency,
+                           f"training throughput: model {args.model}, batch {args.batch_size} per rank, "
+                           f"{args.image_size}x{args.image_size}, {args.np} ranks, "
+                           f"{'interleaved' if args.interleaved else 'separate jobs'}")
 
 
 def driver(args) -> None:
@@ -420,6 +446,7 @@ def driver(args) -> None:
         label = "per round"
     print()
     print(report(args, results, pairs, label))
+    print(f"\nplot: {plot(args, results)}")
 
 
 def main(argv=None) -> None:

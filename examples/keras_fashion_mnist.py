@@ -39,6 +39,7 @@ import tensorflow as tf  # noqa: E402
 
 import roundel.keras as hvd  # noqa: E402
 from keras_data import DATASETS, load_numpy  # noqa: E402
+from keras_throughput import SamplesPerSecond  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -131,6 +132,7 @@ def main(argv=None):
                       jit_compile=False)
 
     callbacks = [
+        SamplesPerSecond(args.batch_size, hvd.size),                # the job's samples/s in the epoch line
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),          # step 5
         hvd.callbacks.MetricAverageCallback(),                      # step 7
         hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr, warmup_epochs=args.warmup_epochs,

@@ -30,6 +30,7 @@ import tensorflow as tf  # noqa: E402
 
 import roundel.keras as hvd  # noqa: E402
 from keras_data import DATASETS, load_numpy  # noqa: E402
+from keras_throughput import SamplesPerSecond  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -77,7 +78,8 @@ def main(argv=None):
             print(f"reset: {hvd.size()} rank(s), learning rate {args.base_lr * hvd.size():g}", flush=True)
 
     state.register_reset_callbacks([rescale_lr])
-    callbacks = [hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state),
+    callbacks = [SamplesPerSecond(args.batch_size, hvd.size),  # the job's samples/s in rank 0's epoch line
+                 hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state),
                  hvd.elastic.CommitStateCallback(state, batches_per_commit=args.batches_per_commit)]  # last
 
     @hvd.elastic.run

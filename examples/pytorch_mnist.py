@@ -63,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-interval", type=int, default=10,
                    help="batches between text progress lines (when no progress bar is shown)")
     p.add_argument("--progress", choices=("auto", "bar", "text", "none"), default="auto",
-                   help="rank 0's progress display: auto = a tqdm bar if tqdm is installed, else text lines")
+                   help="rank 0's progress display, with samples/s: auto = a tqdm bar if tqdm is installed, "
+                        "else text lines")
     p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to float16 for the allreduce")
     p.add_argument("--use-adasum", action="store_true", help="combine gradients with Adasum instead of averaging")
     p.add_argument("--gradient-predivide-factor", type=float, default=1.0,
@@ -92,53 +93,40 @@ def say(*parts) -> None:
 
 # ------------------------------------------------------------------ progress
 
-class _Lines:
-    """A stream for tqdm that turns its carriage-return redraws into whole lines.
+class Progress:
+    """Rank 0's progress through one epoch, with the job's samples/s: a tqdm bar, text lines, or nothing.
 
-    Under ``roundelrun`` a rank's stderr is a pipe read line by line, so a bar
-    redrawn in place with ``\\r`` would appear only when the epoch ends.
+    Every rank trains on batches of the same size, so the job's samples are
+    this rank's times the rank count.
     """
 
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text: str) -> None:
-        for part in text.replace("\r", "\n").split("\n"):
-            if part.strip():
-                self.stream.write(part.rstrip() + "\n")
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
-class Progress:
-    """Rank 0's progress through one epoch: a tqdm bar, text lines every ``log_interval`` batches, or nothing."""
-
-    def __init__(self, mode: str, epoch: int, total_batches: int, total_samples: int, log_interval: int):
-        self.epoch, self.total_samples, self.log_interval = epoch, total_samples, max(1, log_interval)
+    def __init__(self, mode: str, epoch: int, total_samples: int, log_interval: int):
+        self.epoch, self.log_interval = epoch, max(1, log_interval)
+        self.total_samples = total_samples * hvd.size()
+        self.seen, self.started = 0, time.perf_counter()
         self.bar = None
         self.mode = mode if hvd.rank() == 0 else "none"
         if self.mode in ("auto", "bar"):
             try:
-                from tqdm import tqdm
+                from progress_bar import sample_bar  # progress_bar.py beside this file; needs tqdm
             except ImportError:
                 if self.mode == "bar":
                     print("tqdm is not installed (pip install tqdm); showing text progress instead", flush=True)
                 self.mode = "text"
             else:
-                tty = sys.stderr.isatty()
-                self.bar = tqdm(total=total_batches, desc=f"epoch {epoch}", unit="batch", dynamic_ncols=tty,
-                                ncols=None if tty else 80, file=sys.stderr if tty else _Lines(sys.stderr),
-                                mininterval=0.1 if tty else 2.0)
+                self.bar = sample_bar(self.total_samples, f"epoch {epoch}", hvd.rank())
                 self.mode = "bar"
 
-    def update(self, batch_idx: int, seen: int, loss: float) -> None:
+    def update(self, batch_idx: int, batch_samples: int, loss: float) -> None:
+        self.seen += batch_samples * hvd.size()
         if self.mode == "bar":
             self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-            self.bar.update(1)
+            self.bar.update(batch_samples * hvd.size())
         elif self.mode == "text" and batch_idx % self.log_interval == 0:
-            print(f"epoch {self.epoch} [{seen}/{self.total_samples} ({100.0 * seen / self.total_samples:.0f}%)] "
-                  f"loss {loss:.4f}", flush=True)
+            rate = self.seen / max(time.perf_counter() - self.started, 1e-9)
+            print(f"epoch {self.epoch} [{self.seen}/{self.total_samples} "
+                  f"({100.0 * self.seen / self.total_samples:.0f}%)] loss {loss:.4f}, {rate:.1f} samples/s",
+                  flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -179,7 +167,7 @@ def global_mean(loss_sum: float, correct: int, count: int, name: str) -> tuple[f
 def train_epoch(epoch, model, optimizer, loader, sampler, device, args) -> tuple[float, float]:
     model.train()
     sampler.set_epoch(epoch)  # roundel: a different shuffle every epoch, the same split across ranks
-    progress = Progress(args.progress, epoch, len(loader), len(sampler), args.log_interval)
+    progress = Progress(args.progress, epoch, len(sampler), args.log_interval)
     loss_sum, correct, count = 0.0, 0, 0
     for batch_idx, (data, target) in enumerate(loader):
         data, target = data.to(device), target.to(device)
@@ -191,7 +179,7 @@ def train_epoch(epoch, model, optimizer, loader, sampler, device, args) -> tuple
         loss_sum += loss.item() * len(data)
         correct += (output.argmax(dim=1) == target).sum().item()
         count += len(data)
-        progress.update(batch_idx, count, loss.item())
+        progress.update(batch_idx, len(data), loss.item())
     progress.close()
     return global_mean(loss_sum, correct, count, "train_metrics")
 

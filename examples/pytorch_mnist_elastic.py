@@ -28,6 +28,7 @@ import roundel.torch as hvd
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models.py and datasets.py sit beside this file
 from datasets import DATASETS, load_dataset  # noqa: E402
 from models import MnistNet  # noqa: E402
+from progress_bar import sample_bar  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -89,16 +90,19 @@ def main(argv=None) -> None:
             model.train()
             state.sampler.set_epoch(state.epoch)
             loss_sum = torch.zeros(2, dtype=torch.float64)
-            for batch_idx, (data, target) in enumerate(loader):
-                optimizer.zero_grad()
-                loss = F.nll_loss(model(data), target)
-                loss.backward()
-                optimizer.step()
-                loss_sum += torch.tensor([loss.item() * len(data), len(data)], dtype=torch.float64)
-                state.sampler.record_batch(batch_idx, args.batch_size)
-                state.batch = batch_idx
-                if batch_idx % args.batches_per_commit == 0:
-                    state.commit()                      # roundel: a point to roll back to
+            # rank 0's bar counts the job's samples (this rank's x the rank count) left in this epoch
+            with sample_bar(len(state.sampler) * hvd.size(), f"epoch {state.epoch}", hvd.rank()) as bar:
+                for batch_idx, (data, target) in enumerate(loader):
+                    optimizer.zero_grad()
+                    loss = F.nll_loss(model(data), target)
+                    loss.backward()
+                    optimizer.step()
+                    loss_sum += torch.tensor([loss.item() * len(data), len(data)], dtype=torch.float64)
+                    bar.update(len(data) * hvd.size())
+                    state.sampler.record_batch(batch_idx, args.batch_size)
+                    state.batch = batch_idx
+                    if batch_idx % args.batches_per_commit == 0:
+                        state.commit()                  # roundel: a point to roll back to
             totals = hvd.allreduce(loss_sum, op=hvd.Sum, name="train_loss")
             accuracy = evaluate(model, test_set)
             if hvd.rank() == 0:

@@ -24,6 +24,9 @@ Output, on rank 0 only, in the format of Horovod's synthetic benchmark::
     Img/sec per CPU: 120.1 +-5.2
     Total img/sec on 2 CPU(s): 240.2 +-10.4
 
+While it runs, rank 0 also shows a progress bar on stderr with the job's
+samples/s (``examples/progress_bar.py``).
+
 An iteration's "per CPU" figure is the mean over ranks of each rank's own
 img/sec for that iteration; "Total" is their sum. The ``+-`` is 1.96 standard
 deviations over the iterations (a 95% interval for one iteration if the
@@ -47,6 +50,7 @@ import roundel.torch as hvd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models.py sits beside this file
 from models import ALIASES, INPUT_SHAPES, MODEL_NAMES, build_model, canonical_name, count_parameters  # noqa: E402
+from progress_bar import sample_bar  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -132,10 +136,12 @@ def main(argv=None) -> None:
         loss.backward()
         optimizer.step()
 
-    def timed(steps: int) -> float:
+    def timed(steps: int, bar=None) -> float:
         start = time.perf_counter()
         for _ in range(steps):
             step()
+            if bar is not None:
+                bar.update(args.batch_size * hvd.size())  # the job's samples (every rank's batch is the same)
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -151,12 +157,14 @@ def main(argv=None) -> None:
 
     log("Running benchmark...")
     per_rank = []  # this rank's img/sec in each iteration
-    for i in range(args.num_iters):
-        img_sec = args.batch_size * args.num_batches_per_iter / timed(args.num_batches_per_iter)
-        per_rank.append(img_sec)
-        # Outside the timed region: the mean over ranks, for the progress line.
-        mean = hvd.allreduce(torch.tensor([img_sec], dtype=torch.float64), op=hvd.Average, name=f"img_sec.{i}")
-        log(f"Iter #{i}: {mean.item():.1f} img/sec per {unit}")
+    total_samples = args.num_iters * args.num_batches_per_iter * args.batch_size * hvd.size()
+    with sample_bar(total_samples, "benchmark", hvd.rank()) as bar:  # rank 0's bar, on stderr
+        for i in range(args.num_iters):
+            img_sec = args.batch_size * args.num_batches_per_iter / timed(args.num_batches_per_iter, bar)
+            per_rank.append(img_sec)
+            # Outside the timed region: the mean over ranks, for the progress line.
+            mean = hvd.allreduce(torch.tensor([img_sec], dtype=torch.float64), op=hvd.Average, name=f"img_sec.{i}")
+            log(f"Iter #{i}: {mean.item():.1f} img/sec per {unit}")
 
     # Each iteration's total over ranks, then mean and 1.96 std over iterations.
     totals = hvd.allreduce(torch.tensor(per_rank, dtype=torch.float64), op=hvd.Sum, name="img_sec.all").numpy()

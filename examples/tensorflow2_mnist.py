@@ -7,7 +7,8 @@ Recipe: hvd.init(); shard the data with dataset.shard(hvd.size(), hvd.rank());
 scale the learning rate by size; wrap the tape in hvd.DistributedGradientTape;
 broadcast model and optimizer variables from rank 0 after the first step;
 average the reported loss with hvd.allreduce(loss, average=True); save
-checkpoints on rank 0 only.
+checkpoints on rank 0 only. Rank 0 shows a progress bar with the job's
+samples/s on stderr (examples/progress_bar.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import tensorflow as tf  # noqa: E402
 
 import roundel.tensorflow as hvd  # noqa: E402
 from keras_data import DATASETS, load_numpy  # noqa: E402
+from progress_bar import sample_bar  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -83,15 +85,19 @@ def main(argv=None):
             hvd.broadcast_variables(opt.variables, root_rank=0)
         return loss
 
-    for step, (images, labels) in enumerate(dataset.take(args.steps)):
-        loss = training_step(images, labels, step == 0)
-        if step % args.log_every == 0 or step == args.steps - 1:
-            avg = hvd.allreduce(loss, average=True, name="train_loss")
-            if hvd.rank() == 0:
-                print(f"step {step}: loss {float(avg):.4f}", flush=True)
-                if args.checkpoint_dir:
-                    os.makedirs(args.checkpoint_dir, exist_ok=True)
-                    model.save_weights(os.path.join(args.checkpoint_dir, "checkpoint.weights.h5"))
+    # rank 0's bar on stderr counts the job's samples: every rank trains on batches of the same size
+    with sample_bar(args.steps * args.batch_size * hvd.size(), "training", hvd.rank()) as bar:
+        for step, (images, labels) in enumerate(dataset.take(args.steps)):
+            loss = training_step(images, labels, step == 0)
+            bar.update(len(images) * hvd.size())
+            if step % args.log_every == 0 or step == args.steps - 1:
+                avg = hvd.allreduce(loss, average=True, name="train_loss")
+                if hvd.rank() == 0:
+                    bar.write(f"step {step}: loss {float(avg):.4f}", file=sys.stdout)  # above the bar on a terminal
+                    sys.stdout.flush()
+                    if args.checkpoint_dir:
+                        os.makedirs(args.checkpoint_dir, exist_ok=True)
+                        model.save_weights(os.path.join(args.checkpoint_dir, "checkpoint.weights.h5"))
 
     # Test accuracy on each rank's part of the test set, averaged over the ranks.
     part = len(x_test) // hvd.size()

@@ -84,6 +84,8 @@ def test_keras_mnist_elastic_example(tmp_path):
              for m in [re.search(r"test accuracy: ([0-9.]+)", payload)] if m]
     assert found, "no 'test accuracy' line from rank 0\n" + describe(result)
     assert found[-1] >= 0.60, describe(result)
+    assert any(re.search(r"samples/s: \d+\.\d+", payload) for _, _, payload in worker_lines(result.stdout)), \
+        "no samples/s in rank 0's epoch lines\n" + describe(result)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [f"checkpoint-{e}.keras" for e in (1, 2, 3)]
 
 

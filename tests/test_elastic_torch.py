@@ -11,6 +11,7 @@ commit and the padding of the shards.
 
 from __future__ import annotations
 
+import re
 import time
 
 import psutil
@@ -152,11 +153,13 @@ def test_elastic_mnist_example_survives_a_killed_worker(tmp_path):
     example = str(WORKERS_DIR.parent.parent / "examples" / "pytorch_mnist_elastic.py")
     job = ElasticJob(tmp_path, "localhost:2\n", example, ["-np", "2", "--min-np", "1", "--elastic-timeout", "60"],
                      script_args=["--epochs", "3", "--checkpoint-dir", tmp_path / "ckpt"])
-    job.wait_for(lambda lines: any("epoch 1:" in line for line in lines), timeout=120, what="epoch 1")
+    job.wait_for(lambda lines: any("epoch 1: train loss" in line for line in lines), timeout=120,
+                 what="epoch 1")
     job.kill("localhost:1")
     assert job.finish(timeout=240) == 0, job.describe()
     text = job.text()
     assert "reset: now 1 rank(s), lr 0.05" in text, job.describe()
+    assert re.search(r"epoch 3: .*\d+\.\d+ samples/s", text), "no samples/s bar for epoch 3\n" + job.describe()
     final = [line for line in text.splitlines() if "final test accuracy" in line]
     assert len(final) == 1, job.describe()
     # chance is 0.10 on the ten digit classes

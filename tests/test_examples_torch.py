@@ -38,6 +38,7 @@ BENCHMARK = EXAMPLES / "pytorch_synthetic_benchmark.py"
 EPOCH_LINE = re.compile(r"^epoch (\d+): train loss ([\d.]+) accuracy ([\d.]+) \| "
                         r"test loss ([\d.]+) accuracy ([\d.]+) \| [\d.]+ s$")
 FINAL_LINE = re.compile(r"^final test accuracy: ([\d.]+)$")
+RATE = re.compile(r"(\d+\.\d+) samples/s")  # a figure in rank 0's progress bar (tqdm's rate)
 CHANCE = 0.10
 
 
@@ -69,7 +70,7 @@ def final_accuracy(result) -> float:
 def assert_rank0_only(result) -> None:
     """Rank 1 prints nothing on stdout (metrics, checkpoints) and shows no progress bar."""
     assert rank_lines(result.stdout, 1) == [], describe(result)
-    assert not any("batch" in line for line in rank_lines(result.stdout + result.stderr, 1)), describe(result)
+    assert not any("samples/s" in line for line in rank_lines(result.stdout + result.stderr, 1)), describe(result)
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +91,10 @@ def test_mnist_trains_and_prints_on_rank0_only(first_run):
     assert epochs[3][0] < train_loss_1, describe(result)  # the loss goes down
     assert test_accuracy_3 >= 0.75 > CHANCE, describe(result)
     assert final_accuracy(result) == test_accuracy_3
-    # The progress bar is on rank 0's stderr.
-    assert any(line.startswith("epoch 1:") and "batch" in line for line in rank_lines(result.stderr, 0, "stderr"))
+    # The progress bar is on rank 0's stderr and shows the job's samples/s.
+    rates = [float(m.group(1)) for line in rank_lines(result.stderr, 0, "stderr")
+             if line.startswith("epoch 1:") and (m := RATE.search(line))]
+    assert rates and rates[-1] > 0, describe(result)
 
 
 def test_mnist_writes_checkpoints_on_rank0(first_run):
@@ -175,4 +178,7 @@ def test_synthetic_benchmark_small_cnn():
     assert len(per_cpu) == 1 and len(total) == 1, describe(result)
     assert float(total[0].group(1)) > 0
     assert float(total[0].group(1)) == pytest.approx(2 * float(per_cpu[0].group(1)), abs=0.2)
+    assert any(line.startswith("benchmark:") and RATE.search(line) for line in rank_lines(result.stderr, 0, "stderr")), \
+        describe(result)
     assert rank_lines(result.stdout, 1) == [], describe(result)
+    assert not any("samples/s" in line for line in rank_lines(result.stderr, 1)), describe(result)

@@ -149,6 +149,41 @@ def test_verbose_shows_the_traceback_and_each_start():
         assert lines[-1].startswith("roundel.errors.NotInitializedError: "), result.stderr
 
 
+INIT_AND_SHUTDOWN = "import roundel.torch as hvd; hvd.init(); hvd.shutdown()"
+
+
+def _launcher_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("roundelrun: ")]
+
+
+def test_verbose_reports_rendezvous_starts_and_joins_in_order():
+    result = run_command([*LAUNCHER, "--verbose", "-np", "2", sys.executable, "-c", INIT_AND_SHUTDOWN], timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = _launcher_lines(result.stderr)
+
+    def where(prefix: str) -> int:
+        found = [i for i, line in enumerate(lines) if line.startswith(prefix)]
+        assert len(found) == 1, f"{prefix!r} found {len(found)} times in:\n" + "\n".join(lines)
+        return found[0]
+
+    listening = where("roundelrun: rendezvous server at 127.0.0.1:")
+    assert "secret" not in lines[listening].lower() and lines[listening].rsplit(":", 1)[1].isdigit(), lines[listening]
+    for rank in (0, 1):
+        started = where(f"roundelrun: started rank {rank} on localhost (pid ")
+        pid = lines[started].rsplit("pid ", 1)[1].rstrip(")")
+        joined = where(f"roundelrun: rank {rank} joined the rendezvous from ")
+        assert lines[joined].endswith(f"(pid {pid})"), (lines[started], lines[joined])
+        assert listening < started < joined, lines
+    assert where("roundelrun: all 2 rank(s) joined") == len(lines) - 1, lines
+
+
+def test_without_verbose_the_launcher_reports_nothing():
+    result = run_command([*LAUNCHER, "-np", "2", sys.executable, "-c", INIT_AND_SHUTDOWN], timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert _launcher_lines(result.stderr) == [], result.stderr
+    assert "joined" not in result.stderr and "rendezvous server" not in result.stderr, result.stderr
+
+
 def test_help_ends_with_usage_examples():
     result = run_command([*LAUNCHER, "--help"], timeout=30)
     assert result.returncode == 0

@@ -31,6 +31,10 @@ def _accuracy(result) -> float:
 def test_tensorflow2_mnist():
     result = run_job(2, EXAMPLES / "tensorflow2_mnist.py", "--steps", "80", "--log-every", "40", timeout=180)
     accuracy = _accuracy(result)
+    # rank 0's progress bar (stderr) shows the job's samples/s; rank 1 shows none
+    assert any(line.startswith("training:") and re.search(r"\d+\.\d+ samples/s", line)
+               for line in rank_lines(result.stderr, 0, "stderr")), describe(result)
+    assert not any("samples/s" in line for line in rank_lines(result.stderr, 1)), describe(result)
     assert accuracy >= MIN_ACCURACY, f"test accuracy {accuracy} < {MIN_ACCURACY}\n" + describe(result)
 
 
@@ -40,6 +44,10 @@ def test_keras_fashion_mnist_with_resume(tmp_path):
                     "--optimizer", "novograd", "--checkpoint-dir", tmp_path, timeout=180)
     accuracy = _accuracy(first)
     assert accuracy >= MIN_ACCURACY, f"test accuracy {accuracy} < {MIN_ACCURACY}\n" + describe(first)
+    # Keras' epoch line on rank 0 carries the job's samples/s, once per epoch
+    rates = [float(m.group(1)) for line in rank_lines(first.stdout, 0, "stdout")
+             if (m := re.search(r"samples/s: (\d+\.\d+)", line))]
+    assert len(rates) == 2 and min(rates) > 0, describe(first)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1.keras", "checkpoint-2.keras"]
     resumed = run_job(2, EXAMPLES / "keras_fashion_mnist.py", "--epochs", "3", "--warmup-epochs", "1",
                       "--optimizer", "novograd", "--checkpoint-dir", tmp_path, "--resume", timeout=180)

@@ -7,14 +7,16 @@ pairwise formula (rtol 1e-5). The worker also checks gradients as bucket views
 (each ``.grad`` inside its bucket's flat buffer after backward from the second
 step on, at 1 and 2 backward passes, zero_grad with set_to_none both ways) and
 the buckets rebuilt in the order gradients became ready. The bucket-name tests
-need no launcher: building the optimizer runs no collective.
+need no launcher: building the optimizer runs no collective. When ranks
+disagree on a parameter's shape, the error of ``step()`` names the bucket's
+parameters and their shapes on each rank.
 """
 
 import pytest
 import torch
 
 import roundel.torch as hvd
-from launch_util import assert_checks_passed, run_job
+from launch_util import assert_checks_passed, describe, rank_lines, run_job
 
 
 @pytest.mark.parametrize("np_", [2, 3])
@@ -85,3 +87,19 @@ def test_groups_may_not_repeat_a_parameter():
     model = _model()
     with pytest.raises(ValueError, match="more than once"):
         _bucket_names(model, groups=[[model["a"].weight], [model["a"].weight, model["b"].weight]])
+
+
+@pytest.mark.parametrize("naming, last_layer", [("named", ("2.weight", "2.bias")),
+                                                 ("unnamed", ("allreduce.noname.0.2", "allreduce.noname.0.3"))])
+def test_bucket_error_names_the_users_parameters(naming, last_layer):
+    """Rank 1's last layer is 5 wide, rank 0's 3: both ranks' errors name it, with their own shapes."""
+    result = run_job(2, "torch_optimizer_mismatch.py", naming, timeout=90)
+    assert result.returncode == 0, describe(result)
+    for rank, width in ((0, 3), (1, 5)):
+        lines = rank_lines(result.stdout, rank, "stdout")
+        assert len(lines) == 1 and lines[0].startswith("CAUGHT CollectiveMismatchError True: "), describe(result)
+        message = lines[0]
+        assert "Mismatched allreduce tensor shapes" in message, message  # the original error is kept
+        weight, bias = last_layer
+        assert f"while reducing gradients of: {bias} [{width}], {weight} [{width}, 16]" in message, message
+        assert "(bucket 0 of 1, 'allreduce." in message, message

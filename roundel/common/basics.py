@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -141,6 +142,8 @@ def init(comm=None, process_sets=None) -> None:
             members = communicator.member_ranks(comm, ident.rank, ident.size)
             if members is not None:  # a job of some of the launched ranks: its own numbering and keys
                 ident, prefix = communicator.sub_identity(client, prefix, ident, members, settings.start_timeout_s)
+            # tells the launcher this rank has joined (roundelrun --verbose prints it)
+            client.set(f"{prefix}joined/{ident.rank}", json.dumps([ident.hostname, os.getpid()]).encode())
         except BaseException:
             boot.forget_secret_file()
             client.close()

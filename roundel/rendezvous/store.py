@@ -43,6 +43,7 @@ import socket
 import struct
 import threading
 import time
+from typing import Callable
 
 from roundel.errors import RoundelError
 from roundel.rendezvous import wire
@@ -149,6 +150,8 @@ class RendezvousServer:
         self._conns_lock = threading.Lock()
         self._pending = 0  # connections accepted but not yet authenticated
         self._log = _RateLimitedLog()
+        # Called with (key, value) after each client's set, on that client's thread (roundelrun --verbose).
+        self.on_set: Callable[[str, bytes], None] | None = None
 
     def start(self) -> int:
         """Bind, start serving in the background, and return the port actually bound."""
@@ -260,8 +263,11 @@ class RendezvousServer:
                     body = channel.receive(_REQUEST.size + MAX_MESSAGE_BYTES, first_byte_timeout=None)
                 except wire.PeerClosed:
                     return
-                status, payload = self._handle(*self._parse(body))
+                op, timeout, key, value = self._parse(body)
+                status, payload = self._handle(op, timeout, key, value)
                 channel.send(_STATUS.pack(status) + payload)
+                if op == _OP_SET and self.on_set is not None:
+                    self.on_set(key, value)
         except Exception as exc:  # anything a hostile or broken peer can cause
             log.debug("rendezvous: dropped %s: %s", addr, exc)
         finally:

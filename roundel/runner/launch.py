@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
+import re
 import shutil
 import shlex
 import signal
@@ -143,6 +145,35 @@ def _print_plan(slots: list[hostlib.SlotInfo], command: list[str], port: int, pl
     err.flush()
 
 
+_JOINED_KEY = re.compile(r"(?:^|/)joined/(\d+)$")
+
+
+def _report_joins(server: RendezvousServer, size: int) -> None:
+    """With ``--verbose``: print each rank's arrival at the store (its ``hvd.init()``), then that all have come."""
+    joined: set[int] = set()
+    lock = threading.Lock()
+
+    def on_set(key: str, value: bytes) -> None:
+        match = _JOINED_KEY.search(key)
+        if match is None:
+            return
+        rank = int(match.group(1))
+        try:
+            host, pid = json.loads(value)
+        except (ValueError, TypeError):
+            host, pid = "?", "?"
+        with lock:
+            if rank in joined:
+                return
+            joined.add(rank)
+            print(f"roundelrun: rank {rank} joined the rendezvous from {host} (pid {pid})", file=sys.stderr)
+            if len(joined) == size:
+                print(f"roundelrun: all {size} rank(s) joined", file=sys.stderr)
+            sys.stderr.flush()
+
+    server.on_set = on_set
+
+
 def _start_timeout(args: argparse.Namespace, settings_env: dict[str, str]) -> float:
     try:
         return Settings.from_env({**os.environ, **settings_env}).start_timeout_s
@@ -164,6 +195,7 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
             on_store(server)
         if args.verbose:
             _print_plan(plan.slots, args.command, port, plan)
+            _report_joins(server, len(plan.slots))
         for slot in plan.slots:
             addr = plan.addresses[slot.hostname]
             env = spawn.worker_env(slot, addr, port, secret.hex(), plan.settings_env)
@@ -352,6 +384,7 @@ def _launch_mpi(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | Non
             print(f"roundelrun: rendezvous server at {plan.bind}:{port}", file=sys.stderr)
             print(f"roundelrun: {shlex.join(cmd)}", file=sys.stderr)
             sys.stderr.flush()
+            _report_joins(server, len(plan.slots))
         try:
             process = subprocess.Popen(cmd, env={**os.environ, **extra})
         except OSError as exc:

@@ -24,6 +24,7 @@ pointed at the view again, as DDP does; sparse gradients are reduced apart.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 import weakref
 
@@ -155,6 +156,13 @@ class _Bucket:
                     p.grad = view
 
 
+def _with_context(exc: Exception, context: str) -> Exception:
+    """A copy of ``exc``, of the same type (what users catch), its message followed by ``context``."""
+    named = copy.copy(exc)  # not ``exc`` itself: the engine may raise the same object again
+    named.args = (f"{exc.args[0] if exc.args else exc} ({context})",) + tuple(exc.args[1:])
+    return named
+
+
 def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
     return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.stride() == view.stride()
 
@@ -198,7 +206,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._views = compression is Compression.none and op != ReduceOp.Adasum
         self._start_over()
         self._passes_left = dict.fromkeys(self._bucket_of, backward_passes_per_step)
-        self._pending: list = []  # per started reduction: a function that waits and writes the gradients
+        self._pending: list = []  # per started reduction: (its bucket or sparse parameter, a function that waits
+        #                           and writes the gradients)
         self._densified: list = []  # parameters whose sparse gradient is reduced dense (sparse_as_dense)
         self._synchronized = False
         self._should_synchronize = True
@@ -267,7 +276,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in bucket.params:
             self._prepare_grad(p)
             if p.grad.is_sparse:
-                self._pending.append(self._start_sparse(p))
+                self._pending.append((p, self._start_sparse(p)))
             targets.append(None if p.grad.is_sparse else p.grad)
         if len(targets) == 1 and targets[0] is None:
             return
@@ -277,7 +286,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if len(grads) == 1:
             compressed, ctx = compression.compress(grads[0])
             handle = self._allreduce_async(compressed, bucket.name)
-            self._pending.append(lambda: _write_back(targets, [compression.decompress(synchronize(handle), ctx)]))
+            self._pending.append((bucket, lambda: _write_back(
+                targets, [compression.decompress(synchronize(handle), ctx)])))
         elif bucket.sizes is not None:
             if bucket.flat is None:
                 bucket.flat = grads[0].new_empty(sum(bucket.sizes))
@@ -285,13 +295,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
             compressed, ctx = compression.compress(bucket.flat)
             handle = self._allreduce_async(compressed, bucket.name)
-            self._pending.append(lambda: _write_back(
-                targets, compression.decompress(synchronize(handle), ctx).split(bucket.sizes)))
+            self._pending.append((bucket, lambda: _write_back(
+                targets, compression.decompress(synchronize(handle), ctx).split(bucket.sizes))))
         else:
             compressed = [compression.compress(g) for g in grads]
             handle = self._allreduce_async([c for c, _ in compressed], bucket.name)
-            self._pending.append(lambda: _write_back(
-                targets, [compression.decompress(r, c[1]) for r, c in zip(synchronize(handle), compressed)]))
+            self._pending.append((bucket, lambda: _write_back(
+                targets, [compression.decompress(r, c[1]) for r, c in zip(synchronize(handle), compressed)])))
 
     def _start_viewed(self, bucket: _Bucket) -> None:
         """Reduce the flat buffer in place; a gradient that is not its view is copied in and re-pointed."""
@@ -302,7 +312,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 grad = p.grad
                 if grad is not None and grad.is_sparse:  # reduced apart; its place in the bucket is zeros
                     view.zero_()
-                    self._pending.append(self._start_sparse(p))
+                    self._pending.append((p, self._start_sparse(p)))
                     continue
                 if grad is None:
                     view.zero_()
@@ -310,7 +320,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     view.copy_(grad)
                 p.grad = view
         handle = self._allreduce_async(bucket.flat, bucket.name)
-        self._pending.append(lambda: _write_back(bucket.views, synchronize(handle).split(bucket.sizes)))
+        self._pending.append((bucket, lambda: _write_back(bucket.views, synchronize(handle).split(bucket.sizes))))
 
     def _rebuild_buckets(self) -> None:
         """Re-bucket in the order rank 0's gradients became ready in the first step, then attach views.
@@ -356,6 +366,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         return finish
 
+    def _reducing(self, subject) -> str:
+        """Which gradients a reduction carries, in the user's names, for its error message."""
+        if isinstance(subject, _Bucket):
+            params = subject.params
+            where = f"bucket {self._buckets.index(subject)} of {len(self._buckets)}, {subject.name!r}"
+        else:
+            params, where = (subject,), "sparse, reduced alone"
+        names = ", ".join(f"{self._parameter_names[p]} {list(p.shape)}" for p in params)
+        return f"while reducing gradients of: {names} ({where})"
+
     # ----------------------------------------------------------- public API
     def synchronize(self) -> None:
         """Wait for every gradient reduction of this step (starting those whose hooks did not fire)."""
@@ -364,8 +384,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for bucket in self._buckets:
                 if not bucket.started:  # unused parameters: every rank must still take part
                     self._start(bucket)
-            for finish in self._pending:
-                finish()
+            for subject, finish in self._pending:
+                try:
+                    finish()
+                except (RuntimeError, ValueError) as exc:  # ranks disagree, a rank is lost, ...
+                    raise _with_context(exc, self._reducing(subject)) from exc
             for p in self._densified:
                 p.grad = p.grad.to_sparse()
             if self._ready_order is not None:

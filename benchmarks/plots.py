@@ -1,0 +1,90 @@
+"""PNG plots of the benchmarks' results (matplotlib, Agg backend: no display needed).
+
+``benchmarks/allreduce.py`` and ``benchmarks/torch_training.py`` call these
+after printing their tables; each function writes one PNG and returns its path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    if path.parent != Path(""):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path.resolve()
+
+
+def _size_label(nbytes: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def bus_bandwidth_plot(path, sizes: list[int], lines: dict[str, list[float]], title: str) -> Path:
+    """Bus bandwidth (GB/s) against message size (bytes), log-log, one line per implementation.
+
+    ``lines`` maps a label (e.g. "roundel", "raw Gloo") to one bandwidth per size.
+    """
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, values in lines.items():
+        points = [(s, v) for s, v in zip(sizes, values) if v > 0]  # a log axis cannot show 0
+        ax.plot([s for s, _ in points], [v for _, v in points], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([_size_label(s) for s in sizes], rotation=45, ha="right")
+    ax.minorticks_off()
+    ax.set_xlabel("message size")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def throughput_plot(path, rates: dict[str, tuple[float, float, float]], efficiency: dict[str, float],
+                    title: str) -> Path:
+    """Two panels: samples/sec per implementation (median, bar; min-max range, error bar) and scaling efficiency.
+
+    ``rates`` maps a label to (median, min, max) samples/sec; ``efficiency``
+    maps a label to its scaling efficiency (empty when there is no
+    1-process baseline: that panel then says so).
+    """
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    labels = list(rates)
+    medians = [rates[k][0] for k in labels]
+    below = [rates[k][0] - rates[k][1] for k in labels]
+    above = [rates[k][2] - rates[k][0] for k in labels]
+    bars = left.bar(range(len(labels)), medians, yerr=[below, above], capsize=4, color="tab:blue")
+    left.bar_label(bars, labels=[f"{m:,.1f}" for m in medians], padding=2, fontsize=8)
+    left.set_xticks(range(len(labels)))
+    left.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+    left.set_ylabel("samples/sec (median, min-max)")
+    left.set_title("throughput", fontsize=10)
+    if efficiency:
+        names = list(efficiency)
+        bars = right.bar(range(len(names)), [efficiency[k] for k in names], color="tab:green")
+        right.bar_label(bars, labels=[f"{efficiency[k]:.3f}" for k in names], padding=2, fontsize=8)
+        right.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        right.set_xticks(range(len(names)))
+        right.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
+        right.set_ylim(0, max(1.1, max(efficiency.values()) * 1.15))
+    else:
+        right.text(0.5, 0.5, "no 1-process baseline run\n(add 'single' to --only)", ha="center", va="center",
+                   transform=right.transAxes)
+        right.set_xticks([])
+    right.set_ylabel("scaling efficiency")
+    right.set_title("N-rank samples/sec / (N x 1-process)", fontsize=10)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)

@@ -1,0 +1,51 @@
+"""Both benchmarks, at their smallest settings, write a readable PNG beside their table.
+
+``benchmarks/allreduce.py`` runs under ``roundelrun -np 2`` with three small
+sizes and one short round; ``benchmarks/torch_training.py`` runs interleaved
+(one ``roundelrun -np 2`` job) with the small CNN on a tiny batch for one
+step per span. The figures themselves are not checked, only that each run
+succeeds, names its plot, and the plot is a PNG matplotlib reads back.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.image  # noqa: E402
+
+from launch_util import describe, run_command, run_job  # noqa: E402
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_valid_png(path: Path, result) -> None:
+    assert path.is_file(), f"no plot at {path}\n" + describe(result)
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, f"{path} does not start with the PNG signature"
+    pixels = matplotlib.image.imread(path)
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100, pixels.shape
+    assert pixels.min() < pixels.max(), f"{path} is a blank image"
+    assert f"plot: {path}" in result.stdout, "the plot's path is not printed\n" + describe(result)
+
+
+def test_allreduce_benchmark_writes_bandwidth_plot(tmp_path):
+    png = tmp_path / "bandwidth.png"
+    result = run_job(2, BENCHMARKS / "allreduce.py", "--sizes", "4,4K,64K", "--rounds", "1", "--target-s", "0.01",
+                     "--min-iters", "1", "--skip-many", "--plot", png, timeout=90)
+    assert result.returncode == 0, describe(result)
+    assert_valid_png(png, result)
+
+
+def test_training_benchmark_writes_throughput_plot(tmp_path):
+    png = tmp_path / "training.png"
+    result = run_command([sys.executable, str(BENCHMARKS / "torch_training.py"), "--interleaved",
+                          "--model", "small_cnn", "--batch-size", "4", "--image-size", "16", "--rounds", "1",
+                          "--measurements", "1", "--steps", "1", "--warmup", "1", "--only", "roundel,ddp,single",
+                          "--plot", str(png)], timeout=90)
+    assert result.returncode == 0, describe(result)
+    assert "scaling efficiency, roundel" in result.stdout, describe(result)
+    assert_valid_png(png, result)
