@@ -17,7 +17,7 @@ from pathlib import Path
 
 __all__ = ["install_short_tracebacks", "short_report"]
 
-_PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)  # the roundel package
 _VERBOSE_LEVELS = ("debug", "trace")
 
 

@@ -136,5 +136,6 @@ def test_stall_shutdown_turns_a_stall_into_an_error():
     result = run_job(3, WORKER, "stall_shutdown", env=env, timeout=60)
     assert_checks_passed(result, 3, "stall_shutdown")
     for rank in (0, 2):
-        assert any("'stall.dead' stalled for 2 s waiting for rank(s) 1" in line
+        # the stall check runs every second, so on a busy machine it may first see 3 s
+        assert any(re.search(r"'stall\.dead' stalled for [23] s waiting for rank\(s\) 1", line)
                    for line in rank_lines(result.stdout, rank, "stdout")), describe(result)
