@@ -200,3 +200,8 @@ def test_two_rank_job_tunes_agrees_and_stays_exact(tmp_path):
     assert sum("roundel autotune: sample " in line for line in debug) == 6, describe(result)
     assert sum("roundel autotune: done after 6 samples" in line for line in debug) == 1, describe(result)
     assert not any("no effect yet" in line and "--autotune" in line for line in result.stderr.splitlines())
+
+
+def test_a_job_without_scikit_learn_is_refused_on_every_rank():
+    result = run_job(2, "torch_autotune.py", "no-sklearn", launcher_args=["--autotune"], timeout=120)
+    assert_checks_passed(result, 2, "no-sklearn")

@@ -75,6 +75,7 @@ class Engine:
         if settings.autotune:
             autotune.require_scikit_learn()  # on every rank, before anything starts
         self.tuned = autotune.initial_params(settings)  # what the coordinator applies; rank 0 decides
+        self._autotuner = autotune.Autotuner(settings) if settings.autotune and rank == 0 else None
         self._process_sets = process_sets
         self._lock = threading.Lock()
         self._queue: list = []
@@ -103,7 +104,6 @@ class Engine:
         key = key_prefix + "coordinator"
         if rank == 0:
             self._negotiator = Negotiator(size, settings.cache_capacity)
-            self._autotuner = autotune.Autotuner(settings) if settings.autotune else None
             self._peers: dict[int, control_channel.Connection] = {}
             self._readers: dict[int, control_channel.FrameReader] = {}
             self._outbox: dict[int, list] = {}

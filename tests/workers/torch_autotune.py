@@ -1,21 +1,26 @@
-"""Autotune worker (run with ``roundelrun --autotune ...``): steps of named allreduces until tuning ends.
+"""Autotune worker (run with ``roundelrun --autotune ...``): ``torch_autotune.py [tune|no-sklearn]``.
 
-Each step reduces four named tensors of different sizes (integer-valued, so
+``tune`` (the default): steps of named allreduces until tuning ends. Each step reduces four named tensors of different sizes (integer-valued, so
 every sum is exact) and checks each result, then agrees with the other
 ranks (an allreduce of "this rank has seen the final settings", Min) whether
 to stop; a few more steps follow at the final settings. Prints
 ``TUNED <json>`` with the settings in force on this rank at the end, the
 number of steps, and ``CHECKS PASSED autotune``.
+
+``no-sklearn``: scikit-learn cannot be imported; ``init()`` must raise
+SettingsError naming it (on every rank); prints ``CHECKS PASSED no-sklearn``.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 
 import roundel.torch as hvd
 from roundel.common import basics
+from roundel.common.errors import SettingsError
 
 MAX_STEPS = 400
 STEPS_AFTER = 5
@@ -32,7 +37,22 @@ def step(n: int) -> None:
         assert torch.equal(result, expected), f"step {n} grad.{i}: {result[:4]} != {expected[:4]}"
 
 
+def no_sklearn() -> None:
+    sys.modules["sklearn.gaussian_process"] = None  # the import now fails, as without scikit-learn
+    try:
+        hvd.init()
+    except SettingsError as exc:
+        assert "needs scikit-learn" in str(exc), exc
+        print(f"init refused: {exc}", flush=True)
+        print("CHECKS PASSED no-sklearn", flush=True)
+        return
+    raise AssertionError("init() started autotune without scikit-learn")
+
+
 def main() -> None:
+    if sys.argv[1:] == ["no-sklearn"]:
+        no_sklearn()
+        return
     hvd.init()
     engine = basics.runtime().engine
     steps = 0
