@@ -204,6 +204,7 @@ class Autotuner:
 
     @property
     def done(self) -> bool:
+        """True once the search has ended and ``params`` are final."""
         return not self.params.tuning
 
     def observe(self, batches) -> TunedParams | None:
@@ -265,6 +266,7 @@ class Autotuner:
         return self._optimizer.next_point()
 
     def _point(self, params: TunedParams) -> list:
+        """``params`` in the box's units; a configured value outside the box counts as its nearest edge."""
         point = [min(params.fusion_threshold / MIB, FUSION_MIB_RANGE[1]),
                  min(max(params.cycle_time_ms, CYCLE_MS_RANGE[0]), CYCLE_MS_RANGE[1])]
         return point + ([float(params.cache_enabled)] if self._tune_cache else [])
