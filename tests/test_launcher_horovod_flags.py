@@ -131,7 +131,7 @@ def test_flags_become_worker_settings():
     assert env["NCCL_IB_DISABLE"] == "1"
     notes = [line for line in result.stderr.splitlines() if line.startswith("roundelrun: note:")]
     assert notes == ["roundelrun: note: no effect here (hardware or libraries roundel does not drive): --tcp; "
-                     "passed to the workers but no effect yet: --hierarchical-allreduce, --autotune"], describe(result)
+                     "passed to the workers but no effect yet: --hierarchical-allreduce"], describe(result)
 
 
 def test_ignored_flags_print_one_line_and_the_job_runs():

@@ -23,7 +23,7 @@ VARIABLES = [
     ("autotune", "AUTOTUNE", False, ("YES", True), ["2"]),
     ("autotune_log", "AUTOTUNE_LOG", "", ("tune.csv", "tune.csv"), []),
     ("autotune_warmup_samples", "AUTOTUNE_WARMUP_SAMPLES", 3, ("0", 0), ["-1", "3.5"]),
-    ("autotune_steps_per_sample", "AUTOTUNE_STEPS_PER_SAMPLE", 10, ("4", 4), ["-1", "x"]),
+    ("autotune_steps_per_sample", "AUTOTUNE_STEPS_PER_SAMPLE", 10, ("4", 4), ["0", "-1", "x"]),
     ("autotune_bayes_opt_max_samples", "AUTOTUNE_BAYES_OPT_MAX_SAMPLES", 20, ("7", 7), ["-2"]),
     ("autotune_gaussian_process_noise", "AUTOTUNE_GAUSSIAN_PROCESS_NOISE", 0.8, ("0.1", 0.1), ["1.5", "-0.1", "x"]),
     ("hierarchical_allreduce", "HIERARCHICAL_ALLREDUCE", False, ("on", True), ["y"]),

@@ -23,6 +23,11 @@ dispatch delay (the cycle time) runs out, or the next liveness tick is due
   complete (``deadlock``), unchanged over a short grace, those collectives
   fail on every rank with ``CollectiveDeadlockError`` and the job goes on.
 * the stall warning, while names are pending.
+
+The fusion threshold, cycle time and response cache in force are
+``tuned`` (:mod:`roundel.common.autotune`): the configured settings, or with
+autotune what rank 0's tuner chose; rank 0 sends each change to the other
+ranks right after the batches dispatched under the previous settings.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import socket
 import threading
 import time
 
-from roundel.common import control_channel, deadlock
+from roundel.common import autotune, control_channel, deadlock
 from roundel.errors import RoundelInternalError
 from roundel.common.executor import Executor, Work
 from roundel.common.handles import Handle
@@ -67,6 +72,10 @@ class Engine:
         self.rank = rank
         self.size = size
         self.settings = settings
+        if settings.autotune:
+            autotune.require_scikit_learn()  # on every rank, before anything starts
+        self.tuned = autotune.initial_params(settings)  # what the coordinator applies; rank 0 decides
+        self._autotuner = autotune.Autotuner(settings) if settings.autotune and rank == 0 else None
         self._process_sets = process_sets
         self._lock = threading.Lock()
         self._queue: list = []
@@ -396,6 +405,8 @@ class Engine:
                 if resend:
                     self._resend(resend)
                 self._accept_batches(batches)
+            elif message[0] == "tune":
+                self.tuned = message[1]
             elif message[0] == "abort":
                 self._break(message[1])
 
@@ -429,6 +440,8 @@ class Engine:
             self._break(f"roundel's coordinator on rank 0 failed: {exc!r}")
             self._broadcast_abort(str(self._broken))
         finally:
+            if self._autotuner is not None:
+                self._autotuner.close()
             self._listener.close()
             for sock in self._peers.values():
                 sock.close()
@@ -456,7 +469,7 @@ class Engine:
         negotiator = self._negotiator
         waits = [self._next_tick - time.monotonic()]
         if negotiator.has_ready():  # held back while the executor is busy: wake on idle or at the cycle
-            waits.append(self._last_dispatch + self.settings.cycle_time_ms / 1000 - time.monotonic())
+            waits.append(self._last_dispatch + self.tuned.cycle_time_ms / 1000 - time.monotonic())
         if negotiator.has_pending() and self.settings.stall_check_enabled:
             waits.append(_STALL_POLL_S)
         return max(0.0, min(waits))
@@ -632,10 +645,10 @@ class Engine:
         accumulate and fuse; an idle executor means nobody gains from waiting.
         """
         negotiator = self._negotiator
-        due = self.executor.idle() or now - self._last_dispatch >= self.settings.cycle_time_ms / 1000
+        due = self.executor.idle() or now - self._last_dispatch >= self.tuned.cycle_time_ms / 1000
         batches = []
         if due and negotiator.has_ready():
-            batches = negotiator.take(self.settings.fusion_threshold)
+            batches = negotiator.take(self.tuned.fusion_threshold)
             self._last_dispatch = now
         elif negotiator.has_direct():
             batches = negotiator.take_direct()
@@ -661,6 +674,19 @@ class Engine:
                                    self._resends.get(rank, [])))
         self._outbox.clear()
         self._resends.clear()
+        if self._autotuner is not None and not self._autotuner.done:
+            self._autotune(batches)
+
+    def _autotune(self, batches) -> None:
+        """Score the dispatched batches; apply and announce new settings when a sample ends."""
+        params = self._autotuner.observe(batches)
+        if params is None:
+            return
+        if params.cache_enabled != self.tuned.cache_enabled:
+            self._negotiator.set_cache_capacity(self.settings.cache_capacity if params.cache_enabled else 0)
+        self.tuned = params
+        for rank in list(self._peers):
+            self._send_peer(rank, ("tune", params))
 
     def _send_peer(self, rank: int, message) -> None:
         try:

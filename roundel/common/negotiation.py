@@ -159,7 +159,7 @@ class Negotiator:
                 continue
             request = entry.request
             members = self.process_sets[request.process_set_id]
-            nbytes = _entry_bytes(entry)
+            nbytes = entry_bytes(entry)
             group_key = (request.fusion_key(), extra)
             slot = open_batches.get(group_key)
             if (slot is not None and request.kind in _FUSABLE
@@ -194,6 +194,10 @@ class Negotiator:
 
     def has_direct(self) -> bool:
         return bool(self._direct)
+
+    def set_cache_capacity(self, capacity: int) -> None:
+        """Resize the response cache (0 turns it off); entries that no longer fit are evicted."""
+        self._evictions.extend(self.cache.resize(capacity))
 
     def take_evictions(self) -> list[tuple[int, tuple]]:
         """Cache entries dropped since the last call, as (bit, (process_set_id, name))."""
@@ -295,7 +299,8 @@ class Negotiator:
         return entry._replace(cache_bit=bit)
 
 
-def _entry_bytes(entry: Entry) -> int:
+def entry_bytes(entry: Entry) -> int:
+    """The size of ``entry``'s tensor in bytes (an allgather's: the gathered result)."""
     request = entry.request
     itemsize = ITEMSIZE.get(request.dtype, 8)
     if entry.first_dims is not None:

@@ -61,6 +61,20 @@ class CoordinatorCache:
         self._changed_at[bit] = self.version
         return bit, evicted
 
+    def resize(self, capacity: int) -> list[tuple[int, Key]]:
+        """Hold at most ``capacity`` entries from now on; return the (bit, key) pairs evicted to fit."""
+        self.capacity = capacity
+        evicted = []
+        while len(self._bits) > max(capacity, 0):
+            key, bit = self._bits.popitem(last=False)
+            del self._entries[bit]
+            evicted.append((bit, key))
+        if evicted:
+            self.version += 1
+            for bit, _ in evicted:
+                self._changed_at[bit] = self.version
+        return evicted
+
     def drop_process_set(self, process_set_id: int) -> list[tuple[int, Key]]:
         """Forget every name of a removed process set; return the dropped (bit, key) pairs."""
         dropped = [(bit, key) for key, bit in self._bits.items() if key[0] == process_set_id]

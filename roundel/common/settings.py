@@ -165,7 +165,7 @@ _SPECS = (
     _Spec("autotune", "AUTOTUNE", _bool),
     _Spec("autotune_log", "AUTOTUNE_LOG", _text),
     _Spec("autotune_warmup_samples", "AUTOTUNE_WARMUP_SAMPLES", _int(0, "3")),
-    _Spec("autotune_steps_per_sample", "AUTOTUNE_STEPS_PER_SAMPLE", _int(0, "10")),
+    _Spec("autotune_steps_per_sample", "AUTOTUNE_STEPS_PER_SAMPLE", _int(1, "10")),
     _Spec("autotune_bayes_opt_max_samples", "AUTOTUNE_BAYES_OPT_MAX_SAMPLES", _int(0, "20")),
     _Spec("autotune_gaussian_process_noise", "AUTOTUNE_GAUSSIAN_PROCESS_NOISE", _fraction),
     _Spec("hierarchical_allreduce", "HIERARCHICAL_ALLREDUCE", _bool),

@@ -37,7 +37,6 @@ NOT_YET = {
     "hierarchical_allreduce": "--hierarchical-allreduce",
     "hierarchical_allgather": "--hierarchical-allgather",
     "torus_allreduce": "--torus-allreduce",
-    "autotune": "--autotune",
 }
 """Flags whose variables are passed to the workers but which roundel's engine does not act on yet."""
 
@@ -107,7 +106,8 @@ def parser() -> argparse.ArgumentParser:
     _pair(params, "hierarchical-allgather", "hierarchical_allgather", "hierarchical allgather (not yet used)")
     _pair(params, "torus-allreduce", "torus_allreduce", "torus allreduce (not yet used)")
     autotune = p.add_argument_group("autotune")
-    _pair(autotune, "autotune", "autotune", "tune fusion threshold and cycle time while training")
+    _pair(autotune, "autotune", "autotune",
+          "tune fusion threshold, cycle time and response cache while training (needs scikit-learn)")
     autotune.add_argument("--autotune-log-file", help="file to log autotune samples to")
     autotune.add_argument("--autotune-warmup-samples", type=int, help="samples to discard first")
     autotune.add_argument("--autotune-steps-per-sample", type=int, help="steps per autotune sample")

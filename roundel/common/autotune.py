@@ -1,0 +1,297 @@
+"""Autotune (``HOROVOD_AUTOTUNE=1``, ``roundelrun --autotune``): the coordinator's search for fast settings.
+
+Rank 0's coordinator feeds every batch it dispatches to an :class:`Autotuner`
+and applies the :class:`TunedParams` it returns; the engine sends them to the
+other ranks, which only record them (every tuned setting acts on the
+coordinator alone).
+
+What is tuned, as in Horovod 0.28.1's ``ParameterManager``:
+
+* the fusion threshold, 0 to 64 MiB (Horovod's range);
+* the cycle time, 1 to 100 ms (Horovod's range);
+* the response cache, on (the configured ``cache_capacity``) or off; left
+  off when the configured capacity is 0.
+
+Not tuned: hierarchical allreduce/allgather and torus allreduce (roundel has
+no hierarchical implementation; the log carries their configured values),
+and ``DistributedOptimizer``'s ``bucket_cap_mb``: buckets are laid out by
+each rank's optimizer between its steps, and the engine cannot make every
+rank re-lay them between the same two steps (it does not see step
+boundaries, and an optimizer may reduce on a process set that some ranks are
+not in); the fusion threshold already decides how much of what is ready
+travels together.
+
+A *step* is one reduction of the same tensor name: a sample's window ends
+when a name of the global process set is dispatched for the
+``steps_per_sample + 1``-th time since the window began, so a window holds
+``steps_per_sample`` whole training steps. Its score is the bytes dispatched
+in it (every collective of the global process set) per second of wall
+clock. The first ``warmup_samples`` windows, at the configured settings, are
+discarded. Then ``bayes_opt_max_samples`` samples are taken: the configured
+settings, Horovod's fixed starting points (4 MiB/5 ms, 32/50, 16/25, 8/10),
+then the points that maximise the expected improvement of a Gaussian process
+(scikit-learn) fitted to the scores so far; after the last one the best
+point seen is fixed for the rest of the job. Unlike Horovod, a value set
+explicitly is the starting point of the search rather than excluded from it,
+and a score is one window rather than the median of five.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import NamedTuple
+
+from roundel.errors import SettingsError
+from roundel.common.negotiation import entry_bytes
+from roundel.common.settings import MIB, Settings
+
+log = logging.getLogger("roundel")
+
+FUSION_MIB_RANGE = (0.0, 64.0)
+CYCLE_MS_RANGE = (1.0, 100.0)
+START_POINTS = ((4.0, 5.0, True), (32.0, 50.0, False), (16.0, 25.0, True), (8.0, 10.0, False))
+"""Horovod's first points (fusion MiB, cycle ms), with the cache alternately on and off."""
+
+LOG_COLUMNS = ("hierarchical_allreduce", "hierarchical_allgather", "torus_allreduce", "cache_enabled",
+               "cycle_time_ms", "tensor_fusion_threshold", "score")
+"""Horovod's autotune log columns; ``tensor_fusion_threshold`` is in MiB, ``score`` in bytes per second."""
+
+_EI_XI = 0.01  # Horovod's exploration margin of the expected improvement
+_CANDIDATES = 2048
+_LOCAL_SEARCHES = 5
+
+
+class TunedParams(NamedTuple):
+    """The settings in force; ``tuning`` is False once the search has ended and these are final."""
+
+    fusion_threshold: int
+    cycle_time_ms: float
+    cache_enabled: bool
+    tuning: bool
+
+
+def initial_params(settings: Settings) -> TunedParams:
+    """The configured settings, where tuning starts (and stays, without autotune)."""
+    return TunedParams(settings.fusion_threshold, settings.cycle_time_ms, settings.cache_capacity > 0,
+                       settings.autotune and settings.autotune_bayes_opt_max_samples > 0)
+
+
+def require_scikit_learn() -> None:
+    """Raise SettingsError saying what to install when scikit-learn is missing."""
+    try:
+        import sklearn.gaussian_process  # noqa: F401
+        import scipy.optimize  # noqa: F401
+    except ImportError as exc:
+        raise SettingsError(
+            f"autotune (HOROVOD_AUTOTUNE=1 / roundelrun --autotune) needs scikit-learn, which cannot be "
+            f"imported here ({exc}); install it (pip install 'roundel[autotune]' or pip install scikit-learn) "
+            "on every host, or turn autotune off") from None
+
+
+class BayesianOptimizer:
+    """Maximise a noisy function over a box: a Gaussian process and expected improvement.
+
+    ``bounds`` is one (low, high) pair per dimension. ``noise`` is the
+    standard deviation of the observation noise on scores standardised to
+    unit variance (Horovod's ``gaussian_process_noise``; the GP's ``alpha``
+    is its square, as Horovod adds ``alpha**2`` to the kernel's diagonal).
+    """
+
+    def __init__(self, bounds, noise: float, seed: int = 0):
+        import numpy as np
+
+        self._np = np
+        self._low = np.array([b[0] for b in bounds], dtype=float)
+        self._span = np.array([b[1] - b[0] for b in bounds], dtype=float)
+        self._noise = noise
+        self._rng = np.random.default_rng(seed)
+        self._x: list = []
+        self._y: list[float] = []
+
+    def add_sample(self, point, score: float) -> None:
+        """Record ``score`` observed at ``point`` (in the box's own units)."""
+        self._x.append((self._np.asarray(point, dtype=float) - self._low) / self._span)
+        self._y.append(float(score))
+
+    def next_point(self):
+        """The point in the box with the highest expected improvement over the samples so far."""
+        from scipy.optimize import minimize
+
+        np = self._np
+        dims = len(self._low)
+        if not self._x:
+            return self._low + self._span * self._rng.random(dims)
+        gp, best = self._fit()
+
+        def negative_ei(unit):
+            return -_expected_improvement(gp, np.atleast_2d(unit), best)[0]
+
+        candidates = self._rng.random((_CANDIDATES, dims))
+        ei = _expected_improvement(gp, candidates, best)
+        chosen, chosen_ei = candidates[int(np.argmax(ei))], float(np.max(ei))
+        for start in candidates[np.argsort(ei)[-_LOCAL_SEARCHES:]]:
+            found = minimize(negative_ei, start, method="L-BFGS-B", bounds=[(0.0, 1.0)] * dims)
+            if found.success and -found.fun > chosen_ei:
+                chosen, chosen_ei = np.clip(found.x, 0.0, 1.0), -float(found.fun)
+        return self._low + self._span * chosen
+
+    def _fit(self):
+        from sklearn.exceptions import ConvergenceWarning
+        from sklearn.gaussian_process import GaussianProcessRegressor
+        from sklearn.gaussian_process.kernels import RBF, ConstantKernel
+
+        np = self._np
+        y = np.array(self._y)
+        mu, sigma = 0.0, 1.0
+        if len(y) >= 3 and y.std() > 0:  # standardised once there are enough samples, as Horovod does
+            mu, sigma = y.mean(), y.std()
+        kernel = ConstantKernel(1.0, (1e-2, 1e2)) * RBF(np.full(len(self._low), 0.3), (5e-2, 1e1))
+        gp = GaussianProcessRegressor(kernel, alpha=self._noise ** 2 + 1e-10, n_restarts_optimizer=2,
+                                      random_state=int(self._rng.integers(1 << 31)))
+        x = np.array(self._x)
+        with warnings.catch_warnings():  # a length scale at its bound is expected with few samples
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            gp.fit(x, (y - mu) / sigma)
+        return gp, float(np.max(gp.predict(x)))  # the best mean at a sample: the noisy model's incumbent
+
+
+def _expected_improvement(gp, points, best: float):
+    import numpy as np
+    from scipy.stats import norm
+
+    mean, std = gp.predict(points, return_std=True)
+    improvement = mean - best - _EI_XI
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = improvement / std
+        ei = improvement * norm.cdf(z) + std * norm.pdf(z)
+    return np.where(std > 0, ei, 0.0)
+
+
+class Autotuner:
+    """Rank 0's tuning loop: windows of dispatched bytes in, new :class:`TunedParams` out.
+
+    Opens the log file (``settings.autotune_log``) at once, truncating it,
+    and writes a header and one row per sample; raises SettingsError when it
+    cannot be written. ``clock`` gives the time in seconds; the time spent
+    choosing the next point is not counted in the next window.
+    """
+
+    def __init__(self, settings: Settings, seed: int = 0, clock=time.monotonic):
+        self._settings = settings
+        self._clock = clock
+        self._steps = settings.autotune_steps_per_sample
+        self._warmups_left = settings.autotune_warmup_samples
+        self._max_samples = settings.autotune_bayes_opt_max_samples
+        self._tune_cache = settings.cache_capacity > 0
+        bounds = [FUSION_MIB_RANGE, CYCLE_MS_RANGE] + ([(0.0, 1.0)] if self._tune_cache else [])
+        self._optimizer = BayesianOptimizer(bounds, settings.autotune_gaussian_process_noise, seed)
+        self.params = initial_params(settings)
+        self.samples: list[tuple[TunedParams, float]] = []  # every scored sample, in order
+        self._window_start: float | None = None
+        self._window_bytes = 0
+        self._counts: dict[str, int] = {}
+        self._log_file = None
+        if settings.autotune_log:
+            try:
+                self._log_file = open(settings.autotune_log, "w", encoding="utf-8")
+            except OSError as exc:
+                raise SettingsError(f"cannot write the autotune log HOROVOD_AUTOTUNE_LOG="
+                                    f"{settings.autotune_log!r}: {exc}; give a writable file path") from None
+            self._log_file.write(",".join(LOG_COLUMNS) + "\n")
+            self._log_file.flush()
+
+    @property
+    def done(self) -> bool:
+        """True once the search has ended and ``params`` are final."""
+        return not self.params.tuning
+
+    def observe(self, batches) -> TunedParams | None:
+        """Count the dispatched ``(members, Batch)`` pairs; return new params when a sample ends."""
+        if self.done:
+            return None
+        changed = None
+        for _, batch in batches:
+            if batch.process_set_id != 0 or batch.error is not None:
+                continue
+            if self._window_start is None:
+                self._window_start = self._clock()
+            if any(self._counts.get(entry.name, 0) >= self._steps for entry in batch.entries):
+                changed = self._end_window() or changed
+                if self.done:
+                    return changed
+            for entry in batch.entries:
+                self._counts[entry.name] = self._counts.get(entry.name, 0) + 1
+                self._window_bytes += entry_bytes(entry)
+        return changed
+
+    def _end_window(self) -> TunedParams | None:
+        elapsed = self._clock() - self._window_start
+        score = self._window_bytes / elapsed if elapsed > 0 else 0.0
+        self._window_bytes, self._counts = 0, {}
+        if self._warmups_left > 0:
+            self._warmups_left -= 1
+            log.debug("roundel autotune: warm-up sample discarded (%d left): %s", self._warmups_left,
+                      _describe(self.params, score))
+            params = None
+        else:
+            params = self.score(score)
+        self._window_start = self._clock()
+        return params
+
+    def score(self, score: float) -> TunedParams:
+        """Record ``score`` for the current params; return the next params (the best, when done)."""
+        self.samples.append((self.params, score))
+        self._write_row(self.params, score)
+        log.debug("roundel autotune: sample %d/%d: %s", len(self.samples), self._max_samples,
+                  _describe(self.params, score))
+        self._optimizer.add_sample(self._point(self.params), score)
+        if len(self.samples) >= self._max_samples:
+            best, best_score = max(self.samples, key=lambda sample: sample[1])
+            self.params = best._replace(tuning=False)
+            log.info("roundel autotune: done after %d samples; fixed the best: %s", len(self.samples),
+                     _describe(self.params, best_score))
+            if self._log_file is not None:
+                self._log_file.close()
+        else:
+            self.params = self._params_at(self._next_point())
+        return self.params
+
+    def _next_point(self):
+        index = len(self.samples) - 1  # the first sample was the configured point
+        if index < len(START_POINTS):
+            fusion, cycle, cache = START_POINTS[index]
+            return [fusion, cycle] + ([float(cache)] if self._tune_cache else [])
+        return self._optimizer.next_point()
+
+    def _point(self, params: TunedParams) -> list:
+        """``params`` in the box's units; a configured value outside the box counts as its nearest edge."""
+        point = [min(params.fusion_threshold / MIB, FUSION_MIB_RANGE[1]),
+                 min(max(params.cycle_time_ms, CYCLE_MS_RANGE[0]), CYCLE_MS_RANGE[1])]
+        return point + ([float(params.cache_enabled)] if self._tune_cache else [])
+
+    def _params_at(self, point) -> TunedParams:
+        cache = bool(point[2] >= 0.5) if self._tune_cache else False
+        return TunedParams(int(round(float(point[0]) * MIB)), round(float(point[1]), 3), cache, True)
+
+    def _write_row(self, params: TunedParams, score: float) -> None:
+        if self._log_file is None:
+            return
+        s = self._settings
+        row = (int(s.hierarchical_allreduce), int(s.hierarchical_allgather), int(s.torus_allreduce),
+               int(params.cache_enabled), f"{params.cycle_time_ms:g}", f"{params.fusion_threshold / MIB:g}",
+               f"{score:.6g}")
+        self._log_file.write(",".join(map(str, row)) + "\n")
+        self._log_file.flush()
+
+    def close(self) -> None:
+        """Close the log file (the job ended before the search did)."""
+        if self._log_file is not None and not self._log_file.closed:
+            self._log_file.close()
+
+
+def _describe(params: TunedParams, score: float) -> str:
+    return (f"fusion threshold {params.fusion_threshold / MIB:.2f} MiB, cycle time {params.cycle_time_ms:g} ms, "
+            f"response cache {'on' if params.cache_enabled else 'off'}; "
+            f"score {score / 1e6:.3f} MB/s")

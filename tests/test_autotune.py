@@ -1,0 +1,207 @@
+"""Autotune: the Bayesian optimiser and the tuner's sampling as pure logic, then a real 2-rank job."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+
+import pytest
+
+from launch_util import assert_checks_passed, describe, rank_lines, run_job
+from roundel.common import autotune, control_codec
+from roundel.common.autotune import LOG_COLUMNS, Autotuner, BayesianOptimizer, TunedParams
+from roundel.errors import SettingsError
+from roundel.common.negotiation import Negotiator
+from roundel.common.requests import Batch, Entry, OpKind, Request
+from roundel.common.settings import MIB, Settings
+
+
+def smooth(x: float, y: float) -> float:
+    """A smooth bump with its maximum 1.0 at (0.3, 0.7) on the unit square."""
+    return math.exp(-((x - 0.3) ** 2 + (y - 0.7) ** 2) / 0.1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_optimizer_gets_near_the_optimum_of_a_smooth_function(seed):
+    optimizer = BayesianOptimizer([(0.0, 1.0), (0.0, 1.0)], noise=0.1, seed=seed)
+    for fusion, cycle, _ in autotune.START_POINTS:  # the tuner's first points, scaled to the unit square
+        point = ((fusion - autotune.FUSION_MIB_RANGE[0]) / 64, (cycle - autotune.CYCLE_MS_RANGE[0]) / 99)
+        assert smooth(*point) < 0.5
+        optimizer.add_sample(point, smooth(*point))
+    best = 0.0
+    for _ in range(12):
+        point = optimizer.next_point()
+        assert all(0.0 <= v <= 1.0 for v in point), point
+        best = max(best, smooth(*point))
+        optimizer.add_sample(point, smooth(*point))
+    assert best > 0.95, best
+
+
+def settings(tmp_path, **changes) -> Settings:
+    base = dict(autotune=True, autotune_log=str(tmp_path / "autotune.csv"), autotune_warmup_samples=0,
+                autotune_steps_per_sample=2, autotune_bayes_opt_max_samples=16, cache_capacity=0,
+                fusion_threshold=1 * MIB, cycle_time_ms=50.0)
+    base.update(changes)
+    return Settings(**base)
+
+
+def log_rows(path) -> list[dict]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == LOG_COLUMNS
+        return list(reader)
+
+
+def throughput(params: TunedParams) -> float:
+    """A synthetic score in bytes/s, 1e9 at best: a 24 MiB fusion threshold and a 20 ms cycle time."""
+    fusion, cycle = params.fusion_threshold / MIB, params.cycle_time_ms
+    return 1e9 * math.exp(-((fusion - 24) / 16) ** 2 - ((cycle - 20) / 30) ** 2)
+
+
+def test_tuner_finds_a_good_point_logs_every_sample_and_fixes_the_best(tmp_path):
+    s = settings(tmp_path)
+    tuner = Autotuner(s, seed=3)
+    assert tuner.params == TunedParams(1 * MIB, 50.0, False, True)
+    seen = []
+    while not tuner.done:
+        seen.append(tuner.params)
+        tuner.score(throughput(tuner.params))
+    assert len(seen) == s.autotune_bayes_opt_max_samples
+    assert seen[0] == TunedParams(1 * MIB, 50.0, False, True)  # the configured point comes first
+    assert [(p.fusion_threshold / MIB, p.cycle_time_ms) for p in seen[1:5]] == \
+        [(f, c) for f, c, _ in autotune.START_POINTS]
+    best_score = max(throughput(p) for p in seen)
+    assert best_score > 0.95e9, [(p, throughput(p)) for p in seen]
+    best = max(seen, key=throughput)
+    assert tuner.params == best._replace(tuning=False)
+    rows = log_rows(s.autotune_log)
+    assert len(rows) == s.autotune_bayes_opt_max_samples
+    for row, params in zip(rows, seen):
+        assert float(row["tensor_fusion_threshold"]) == pytest.approx(params.fusion_threshold / MIB, rel=1e-5)
+        assert float(row["cycle_time_ms"]) == pytest.approx(params.cycle_time_ms, rel=1e-5)
+        assert float(row["score"]) == pytest.approx(throughput(params), rel=1e-5)
+        assert row["hierarchical_allreduce"] == row["torus_allreduce"] == row["cache_enabled"] == "0"
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def batch(*names, elements=1024, process_set_id=0, error=None):
+    entries = tuple(Entry(name, Request(name, OpKind.ALLREDUCE, process_set_id, "float32", (elements,)))
+                    for name in names)
+    return ((0, 1), Batch(OpKind.ALLREDUCE, process_set_id, entries, error=error))
+
+
+def test_a_sample_is_steps_of_the_same_names_and_warmups_are_discarded(tmp_path):
+    clock = FakeClock()
+    s = settings(tmp_path, autotune_warmup_samples=1, autotune_steps_per_sample=3,
+                 autotune_bayes_opt_max_samples=2, cache_capacity=16)
+    tuner = Autotuner(s, clock=clock)
+    assert tuner.params.cache_enabled
+
+    def train(steps: int, seconds_per_step: float):
+        changes = []
+        for _ in range(steps):
+            for names in (("a", "b"), ("c",)):  # two batches a step: 3 x 4 KiB
+                changes.append(tuner.observe([batch(*names), batch("other", process_set_id=1),
+                                              batch("failed", error="mismatch")]))
+            clock.now += seconds_per_step
+        return [c for c in changes if c is not None]
+
+    assert train(3, 0.5) == []  # three steps: the window is not over until a name comes back
+    assert train(3, 0.25) == []  # the first window (warm-up) ended at step 4 and was discarded
+    changes = train(1, 1.0)  # step 7 ends the first sample: steps 4-6, 3 x 12 KiB in 0.75 s
+    assert changes == [TunedParams(4 * MIB, 5.0, True, True)], changes
+    assert tuner.samples == [(TunedParams(1 * MIB, 50.0, True, True), pytest.approx(3 * 3 * 4096 / 0.75))]
+    changes = train(3, 0.1)  # the second (last) sample: steps 7-9, the first of which took 1 s
+    assert changes == [TunedParams(1 * MIB, 50.0, True, False)], changes  # the better one, fixed
+    assert tuner.samples[1] == (TunedParams(4 * MIB, 5.0, True, True), pytest.approx(3 * 3 * 4096 / 1.2))
+    assert tuner.done and train(5, 0.1) == []
+    assert len(log_rows(s.autotune_log)) == 2
+
+
+def test_no_samples_means_the_configured_settings_stay(tmp_path):
+    tuner = Autotuner(settings(tmp_path, autotune_bayes_opt_max_samples=0))
+    assert tuner.done and tuner.params == TunedParams(1 * MIB, 50.0, False, False)
+    assert tuner.observe([batch("a")] * 10) is None
+    assert log_rows(tmp_path / "autotune.csv") == []
+
+
+def test_an_unwritable_log_is_a_clear_error(tmp_path):
+    with pytest.raises(SettingsError, match="cannot write the autotune log.*no-such-dir.*writable file path"):
+        Autotuner(settings(tmp_path, autotune_log=str(tmp_path / "no-such-dir" / "log.csv")))
+
+
+def test_missing_scikit_learn_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sklearn.gaussian_process", None)  # makes the import fail
+    with pytest.raises(SettingsError, match=r"needs scikit-learn.*pip install 'roundel\[autotune\]'"):
+        autotune.require_scikit_learn()
+
+
+def test_tuned_params_travel_in_the_typed_codec():
+    message = ("tune", TunedParams(24 * MIB, 12.5, False, True))
+    decoded = control_codec.decode(control_codec.encode(message))
+    assert decoded == message and type(decoded[1]) is TunedParams
+    bad = control_codec.encode(("tune", TunedParams("24", 12.5, False, True)))
+    with pytest.raises(control_codec.DecodeError, match="TunedParams.fusion_threshold"):
+        control_codec.decode(bad)
+
+
+def test_turning_the_response_cache_off_evicts_and_marks_bits_stale():
+    negotiator = Negotiator(2, cache_capacity=8)
+    request = Request("x", OpKind.ALLREDUCE, 0, "float32", (4,))
+    for rank in (0, 1):
+        negotiator.submit(rank, request, 0.0)
+    (_, agreed), = negotiator.take(1 << 20)
+    bit, version = agreed.entries[0].cache_bit, negotiator.cache.version
+    assert bit >= 0
+    negotiator.set_cache_capacity(0)
+    assert negotiator.take_evictions() == [(bit, (0, "x"))]
+    assert negotiator.submit_bit(1, bit, version, 1.0) is False  # the rank is asked for the full request
+    for rank in (0, 1):
+        negotiator.submit(rank, request, 2.0)
+    (_, again), = negotiator.take(1 << 20)
+    assert again.entries[0].cache_bit == -1  # nothing is cached while the capacity is 0
+    negotiator.set_cache_capacity(8)
+    for rank in (0, 1):
+        negotiator.submit(rank, request, 3.0)
+    (_, cached), = negotiator.take(1 << 20)
+    assert cached.entries[0].cache_bit >= 0
+
+
+def test_two_rank_job_tunes_agrees_and_stays_exact(tmp_path):
+    log = tmp_path / "autotune.csv"
+    result = run_job(2, "torch_autotune.py", launcher_args=[
+        "--autotune", "--autotune-log-file", log, "--autotune-warmup-samples", 1,
+        "--autotune-steps-per-sample", 5, "--autotune-bayes-opt-max-samples", 6,
+        "--fusion-threshold-mb", 1, "--cycle-time-ms", 20, "--verbose"], timeout=240)
+    assert_checks_passed(result, 2, "autotune")
+    tuned = [json.loads(next(line for line in rank_lines(result.stdout, rank, "stdout")
+                             if line.startswith("TUNED "))[6:]) for rank in (0, 1)]
+    assert tuned[0]["params"] == tuned[1]["params"], describe(result)
+    fusion, cycle, cache, tuning = tuned[0]["params"]
+    assert tuning is False
+    rows = log_rows(log)
+    assert len(rows) == 6, describe(result)
+    assert (float(rows[0]["tensor_fusion_threshold"]), float(rows[0]["cycle_time_ms"])) == (1.0, 20.0)
+    best = max(rows, key=lambda row: float(row["score"]))
+    assert float(best["tensor_fusion_threshold"]) == pytest.approx(fusion / MIB, rel=1e-5)
+    assert float(best["cycle_time_ms"]) == pytest.approx(cycle, rel=1e-5)
+    assert best["cache_enabled"] == str(int(cache))
+    assert tuned[0]["steps"] >= 7 * 5  # a warm-up and six samples of five steps each
+    debug = rank_lines(result.stderr, 0, "stderr")
+    assert sum("roundel autotune: sample " in line for line in debug) == 6, describe(result)
+    assert sum("roundel autotune: done after 6 samples" in line for line in debug) == 1, describe(result)
+    assert not any("no effect yet" in line and "--autotune" in line for line in result.stderr.splitlines())
+
+
+def test_a_job_without_scikit_learn_is_refused_on_every_rank():
+    result = run_job(2, "torch_autotune.py", "no-sklearn", launcher_args=["--autotune"], timeout=120)
+    assert_checks_passed(result, 2, "no-sklearn")

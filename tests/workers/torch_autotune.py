@@ -1,0 +1,75 @@
+"""Autotune worker (run with ``roundelrun --autotune ...``): ``torch_autotune.py [tune|no-sklearn]``.
+
+``tune`` (the default): steps of named allreduces until tuning ends. Each step reduces four named tensors of different sizes (integer-valued, so
+every sum is exact) and checks each result, then agrees with the other
+ranks (an allreduce of "this rank has seen the final settings", Min) whether
+to stop; a few more steps follow at the final settings. Prints
+``TUNED <json>`` with the settings in force on this rank at the end, the
+number of steps, and ``CHECKS PASSED autotune``.
+
+``no-sklearn``: scikit-learn cannot be imported; ``init()`` must raise
+SettingsError naming it (on every rank); prints ``CHECKS PASSED no-sklearn``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import roundel.torch as hvd
+from roundel.common import basics
+from roundel.errors import SettingsError
+
+MAX_STEPS = 400
+STEPS_AFTER = 5
+SIZES = (1, 1000, 50_000, 300_000)
+
+
+def step(n: int) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    tensors = [torch.arange(elements, dtype=torch.float64) % 7 + rank + n for elements in SIZES]
+    handles = [hvd.allreduce_async(t, name=f"grad.{i}", op=hvd.Sum) for i, t in enumerate(tensors)]
+    for i, (elements, handle) in enumerate(zip(SIZES, handles)):
+        expected = size * (torch.arange(elements, dtype=torch.float64) % 7 + n) + sum(range(size))
+        result = hvd.synchronize(handle)
+        assert torch.equal(result, expected), f"step {n} grad.{i}: {result[:4]} != {expected[:4]}"
+
+
+def no_sklearn() -> None:
+    sys.modules["sklearn.gaussian_process"] = None  # the import now fails, as without scikit-learn
+    try:
+        hvd.init()
+    except SettingsError as exc:
+        assert "needs scikit-learn" in str(exc), exc
+        print(f"init refused: {exc}", flush=True)
+        print("CHECKS PASSED no-sklearn", flush=True)
+        return
+    raise AssertionError("init() started autotune without scikit-learn")
+
+
+def main() -> None:
+    if sys.argv[1:] == ["no-sklearn"]:
+        no_sklearn()
+        return
+    hvd.init()
+    engine = basics.runtime().engine
+    steps = 0
+    while steps < MAX_STEPS:
+        step(steps)
+        steps += 1
+        final_here = torch.tensor([0 if engine.tuned.tuning else 1])
+        if hvd.allreduce(final_here, name="tuning_done", op=hvd.Min).item() == 1:
+            break
+    assert not engine.tuned.tuning, f"autotune did not finish within {MAX_STEPS} steps"
+    for _ in range(STEPS_AFTER):
+        step(steps)
+        steps += 1
+    print("TUNED " + json.dumps({"params": list(engine.tuned), "steps": steps}), flush=True)
+    hvd.shutdown()
+    print("CHECKS PASSED autotune", flush=True)
+
+
+if __name__ == "__main__":
+    main()
