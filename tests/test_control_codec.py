@@ -19,7 +19,7 @@ import pytest
 
 from roundel.common import control_codec
 from roundel.ops import ReduceOp
-from roundel.common.requests import Batch, Entry, OpKind, Request
+from roundel.common.requests import Batch, CachedBatch, Entry, OpKind, Request
 
 REQUEST = Request("grad.layer1.weight", OpKind.ALLREDUCE, 0, dtype="float32", shape=(256, 128),
                   reduce_op=ReduceOp.Average, prescale=0.5, postscale=2.0)
@@ -36,6 +36,7 @@ ENGINE_MESSAGES = [
                                           first_dims=(3, 0, 7)),), joined=(1,), last_joined=1),
         Batch(OpKind.ALLTOALL, 3, (Entry("a2a", ALLTOALL, splits=((1, 5), (2, 4))),)),
         Batch(OpKind.BROADCAST, 1, (Entry("bad", FAILED),), error="root ranks differ", error_type="internal"),
+        CachedBatch(OpKind.ALLREDUCE, 0, (1 << 900) | (1 << 12) | 1),
     ], [3, 4, 1 << 40], [(9, 0), (8, 1 << 70)]),
     ("abort", "rank 2 died or lost its connection to the coordinator"),
     ("bye",),

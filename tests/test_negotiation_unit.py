@@ -425,6 +425,57 @@ def test_a_bit_used_after_its_entry_was_evicted_is_refused():
     assert not n.submit_bit(0, 3, n.cache.version, 0.0)  # a bit never assigned
 
 
+def _steady_state(n, names_, ranks=(0, 1)):
+    """Negotiate ``names_`` once in full, then submit them again as rank 0's request and the others' bits."""
+    submit_all(n, {r: [allreduce(x) for x in names_] for r in ranks})
+    first = n.take(1 << 30)
+    version = n.cache.version
+    bits = {e.name: e.cache_bit for _, batch in first for e in batch.entries}
+    for name in reversed(names_):  # another order than the first time
+        n.submit(0, allreduce(name), 1.0)
+        for rank in ranks[1:]:
+            assert n.submit_bit(rank, bits[name], version, 1.0)
+    return first, bits
+
+
+def test_a_batch_every_other_rank_sent_as_bits_goes_back_as_bits_in_bit_order():
+    n = Negotiator(3, 8)
+    first, bits = _steady_state(n, ["c", "a", "b"], ranks=(0, 1, 2))
+    assert all(n.compact_form(batch) is None for _, batch in first)  # the bits were new then
+    [(members, batch)] = n.take(1 << 30)
+    assert [e.cache_bit for e in batch.entries] == sorted(bits.values())  # ranks rebuild it in bit order
+    compact = n.compact_form(batch)
+    assert compact is not None and compact.kind == OpKind.ALLREDUCE and compact.process_set_id == 0
+    assert compact.bits == sum(1 << b for b in bits.values())
+
+
+def test_a_batch_with_a_fully_sent_request_is_sent_in_full():
+    n = Negotiator(2, 8)
+    submit_all(n, {0: [allreduce("a")], 1: [allreduce("a")]})
+    n.take(0)
+    submit_all(n, {0: [allreduce("a")], 1: [allreduce("a")]})  # rank 1 sent it in full this time
+    [(_, batch)] = n.take(0)
+    assert n.compact_form(batch) is None
+
+
+def test_bits_are_not_used_for_an_entry_evicted_in_the_same_dispatch():
+    n = Negotiator(2, 1)
+    _steady_state(n, ["a"])
+    submit_all(n, {0: [allreduce("b")], 1: [allreduce("b")]})  # 'b' takes the only bit in this take
+    batches = n.take(0)
+    assert [n.compact_form(batch) for _, batch in batches] == [None, None]
+
+
+def test_a_changed_request_is_checked_again_and_sent_in_full():
+    n = Negotiator(2, 8)
+    _, bits = _steady_state(n, ["a"])
+    n.take(0)
+    n.submit(0, allreduce("a", shape=(5,)), 2.0)  # rank 0's request changed: not the cached one
+    assert n.submit_bit(1, bits["a"], n.cache.version, 2.0)
+    [(_, batch)] = n.take(0)
+    assert batch.error is not None and "shape" in batch.error and n.compact_form(batch) is None
+
+
 def test_removing_a_process_set_evicts_its_cached_names():
     n = Negotiator(2, 8)
     n.add_process_set(1, (0, 1))

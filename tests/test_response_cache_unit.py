@@ -1,6 +1,8 @@
 """The response cache on its own: the coordinator's cache and a rank's mirror of it."""
 
-from roundel.common.requests import OpKind, Request
+import pytest
+
+from roundel.common.requests import CachedBatch, OpKind, Request
 from roundel.common.response_cache import CoordinatorCache, RankCache
 
 
@@ -170,3 +172,16 @@ def test_after_a_partial_drop_new_names_get_unused_bits():
     assert len({cache.get_bit((0, name)) for name in "acd"}) == 3
     for name in "acd":
         assert cache.lookup(cache.get_bit((0, name)), cache.version)[0] == (0, name)
+
+
+def test_a_rank_expands_a_cached_batch_into_its_own_requests_in_bit_order():
+    mirror = RankCache()
+    mirror.record((0, "b"), 2, requests("b")[1])
+    mirror.record((0, "a"), 0, requests("a")[1])
+    batch = mirror.expand(CachedBatch(OpKind.ALLREDUCE, 0, (1 << 2) | 1))
+    assert batch.kind == OpKind.ALLREDUCE and batch.process_set_id == 0
+    assert [(e.name, e.cache_bit, e.request) for e in batch.entries] == [
+        ("a", 0, requests("a")[1]), ("b", 2, requests("b")[1])]
+    mirror.evict([2])
+    with pytest.raises(KeyError):
+        mirror.expand(CachedBatch(OpKind.ALLREDUCE, 0, 1 << 2))

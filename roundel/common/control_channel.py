@@ -185,7 +185,10 @@ class Connection:
         sent within its send timeout or the peer is gone, ChannelError if it
         exceeds MAX_FRAME, TypeError if it holds a value the codec cannot carry.
         """
-        payload = control_codec.encode(message)
+        self.send_encoded(control_codec.encode(message))
+
+    def send_encoded(self, payload: bytes) -> None:
+        """Send a message already encoded with ``control_codec.encode`` (one encoding for several peers)."""
         if len(payload) > MAX_FRAME:
             raise ChannelError(f"control message of {len(payload)} bytes exceeds the {MAX_FRAME}-byte limit")
         header = _HEADER.pack(len(payload))

@@ -2,7 +2,7 @@
 
 Control messages are nested tuples, lists and dicts of None, bool, int (any
 size), float, str and bytes, plus roundel's own records (``Request``,
-``Entry``, ``Batch``, ``TunedParams``) and enums (``OpKind``, ``ReduceOp``). Each value is one
+``Entry``, ``Batch``, ``CachedBatch``, ``TunedParams``) and enums (``OpKind``, ``ReduceOp``). Each value is one
 tag byte followed by its body; containers give their item count, strings and
 byte strings their length, records their encoded length and field count.
 
@@ -19,7 +19,7 @@ import types
 import typing
 
 from roundel.common.autotune import TunedParams
-from roundel.common.requests import Batch, Entry, OpKind, Request
+from roundel.common.requests import Batch, CachedBatch, Entry, OpKind, Request
 from roundel.ops import ReduceOp
 
 MAX_DEPTH = 64
@@ -33,7 +33,7 @@ _NONE, _TRUE, _FALSE = b"N", b"T", b"F"
 _INT, _BIGINT, _FLOAT = b"i", b"I", b"d"
 _STR, _BYTES = b"s", b"b"
 _TUPLE, _LIST, _DICT = b"t", b"l", b"m"
-_RECORD_TAGS = {Request: b"R", Entry: b"E", Batch: b"B", TunedParams: b"P"}
+_RECORD_TAGS = {Request: b"R", Entry: b"E", Batch: b"B", CachedBatch: b"C", TunedParams: b"P"}
 _ENUM_TAGS = {OpKind: b"o", ReduceOp: b"r"}
 
 # tuple fields whose items must be one record type (beyond what the annotations say)
@@ -193,7 +193,7 @@ def _coerce(value):
         return tuple(value), _ENCODERS[tuple]
     raise TypeError(f"a control message cannot carry a {type(value).__module__}.{type(value).__qualname__} "
                     "(only None, bool, int, float, str, bytes, tuple, list, dict and roundel's "
-                    "Request/Entry/Batch/TunedParams records and enums)")
+                    "Request/Entry/Batch/CachedBatch/TunedParams records and enums)")
 
 
 # ------------------------------------------------------------------ decoding

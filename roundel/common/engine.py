@@ -5,7 +5,11 @@ negotiation thread is also the coordinator: it accepts the other ranks'
 control connections, feeds their requests to the ``Negotiator`` and sends the
 agreed batches back. Other ranks' negotiation threads forward their queued
 requests (a cache bit for names already agreed, the full request otherwise)
-and hand the batches they receive to their executor.
+and hand the batches they receive to their executor. In the steady state both
+directions carry bits only: a batch whose names every receiving rank sent as
+unchanged cache bits goes back as a ``CachedBatch`` (the bits, rebuilt from
+the rank's own cache), the coordinator skips re-checking those requests, and
+peers that get the same batches share one encoding of the message.
 
 The threads sleep in ``select`` until work is queued, a message arrives, a
 dispatch delay (the cycle time) runs out, or the next liveness tick is due
@@ -41,12 +45,12 @@ import socket
 import threading
 import time
 
-from roundel.common import autotune, control_channel, deadlock
+from roundel.common import autotune, control_channel, control_codec, deadlock
 from roundel.errors import RoundelInternalError
 from roundel.common.executor import Executor, Work
 from roundel.common.handles import Handle
 from roundel.common.negotiation import Negotiator
-from roundel.common.requests import Request
+from roundel.common.requests import CachedBatch, Request
 from roundel.common.response_cache import RankCache
 from roundel.common.settings import Settings
 from roundel.common.timeline import Timeline
@@ -404,6 +408,12 @@ class Engine:
                 self._cache.version = version
                 if resend:
                     self._resend(resend)
+                try:
+                    batches = [self._cache.expand(b) if isinstance(b, CachedBatch) else b for b in batches]
+                except KeyError as exc:
+                    self._break(f"the coordinator sent cache bit {exc} that this rank does not hold "
+                                "(are all ranks running the same roundel version?)")
+                    return
                 self._accept_batches(batches)
             elif message[0] == "tune":
                 self.tuned = message[1]
@@ -659,19 +669,27 @@ class Engine:
                     self.timeline.negotiated(entry.name)
         mine = []
         for members, batch in batches:
+            sent = negotiator.compact_form(batch) or batch  # bits where the members hold the requests
             for member in members:
                 if member == 0:
                     mine.append(batch)
                 elif member in self._peers:
-                    self._outbox.setdefault(member, []).append(batch)
+                    self._outbox.setdefault(member, []).append(sent)
         if mine:
             self._accept_batches(mine)
         evicted = [bit for bit, _ in negotiator.take_evictions()]
         version = negotiator.cache.version
         targets = set(self._outbox) | set(self._resends) | (set(self._peers) if evicted else set())
+        encoded: dict[tuple, bytes] = {}  # peers getting the same batches share one encoding
         for rank in targets:
-            self._send_peer(rank, ("work", version, self._outbox.get(rank, []), evicted,
-                                   self._resends.get(rank, [])))
+            outbox, resends = self._outbox.get(rank, []), self._resends.get(rank, [])
+            same = (tuple(map(id, outbox)), bool(resends))
+            payload = None if resends else encoded.get(same)
+            if payload is None:
+                payload = control_codec.encode(("work", version, outbox, evicted, resends))
+                if not resends:
+                    encoded[same] = payload
+            self._send_peer_encoded(rank, payload)
         self._outbox.clear()
         self._resends.clear()
         if self._autotuner is not None and not self._autotuner.done:
@@ -689,8 +707,11 @@ class Engine:
             self._send_peer(rank, ("tune", params))
 
     def _send_peer(self, rank: int, message) -> None:
+        self._send_peer_encoded(rank, control_codec.encode(message))
+
+    def _send_peer_encoded(self, rank: int, payload: bytes) -> None:
         try:
-            control_channel.send(self._peers[rank], message)
+            self._peers[rank].send_encoded(payload)
         except (OSError, KeyError):
             pass  # a closed peer is noticed by select and dropped there
 

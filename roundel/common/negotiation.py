@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from roundel.ops import ReduceOp
-from roundel.common.requests import Batch, Entry, OpKind, Request
+from roundel.common.requests import Batch, CachedBatch, Entry, OpKind, Request
 from roundel.common.response_cache import CoordinatorCache
+from roundel.ops import ReduceOp
 
 JOIN_NAME = "__join__"
 
@@ -25,15 +25,19 @@ ITEMSIZE = {
 
 _FUSABLE = (OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST)
 _NOT_WITH_JOIN = (OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL, OpKind.REDUCESCATTER)
+# Kinds whose batch a rank can rebuild from its own cached requests alone (allgather and alltoall
+# also need every rank's first dimensions or splits).
+_COMPACT = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER)
 
 
 class _Pending:
-    __slots__ = ("requests", "since", "warned")
+    __slots__ = ("requests", "since", "warned", "by_bit")
 
     def __init__(self, since: float):
         self.requests: dict[int, Request] = {}
         self.since = since
         self.warned = False
+        self.by_bit: set[int] = set()  # ranks that submitted their cache bit
 
 
 def describe_ranks(values_by_rank: dict) -> str:
@@ -62,6 +66,8 @@ class Negotiator:
         self._direct: list[tuple[tuple, Batch]] = []  # failures for some ranks only
         self._evictions: list[tuple[int, tuple]] = []
         self._agreed_requests: dict[tuple, dict] = {}  # every rank's request, for the cache
+        self._from_cache: dict[tuple, int] = {}  # ready names every other rank sent as this unchanged bit
+        self._compact: dict[int, CachedBatch] = {}  # id(batch) -> its compact form, from the last take()
 
     # ----------------------------------------------------------------- input
     def add_process_set(self, process_set_id: int, ranks: Iterable[int]) -> None:
@@ -78,8 +84,8 @@ class Negotiator:
                               "it was pending (submit it on every member before remove_process_set())",
                               "mismatch")
 
-    def submit(self, rank: int, request: Request, now: float) -> None:
-        """Record ``rank``'s request; the name may become ready."""
+    def submit(self, rank: int, request: Request, now: float, by_bit: bool = False) -> None:
+        """Record ``rank``'s request (``by_bit``: sent as its cache bit); the name may become ready."""
         key = (request.process_set_id, request.name)
         members = self.process_sets.get(request.process_set_id)
         problem = self._submission_problem(rank, request, members)
@@ -93,6 +99,8 @@ class Negotiator:
         if pending is None:
             pending = self._pending[key] = _Pending(now)
         pending.requests[rank] = request  # a rank never has one name in flight twice (Engine.submit)
+        if by_bit:
+            pending.by_bit.add(rank)
         self._check_ready(key)
 
     def submit_bit(self, rank: int, bit: int, sender_version: int, now: float) -> bool:
@@ -100,7 +108,7 @@ class Negotiator:
         entry = self.cache.lookup(bit, sender_version)
         if entry is None or rank not in entry[1]:
             return False
-        self.submit(rank, entry[1][rank], now)
+        self.submit(rank, entry[1][rank], now, by_bit=True)
         return True
 
     def rank_left(self, rank: int, reason: str) -> None:
@@ -182,7 +190,27 @@ class Negotiator:
             entries = tuple(self._cached(entry, joined) for entry in entries)
             batches.append((members, Batch(request.kind, request.process_set_id, entries,
                                            joined=joined, last_joined=last)))
+        self._compact = {}
+        evicted = {bit for bit, _ in self._evictions}
+        for index, (members, batch) in enumerate(batches):
+            if batch.kind in _COMPACT and batch.error is None and all(
+                    self._from_cache.get((batch.process_set_id, e.name), -1) == e.cache_bit >= 0
+                    and e.cache_bit not in evicted for e in batch.entries):
+                batch = batch._replace(entries=tuple(sorted(batch.entries, key=lambda e: e.cache_bit)))
+                batches[index] = (members, batch)
+                self._compact[id(batch)] = CachedBatch(batch.kind, batch.process_set_id,
+                                                       sum(1 << e.cache_bit for e in batch.entries))
+        self._from_cache.clear()
         return self.take_direct() + batches
+
+    def compact_form(self, batch: Batch) -> CachedBatch | None:
+        """The bits standing for ``batch``, one of the last ``take()``'s, for its members other than rank 0.
+
+        Only for a batch whose every name each of those members submitted as an
+        unchanged cache bit (they hold its requests), still cached under that
+        bit after this take's evictions; its entries are in bit order.
+        """
+        return self._compact.get(id(batch))
 
     def take_direct(self) -> list[tuple[tuple, Batch]]:
         """Only the failures addressed to some ranks directly (sent without waiting for the cycle)."""
@@ -267,6 +295,13 @@ class Negotiator:
         if any(r not in pending.requests for r in members if r not in joined):
             return
         del self._pending[key]
+        if not joined and all(r in pending.by_bit for r in members if r != 0) and \
+                self.cache.requests(key) == pending.requests:
+            # the very requests agreed and cached before: nothing to check again, and every
+            # other member can rebuild the batch from its own cache
+            self._from_cache[key] = self.cache.get_bit(key)
+            self._ready.append((self._agreed_entry(key, pending.requests, members, joined), joined))
+            return
         problem = _disagreement(key[1], pending, members, joined)
         if problem:
             request = next(iter(pending.requests.values()))

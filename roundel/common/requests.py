@@ -68,6 +68,19 @@ class Entry(NamedTuple):
     cache_bit: int = -1
 
 
+class CachedBatch(NamedTuple):
+    """A batch sent as cache bits: what the coordinator sends a rank for names that rank submitted as bits.
+
+    Its entries are the names cached under the bits set in ``bits``, in
+    ascending bit order (the coordinator orders the batch so), with each
+    rank's own cached request; see ``RankCache.expand``.
+    """
+
+    kind: OpKind
+    process_set_id: int
+    bits: int
+
+
 class Batch(NamedTuple):
     """Entries executed as one backend call (or failed together with ``error``).
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import collections
 
+from roundel.common.requests import Batch, CachedBatch, Entry
+
 Key = tuple  # (process_set_id, name)
 
 
@@ -32,6 +34,11 @@ class CoordinatorCache:
             return None
         self._bits.move_to_end(entry[0])
         return entry
+
+    def requests(self, key: Key) -> dict | None:
+        """The requests (by rank) cached under ``key``, or None."""
+        bit = self._bits.get(key, -1)
+        return self._entries[bit][1] if bit >= 0 else None
 
     def get_bit(self, key: Key) -> int:
         """The bit ``key`` is cached under, or -1."""
@@ -112,6 +119,20 @@ class RankCache:
             self._keys_by_bit.pop(previous[0], None)
         self._by_key[key] = (bit, request)
         self._keys_by_bit[bit] = key
+
+    def expand(self, cached: CachedBatch) -> Batch:
+        """The batch a ``CachedBatch`` stands for, from this rank's cached requests.
+
+        Raises KeyError for a bit this mirror does not hold (a protocol error).
+        """
+        entries, bits, bit = [], cached.bits, 0
+        while bits:
+            if bits & 1:
+                key = self._keys_by_bit[bit]
+                entries.append(Entry(key[1], self._by_key[key][1], cache_bit=bit))
+            bits >>= 1
+            bit += 1
+        return Batch(cached.kind, cached.process_set_id, tuple(entries))
 
     def evict(self, bits) -> None:
         """Forget the entries under ``bits``."""
