@@ -18,26 +18,28 @@ import timeit
 
 from roundel.common import control_codec
 from roundel.ops import ReduceOp
-from roundel.common.requests import Batch, Entry, OpKind, Request
+from roundel.common.control_messages import Dispatch, Heartbeat, Submit
+from roundel.common.requests import Batch, CachedBatch, Entry, OpKind, Request
 
 # the parameter count of ResNet-50: its gradients fused into one batch each step
 REQUESTS = [Request(f"grad.layer{i}.weight", OpKind.ALLREDUCE, 0, dtype="float32", shape=(256, 128),
                     reduce_op=int(ReduceOp.Average)) for i in range(161)]
 
 
-def work(n: int) -> tuple:
-    """What the coordinator sends each step: ``n`` agreed names in one fused batch."""
+def work(n: int) -> Dispatch:
+    """What the coordinator sends each step for ``n`` newly agreed names in one fused batch."""
     entries = tuple(Entry(r.name, r, None, None, i) for i, r in enumerate(REQUESTS[:n]))
-    return ("work", 7, [Batch(OpKind.ALLREDUCE, 0, entries)], [], [])
+    return Dispatch(7, [Batch(OpKind.ALLREDUCE, 0, entries)], [], [])
 
 
 CASES = [
-    ("submit: 161 cache bits", lambda: ("submit", 7, (1 << 161) - 1, [], [])),
-    ("submit: 1 new request", lambda: ("submit", 7, 0, [REQUESTS[0]._replace(name="fresh")], [])),
+    ("submit: 161 cache bits", lambda: Submit(7, (1 << 161) - 1, [])),
+    ("submit: 1 new request", lambda: Submit(7, 0, [REQUESTS[0]._replace(name="fresh")])),
     ("work: 1 entry", lambda: work(1)),
     ("work: 10 entries", lambda: work(10)),
     ("work: 161 entries", lambda: work(161)),
-    ("heartbeat", lambda: ("heartbeat", "node-17")),
+    ("work: 161 cached entries", lambda: Dispatch(7, [CachedBatch(OpKind.ALLREDUCE, 0, (1 << 161) - 1)], [], [])),
+    ("heartbeat", lambda: Heartbeat("node-17")),
 ]
 
 

@@ -16,6 +16,7 @@ import argparse
 import time
 
 from roundel.common import control_codec
+from roundel.common.control_messages import Dispatch
 from roundel.common.negotiation import Negotiator
 from roundel.common.requests import Batch, CachedBatch, Entry, OpKind, Request
 
@@ -62,7 +63,7 @@ def main() -> None:
     compact = CachedBatch(OpKind.ALLREDUCE, 0, (1 << 161) - 1)
     print("\n| one step's reply, 161 tensors | bytes | µs to encode |\n| --- | ---: | ---: |")
     for label, batch in (("in full", full), ("as cache bits", compact)):
-        micros, size = encode_us(("work", 1, [batch], [], []))
+        micros, size = encode_us(Dispatch(1, [batch], [], []))
         print(f"| {label} | {size:,} | {micros:.1f} |")
 
 

@@ -12,6 +12,7 @@ import pytest
 from launch_util import assert_checks_passed, describe, rank_lines, run_job
 from roundel.common import autotune, control_codec
 from roundel.common.autotune import LOG_COLUMNS, Autotuner, BayesianOptimizer, TunedParams
+from roundel.common.control_messages import Tune
 from roundel.errors import SettingsError
 from roundel.common.negotiation import Negotiator
 from roundel.common.requests import Batch, Entry, OpKind, Request
@@ -146,10 +147,10 @@ def test_missing_scikit_learn_is_a_clear_error(monkeypatch):
 
 
 def test_tuned_params_travel_in_the_typed_codec():
-    message = ("tune", TunedParams(24 * MIB, 12.5, False, True))
+    message = Tune(TunedParams(24 * MIB, 12.5, False, True))
     decoded = control_codec.decode(control_codec.encode(message))
-    assert decoded == message and type(decoded[1]) is TunedParams
-    bad = control_codec.encode(("tune", TunedParams("24", 12.5, False, True)))
+    assert decoded == message and type(decoded) is Tune and type(decoded.params) is TunedParams
+    bad = control_codec.encode(Tune(TunedParams("24", 12.5, False, True)))
     with pytest.raises(control_codec.DecodeError, match="TunedParams.fusion_threshold"):
         control_codec.decode(bad)
 

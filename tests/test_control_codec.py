@@ -19,6 +19,8 @@ import pytest
 
 from roundel.common import control_codec
 from roundel.ops import ReduceOp
+from roundel.common.autotune import TunedParams
+from roundel.common.control_messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
 from roundel.common.requests import Batch, CachedBatch, Entry, OpKind, Request
 
 REQUEST = Request("grad.layer1.weight", OpKind.ALLREDUCE, 0, dtype="float32", shape=(256, 128),
@@ -27,9 +29,9 @@ ALLTOALL = Request("a2a", OpKind.ALLTOALL, 3, dtype="int64", shape=(6, 2), split
 FAILED = Request("bad", OpKind.BROADCAST, 1, dtype="uint8", shape=(), root_rank=2, error="rank 2 has no data")
 
 ENGINE_MESSAGES = [
-    ("submit", 4, (1 << 700) | (1 << 63) | 5, [REQUEST, ALLTOALL], [FAILED]),
-    ("submit", 0, 0, [], []),
-    ("work", 9, [
+    Submit(4, (1 << 700) | (1 << 63) | 5, [REQUEST, ALLTOALL, FAILED]),
+    Submit(0, 0, []),
+    Dispatch(9, [
         Batch(OpKind.ALLREDUCE, 0, (Entry(REQUEST.name, REQUEST, cache_bit=12),
                                     Entry("g2", REQUEST._replace(name="g2")))),
         Batch(OpKind.ALLGATHER, 2, (Entry("ag", REQUEST._replace(name="ag", kind=OpKind.ALLGATHER),
@@ -38,10 +40,11 @@ ENGINE_MESSAGES = [
         Batch(OpKind.BROADCAST, 1, (Entry("bad", FAILED),), error="root ranks differ", error_type="internal"),
         CachedBatch(OpKind.ALLREDUCE, 0, (1 << 900) | (1 << 12) | 1),
     ], [3, 4, 1 << 40], [(9, 0), (8, 1 << 70)]),
-    ("abort", "rank 2 died or lost its connection to the coordinator"),
-    ("bye",),
-    ("heartbeat", "node-17.example"),
-    ("waits", 12, ((0, "grad.w", "allreduce"), (2, "ag", "allgather"))),
+    Abort("rank 2 died or lost its connection to the coordinator"),
+    Bye(),
+    Heartbeat("node-17.example"),
+    Waits(12, ((0, "grad.w", "allreduce"), (2, "ag", "allgather"))),
+    Tune(TunedParams(8 << 20, 5.0, True, False)),
 ]
 
 PLAIN_VALUES = [
@@ -110,6 +113,10 @@ def _malformed() -> list[tuple[str, bytes]]:
              ("Request with an int name", control_codec.encode(REQUEST._replace(name=5))),
              ("Entry holding a dict as request", control_codec.encode(Entry("x", {"a": 1}))),
              ("Batch entries holding a Request", control_codec.encode(Batch(OpKind.ALLREDUCE, 0, (REQUEST,)))),
+             ("Dispatch batches holding a Request", control_codec.encode(Dispatch(1, [REQUEST], [], []))),
+             ("Submit with a tuple of requests", control_codec.encode(Submit(1, 0, (REQUEST,)))),
+             ("Submit holding a Batch", control_codec.encode(Submit(1, 0, [Batch(OpKind.ALLREDUCE, 0, ())]))),
+             ("Heartbeat with an int host", control_codec.encode(Heartbeat(3))),
              ("Request with one field too few", b"R" + struct.pack("!I", len(request) - 5)
               + bytes([len(Request._fields) - 1]) + request[6:])]
     cases += [(f"truncated to {n} of {len(good)} bytes", good[:n]) for n in range(1, len(good), 7)]

@@ -1,8 +1,9 @@
 """A data-only encoding for control messages (no pickle, no code on decode).
 
-Control messages are nested tuples, lists and dicts of None, bool, int (any
-size), float, str and bytes, plus roundel's own records (``Request``,
-``Entry``, ``Batch``, ``CachedBatch``, ``TunedParams``) and enums (``OpKind``, ``ReduceOp``). Each value is one
+Control messages are the records of :mod:`roundel.common.control_messages`,
+holding nested tuples, lists and dicts of None, bool, int (any size), float,
+str and bytes, plus roundel's own records (``Request``, ``Entry``, ``Batch``,
+``CachedBatch``, ``TunedParams``) and enums (``OpKind``, ``ReduceOp``). Each value is one
 tag byte followed by its body; containers give their item count, strings and
 byte strings their length, records their encoded length and field count.
 
@@ -18,6 +19,7 @@ import struct
 import types
 import typing
 
+from roundel.common import control_messages as messages
 from roundel.common.autotune import TunedParams
 from roundel.common.requests import Batch, CachedBatch, Entry, OpKind, Request
 from roundel.ops import ReduceOp
@@ -33,11 +35,14 @@ _NONE, _TRUE, _FALSE = b"N", b"T", b"F"
 _INT, _BIGINT, _FLOAT = b"i", b"I", b"d"
 _STR, _BYTES = b"s", b"b"
 _TUPLE, _LIST, _DICT = b"t", b"l", b"m"
-_RECORD_TAGS = {Request: b"R", Entry: b"E", Batch: b"B", CachedBatch: b"C", TunedParams: b"P"}
+_RECORD_TAGS = {Request: b"R", Entry: b"E", Batch: b"B", CachedBatch: b"C", TunedParams: b"P",
+                messages.Submit: b"S", messages.Waits: b"W", messages.Heartbeat: b"H", messages.Bye: b"Y",
+                messages.Dispatch: b"D", messages.Tune: b"U", messages.Abort: b"A"}
 _ENUM_TAGS = {OpKind: b"o", ReduceOp: b"r"}
 
-# tuple fields whose items must be one record type (beyond what the annotations say)
-_ITEM_TYPES = {(Batch, "entries"): Entry}
+# sequence fields whose items must be of these record types (beyond what the annotations say)
+_ITEM_TYPES = {(Batch, "entries"): (Entry,), (messages.Submit, "full"): (Request,),
+               (messages.Dispatch, "batches"): (Batch, CachedBatch)}
 
 # Steady state sends the same records every step. Requests re-sent as the same (immutable)
 # object reuse their encoding; a Request or Entry whose exact bytes were decoded before is
@@ -193,7 +198,7 @@ def _coerce(value):
         return tuple(value), _ENCODERS[tuple]
     raise TypeError(f"a control message cannot carry a {type(value).__module__}.{type(value).__qualname__} "
                     "(only None, bool, int, float, str, bytes, tuple, list, dict and roundel's "
-                    "Request/Entry/Batch/CachedBatch/TunedParams records and enums)")
+                    "control message, Request/Entry/Batch/CachedBatch/TunedParams records and enums)")
 
 
 # ------------------------------------------------------------------ decoding
@@ -332,8 +337,9 @@ def _record_decoder(cls):
             value, pos = _decode(data, pos, depth)
             if not isinstance(value, accepted):
                 raise DecodeError(f"{cls.__name__}.{name} cannot be a {type(value).__name__}")
-            if item_type is not None and not all(type(item) is item_type for item in value):
-                raise DecodeError(f"{cls.__name__}.{name} may only hold {item_type.__name__} records")
+            if item_type is not None and not all(type(item) in item_type for item in value):
+                raise DecodeError(f"{cls.__name__}.{name} may only hold "
+                                  f"{' or '.join(t.__name__ for t in item_type)} records")
             fields.append(value)
         if pos != end:
             raise DecodeError(f"a {cls.__name__} record's fields do not fill its declared length")

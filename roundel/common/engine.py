@@ -46,7 +46,7 @@ import threading
 import time
 
 from roundel.common import autotune, control_channel, control_codec, deadlock
-from roundel.errors import RoundelInternalError
+from roundel.common.control_messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
 from roundel.common.executor import Executor, Work
 from roundel.common.handles import Handle
 from roundel.common.negotiation import Negotiator
@@ -55,6 +55,7 @@ from roundel.common.response_cache import RankCache
 from roundel.common.settings import Settings
 from roundel.common.timeline import Timeline
 from roundel.common.wait_state import WaitTracker
+from roundel.errors import RoundelInternalError
 
 log = logging.getLogger("roundel")
 
@@ -333,10 +334,10 @@ class Engine:
             else:
                 full.append(request)
         if self._broken is None and (bits or full):
-            self._send(("submit", self._cache.version, bits, full))
+            self._send(Submit(self._cache.version, bits, full))
         if self._stopping:
             if self._broken is None:
-                self._send(("bye",))
+                self._send(Bye())
             self._fail_inflight(RoundelInternalError("roundel was shut down on this rank"))
             return True
         return False
@@ -352,11 +353,11 @@ class Engine:
             if self._rank_wake():
                 return True
             if self._broken is None:
-                self._send(("waits", seq, waits))
+                self._send(Waits(seq, waits))
             self._sent_waits_seq = seq
         if now - self._last_heartbeat >= _HEARTBEAT_S:
             self._last_heartbeat = now
-            self._send(("heartbeat", self._host))
+            self._send(Heartbeat(self._host))
         silent = now - self._heard_coordinator
         if silent > self.settings.heartbeat_timeout_s:
             self._coordinator_lost = True
@@ -400,25 +401,25 @@ class Engine:
             return
         self._heard_coordinator = time.monotonic()
         for message in self._coordinator_reader.feed(data):
-            if message[0] == "heartbeat":
-                self._coordinator_host = message[1]
-            elif message[0] == "work":
-                _, version, batches, evicted, resend = message
-                self._cache.evict(evicted)
-                self._cache.version = version
-                if resend:
-                    self._resend(resend)
+            kind = type(message)
+            if kind is Heartbeat:
+                self._coordinator_host = message.host
+            elif kind is Dispatch:
+                self._cache.evict(message.evicted)
+                self._cache.version = message.version
+                if message.resend:
+                    self._resend(message.resend)
                 try:
-                    batches = [self._cache.expand(b) if isinstance(b, CachedBatch) else b for b in batches]
+                    batches = [self._cache.expand(b) if isinstance(b, CachedBatch) else b for b in message.batches]
                 except KeyError as exc:
                     self._break(f"the coordinator sent cache bit {exc} that this rank does not hold "
                                 "(are all ranks running the same roundel version?)")
                     return
                 self._accept_batches(batches)
-            elif message[0] == "tune":
-                self.tuned = message[1]
-            elif message[0] == "abort":
-                self._break(message[1])
+            elif kind is Tune:
+                self.tuned = message.params
+            elif kind is Abort:
+                self._break(message.message)
 
     def _resend(self, stale) -> None:
         """Send in full the requests whose (cache version, bit) the coordinator found stale."""
@@ -430,7 +431,7 @@ class Engine:
                 work.sent_bit = None
                 full.append(work.request)
         if full:
-            self._send(("submit", self._cache.version, 0, full))
+            self._send(Submit(self._cache.version, 0, full))
 
     # ------------------------------------------------------ rank 0: coordinator
     def _connection_accepted(self, connection: control_channel.Connection) -> None:
@@ -529,12 +530,13 @@ class Engine:
         self._heard[rank] = now
         negotiator = self._negotiator
         for message in self._readers[rank].feed(data):
-            if message[0] == "heartbeat":
-                self._hosts[rank] = message[1]
-            elif message[0] == "waits":
-                self._rank_waits[rank] = (message[1], message[2])
-            elif message[0] == "submit":
-                _, version, bits, full = message
+            kind = type(message)
+            if kind is Heartbeat:
+                self._hosts[rank] = message.host
+            elif kind is Waits:
+                self._rank_waits[rank] = (message.sequence, message.waits)
+            elif kind is Submit:
+                version, bits = message.version, message.bits
                 stale = []
                 bit = 0
                 while bits:
@@ -545,13 +547,13 @@ class Engine:
                             stale.append((version, bit))
                     bits >>= 1
                     bit += 1
-                for request in full:
+                for request in message.full:
                     if self.timeline.active:
                         self.timeline.rank_ready(request.name, request.kind.label, rank)
                     negotiator.submit(rank, request, now)
                 if stale:
                     self._resends.setdefault(rank, []).extend(stale)
-            elif message[0] == "bye":
+            elif kind is Bye:
                 self._drop_peer(rank, f"rank {rank} has shut down: it finished, called hvd.shutdown(), "
                                       "or failed and exited (its own output says which)")
                 return
@@ -592,7 +594,7 @@ class Engine:
             self._last_heartbeat = now
         for rank in list(self._peers):
             if beat or rank not in self._heard:  # a new peer learns rank 0's host at once
-                self._send_peer(rank, ("heartbeat", self._host))
+                self._send_peer(rank, Heartbeat(self._host))
 
     def _lose_peer(self, rank: int, reason: str) -> None:
         host = self._hosts.get(rank, "unknown")
@@ -686,7 +688,7 @@ class Engine:
             same = (tuple(map(id, outbox)), bool(resends))
             payload = None if resends else encoded.get(same)
             if payload is None:
-                payload = control_codec.encode(("work", version, outbox, evicted, resends))
+                payload = control_codec.encode(Dispatch(version, outbox, evicted, resends))
                 if not resends:
                     encoded[same] = payload
             self._send_peer_encoded(rank, payload)
@@ -704,7 +706,7 @@ class Engine:
             self._negotiator.set_cache_capacity(self.settings.cache_capacity if params.cache_enabled else 0)
         self.tuned = params
         for rank in list(self._peers):
-            self._send_peer(rank, ("tune", params))
+            self._send_peer(rank, Tune(params))
 
     def _send_peer(self, rank: int, message) -> None:
         self._send_peer_encoded(rank, control_codec.encode(message))
@@ -718,7 +720,7 @@ class Engine:
     def _broadcast_abort(self, message: str) -> None:
         for sock in self._peers.values():
             try:
-                control_channel.send(sock, ("abort", message))
+                control_channel.send(sock, Abort(message))
             except OSError:
                 pass
 

@@ -1,0 +1,64 @@
+"""The messages between a rank's engine and the coordinator on rank 0, as typed records.
+
+Each travels as one authenticated frame (:mod:`roundel.common.control_channel`)
+in the data-only codec (:mod:`roundel.common.control_codec`), which rebuilds
+only these records and checks every field's type on the way in.
+
+A rank sends ``Submit``, ``Waits``, ``Heartbeat`` and ``Bye``; the coordinator
+sends ``Dispatch``, ``Tune``, ``Abort`` and ``Heartbeat``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from roundel.common.autotune import TunedParams
+
+
+class Submit(NamedTuple):
+    """Requests a rank queued: ``bits`` (a mask of cache bits, at cache ``version``) and ``full`` Requests."""
+
+    version: int
+    bits: int
+    full: list
+
+
+class Waits(NamedTuple):
+    """What the rank's threads wait for, numbered ``sequence``: (process set id, name, kind) triples."""
+
+    sequence: int
+    waits: tuple
+
+
+class Heartbeat(NamedTuple):
+    """Sent every second both ways; ``host`` is the sender's host name (for error messages)."""
+
+    host: str
+
+
+class Bye(NamedTuple):
+    """The rank is shutting down on purpose."""
+
+
+class Dispatch(NamedTuple):
+    """Batches to run (``Batch`` or ``CachedBatch``), cache bits ``evicted``, and (version, bit) pairs to ``resend`` in full.
+
+    ``version`` is the coordinator's cache version once these are applied.
+    """
+
+    version: int
+    batches: list
+    evicted: list
+    resend: list
+
+
+class Tune(NamedTuple):
+    """Autotune's new settings, in force from the batches after this message."""
+
+    params: TunedParams
+
+
+class Abort(NamedTuple):
+    """The job's communication is broken; ``message`` says why."""
+
+    message: str
