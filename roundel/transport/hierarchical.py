@@ -7,14 +7,17 @@ of the job plus two Gloo sub-communicators, *local* (the ranks on this host,
 numbered by local rank) and *cross* (the ranks with this local rank on every
 host, numbered by cross rank).
 
-Both algorithms keep every local rank busy, each carrying its own share over
-the cross-host link, rather than funnelling the host's data through one
-leader: with a slow link between hosts the bytes that cross it are what
-costs, and they are the same in both designs (one copy of the data per host
-and direction), but here ``local_size`` connections carry them side by side
-and the reduction work is split between the host's ranks instead of falling
-on one. A flat ring over 2 hosts x 2 ranks sends 1.5 copies of the data
-across the link each way; this sends one.
+Both collectives go through one leader per host (local rank 0): local
+reduce (or gather) to it, the leaders' allreduce (or allgather) across hosts,
+local broadcast. With a slow link between hosts the bytes that cross it are
+what costs: each host sends one copy of its data per direction, where a flat
+ring over 2 hosts x 2 ranks sends 1.5 copies. The other design, a local
+reducescatter, an allreduce of each rank's chunk across hosts and a local
+allgather, sends the same bytes across hosts, but Gloo's reducescatter and
+allgather cost about three times its reduce and broadcast on one host, and
+on 2 simulated hosts with a 1 Gbit/s link it was the slower of the two
+(benchmarks/hierarchical.py: 64 MiB allreduce 0.97 s against 0.83 s, flat
+0.92 s).
 
 :func:`build` decides, from every rank's place exchanged over the flat
 communicator (so that all ranks decide alike), whether the job qualifies:
@@ -40,64 +43,47 @@ log = logging.getLogger("roundel")
 class HierarchicalBackend(Backend):
     """The job's communicator with hierarchical allreduce and/or allgather; the rest goes flat.
 
-    ``order[r]`` is where flat rank r's chunk lands in the local-major
-    (local rank, cross rank) result of the two-level allgather.
+    ``order[r]`` is where flat rank r's chunk sits in the host-major
+    (cross rank, local rank) result of the two-level allgather; None when
+    that is flat rank order already (ranks numbered host by host).
     """
 
-    def __init__(self, flat: Backend, local: Backend, cross: Backend, order: list[int],
+    def __init__(self, flat: Backend, local: GlooBackend, cross: GlooBackend, order: list[int] | None,
                  hierarchical_allreduce: bool, hierarchical_allgather: bool):
         super().__init__(flat.rank, flat.size)
         self.name = flat.name  # the timeline names the transport's calls as the flat ones
         self.flat, self.local, self.cross = flat, local, cross
         self.hierarchical_allreduce = hierarchical_allreduce
         self.hierarchical_allgather = hierarchical_allgather
-        self._order = torch.tensor(order, dtype=torch.int64)
+        self._order = None if order is None else torch.tensor(order, dtype=torch.int64)
 
     def allreduce(self, tensor, op: ReduceOp) -> None:
-        """Local reducescatter, cross allreduce of this rank's chunk, local allgather.
-
-        The buffer is padded to a multiple of the local size; the padding's
-        results are dropped, so any ``op`` is exact.
-        """
+        """Local reduce to the host's leader, leaders' allreduce across hosts, local broadcast."""
         if not self.hierarchical_allreduce:
             self.flat.allreduce(tensor, op)
             return
-        flat = tensor.view(-1)
-        count = flat.numel()
-        if count == 0:
-            return
-        parts = self.local.size
-        chunk = -(-count // parts)
-        if chunk * parts == count:
-            padded = flat
-        else:
-            padded = torch.empty(chunk * parts, dtype=flat.dtype, device=flat.device)
-            padded[:count].copy_(flat)
-            padded[count:].zero_()
-        mine = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
-        self.local.reducescatter(mine, padded, op)
-        self.cross.allreduce(mine, op)
-        self.local.allgather(padded, mine)
-        if padded is not flat:
-            flat.copy_(padded[:count])
+        self.local.reduce(tensor, 0, op)
+        if self.local.rank == 0:
+            self.cross.allreduce(tensor, op)
+        self.local.broadcast(tensor, 0)
 
     def allgather(self, output, tensor) -> None:
-        """Cross allgather of this rank's chunk, local allgather of those, reordered by flat rank.
-
-        Each local rank sends only its own chunk across hosts (gathering the
-        host's chunks first would send each of them ``local_size`` times).
-        """
+        """Local gather to the host's leader, leaders' allgather of their hosts' chunks, local broadcast."""
         if not self.hierarchical_allgather:
             self.flat.allgather(output, tensor)
             return
         width = tensor.numel()
         if width == 0:
             return
-        across = torch.empty(self.cross.size * width, dtype=tensor.dtype, device=tensor.device)
-        self.cross.allgather(across, tensor.reshape(-1))
-        gathered = torch.empty(self.size * width, dtype=tensor.dtype, device=tensor.device)
-        self.local.allgather(gathered, across)
-        torch.index_select(gathered.view(self.size, width), 0, self._order, out=output.view(self.size, width))
+        gathered = output.view(-1) if self._order is None else \
+            torch.empty(self.size * width, dtype=tensor.dtype, device=tensor.device)
+        host = gathered.view(self.cross.size, self.local.size * width)[self.cross.rank]
+        self.local.gather(list(host.view(self.local.size, width)), tensor.reshape(-1), 0)
+        if self.local.rank == 0:
+            self.cross.allgather(gathered, host.clone())
+        self.local.broadcast(gathered, 0)
+        if self._order is not None:
+            torch.index_select(gathered.view(self.size, width), 0, self._order, out=output.view(self.size, width))
 
     def broadcast(self, tensor, root: int) -> None:
         self.flat.broadcast(tensor, root)
@@ -139,12 +125,13 @@ def build(flat: Backend, store, placement, timeout_s: float, hostname: str,
     local = GlooBackend(dist.PrefixStore(f"local{cross_rank}/", store), local_rank, local_size, timeout_s, hostname)
     cross = GlooBackend(dist.PrefixStore(f"cross{local_rank}/", store), cross_rank, cross_size, timeout_s,
                         hostname)
-    order = [lr * cross_size + cr for lr, _, cr, _ in places]
+    order = [cr * local_size + lr for lr, _, cr, _ in places]
     done = [what for what, on in (("allreduce", hierarchical_allreduce), ("allgather", hierarchical_allgather))
             if on]
     log.debug("roundel: hierarchical %s over %d hosts x %d ranks (local rank %d, cross rank %d)",
               " and ".join(done), cross_size, local_size, local_rank, cross_rank)
-    return HierarchicalBackend(flat, local, cross, order, hierarchical_allreduce, hierarchical_allgather)
+    return HierarchicalBackend(flat, local, cross, None if order == list(range(flat.size)) else order,
+                               hierarchical_allreduce, hierarchical_allgather)
 
 
 def _why_flat(places: list[tuple[int, int, int, int]]) -> str | None:
