@@ -127,6 +127,17 @@ class NetnsHosts:
                 raise RuntimeError(f"sshd in {name} did not come up: {probe.stderr}\n{log}")
             time.sleep(0.2)
 
+    def shape(self, rate: str = "1gbit") -> None:
+        """Limit what each host sends to the others to ``rate`` (a ``tc`` rate such as ``1gbit``).
+
+        A token bucket on each namespace's ``eth0``; ranks on one host talk
+        through its loopback and are not limited. ``close()`` removes it with
+        the namespaces.
+        """
+        for name in self.names:
+            _run("ip", "netns", "exec", name, "tc", "qdisc", "replace", "dev", "eth0", "root",
+                 "tbf", "rate", rate, "burst", "1mb", "latency", "50ms")
+
     def pids(self, name: str) -> set[int]:
         """Pids of every process in namespace ``name`` except its sshd listener."""
         out = _run("ip", "netns", "pids", name, check=False).stdout.split()

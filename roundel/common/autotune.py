@@ -12,8 +12,8 @@ What is tuned, as in Horovod 0.28.1's ``ParameterManager``:
 * the response cache, on (the configured ``cache_capacity``) or off; left
   off when the configured capacity is 0.
 
-Not tuned: hierarchical allreduce/allgather and torus allreduce (roundel has
-no hierarchical implementation; the log carries their configured values),
+Not tuned: hierarchical allreduce/allgather and torus allreduce (the log
+carries their configured values),
 and ``DistributedOptimizer``'s ``bucket_cap_mb``: buckets are laid out by
 each rank's optimizer between its steps, and the engine cannot make every
 rank re-lay them between the same two steps (it does not see step

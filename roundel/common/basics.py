@@ -156,7 +156,7 @@ def init(comm=None, process_sets=None) -> None:
         try:
             backend = factory.job_backend(
                 _transport(settings), RendezvousStore(client, prefix + "ps0/", timedelta(seconds=settings.start_timeout_s)),
-                ident.rank, ident.size, advertise, members or tuple(range(ident.size)))
+                ident.rank, ident.size, advertise, members or tuple(range(ident.size)), placement=ident)
         except RuntimeError as exc:
             client.close()
             if server is not None:
@@ -228,7 +228,8 @@ def _shutdown_at_exit() -> None:
 
 
 def _transport(settings: Settings) -> factory.Choice:
-    return factory.Choice(settings.cpu_operations, settings.collective_timeout_s)
+    return factory.Choice(settings.cpu_operations, settings.collective_timeout_s,
+                          settings.hierarchical_allreduce, settings.hierarchical_allgather)
 
 
 def runtime(what: str = "this operation") -> _Runtime:

@@ -34,8 +34,6 @@ NO_EFFECT = {
 """Flags for hardware or libraries roundel does not drive: accepted (their variables are still set), no effect."""
 
 NOT_YET = {
-    "hierarchical_allreduce": "--hierarchical-allreduce",
-    "hierarchical_allgather": "--hierarchical-allgather",
     "torus_allreduce": "--torus-allreduce",
 }
 """Flags whose variables are passed to the workers but which roundel's engine does not act on yet."""
@@ -102,8 +100,8 @@ def parser() -> argparse.ArgumentParser:
                         help="torch DistributedOptimizer's default gradient bucket size in MiB (default 25; 0: none)")
     params.add_argument("--cycle-time-ms", type=float, help="milliseconds between engine cycles")
     params.add_argument("--cache-capacity", type=int, help="entries in the response cache (0 turns it off)")
-    _pair(params, "hierarchical-allreduce", "hierarchical_allreduce", "hierarchical allreduce (not yet used)")
-    _pair(params, "hierarchical-allgather", "hierarchical_allgather", "hierarchical allgather (not yet used)")
+    _pair(params, "hierarchical-allreduce", "hierarchical_allreduce", "hierarchical allreduce (equal slots per host)")
+    _pair(params, "hierarchical-allgather", "hierarchical_allgather", "hierarchical allgather (equal slots per host)")
     _pair(params, "torus-allreduce", "torus_allreduce", "torus allreduce (not yet used)")
     autotune = p.add_argument_group("autotune")
     _pair(autotune, "autotune", "autotune",

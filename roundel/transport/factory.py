@@ -3,27 +3,36 @@
 :func:`check` runs first in ``init()`` so that a job that asked for MPI but
 cannot have it fails at once with a clear message; :func:`job_backend` and
 :func:`process_set_backend` then build the communicators. The caller passes
-what its settings ask for as a :class:`Choice`.
+what its settings ask for as a :class:`Choice`; with Gloo, the job's
+communicator is hierarchical when the choice asks for it and the job
+qualifies (see :mod:`roundel.transport.hierarchical`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 
 from roundel.errors import SettingsError
+from roundel.transport import hierarchical
 from roundel.transport.backend import Backend
 from roundel.transport.gloo import GlooBackend
+
+log = logging.getLogger("roundel")
 
 _MPI_LAUNCHERS = ("openmpi", "mpich")
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The transport the settings ask for: ``cpu_operations`` ("gloo" or "mpi"), and Gloo's timeout in seconds."""
+    """The transport the settings ask for: ``cpu_operations`` ("gloo" or "mpi"), Gloo's timeout in
+    seconds, and whether allreduce and allgather should be hierarchical."""
 
     cpu_operations: str
     timeout_s: float
+    hierarchical_allreduce: bool = False
+    hierarchical_allgather: bool = False
 
 
 def mpi_importable() -> bool:
@@ -59,14 +68,29 @@ def check(choice: Choice, launcher) -> None:
 
 
 def job_backend(choice: Choice, store, rank: int, size: int, hostname: str,
-                world_ranks: tuple[int, ...]) -> Backend:
-    """The communicator of the whole job; ``world_ranks`` are its members' launched (COMM_WORLD) ranks."""
+                world_ranks: tuple[int, ...], placement=None) -> Backend:
+    """The communicator of the whole job; ``world_ranks`` are its members' launched (COMM_WORLD) ranks.
+
+    ``placement`` (this rank's ``local_rank``, ``local_size``, ``cross_rank``,
+    ``cross_size``, e.g. its ``Identity``) is needed for hierarchical collectives.
+    """
+    wants_hierarchical = choice.hierarchical_allreduce or choice.hierarchical_allgather
     if choice.cpu_operations == "mpi":
         from mpi4py import MPI
         from roundel.transport.mpi import MPIBackend  # imports mpi4py: only when MPI was asked for
 
+        if wants_hierarchical:
+            log.debug("roundel: hierarchical allreduce/allgather are Gloo-only; the MPI transport stays flat")
         return MPIBackend(MPI.COMM_WORLD, world_ranks)
-    return GlooBackend(store, rank, size, choice.timeout_s, hostname)
+    flat = GlooBackend(store, rank, size, choice.timeout_s, hostname)
+    if not wants_hierarchical or placement is None:
+        return flat
+    try:
+        return hierarchical.build(flat, store, placement, choice.timeout_s, hostname,
+                                  choice.hierarchical_allreduce, choice.hierarchical_allgather)
+    except BaseException:
+        flat.close()
+        raise
 
 
 def process_set_backend(choice: Choice, job: Backend, store, ranks: tuple[int, ...],

@@ -102,6 +102,25 @@ class GlooBackend(Backend):
         self._pg.broadcast([sent], options).wait()
         _back(tensor, sent)
 
+    def reduce(self, tensor, root: int, op) -> None:
+        """Reduce ``tensor`` into the root member's copy (the others' are left undefined)."""
+        sent = _wire(tensor)
+        options = dist.ReduceOptions()
+        options.reduceOp = _TORCH_OPS[op]
+        options.rootRank = root
+        self._pg.reduce([sent], options).wait()
+        _back(tensor, sent)
+
+    def gather(self, outputs: list, tensor, root: int) -> None:
+        """Gather ``tensor`` from every member into the root's ``outputs`` (one tensor per member)."""
+        sent_in = _wire(tensor)
+        sent_out = [_wire(t) for t in outputs] if self.rank == root else []
+        options = dist.GatherOptions()
+        options.rootRank = root
+        self._pg.gather([sent_out] if self.rank == root else [], [sent_in], options).wait()
+        for original, sent in zip(outputs if self.rank == root else [], sent_out):
+            _back(original, sent)
+
     def alltoall(self, output, tensor, output_splits, input_splits):
         sent_out, sent_in = _wire(output), _wire(tensor)
         self._pg.alltoall_base(sent_out, sent_in, list(output_splits), list(input_splits),

@@ -1,0 +1,74 @@
+"""Hierarchical allreduce and allgather on 2 simulated hosts x 2 slots, and flat on one host.
+
+Hosts are network namespaces running sshd (see ``netns_util``); the job is
+launched over ssh as users do, with ``--hierarchical-allreduce
+--hierarchical-allgather``. The worker checks results against NumPy and
+prints which communicator the job got; ``--verbose`` shows each rank's log
+line saying why it went hierarchical or stayed flat.
+"""
+
+import sys
+
+import pytest
+
+from launch_util import LAUNCHER, WORKERS_DIR, assert_checks_passed, describe, rank_lines, run_command
+from netns_util import SSH_PORT, NetnsHosts, require_tools
+
+WORKER = str(WORKERS_DIR / "torch_hierarchical.py")
+SCENARIOS = "allreduce,fused,allgather"
+FLAGS = ("--hierarchical-allreduce", "--hierarchical-allgather", "--verbose")
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    require_tools()
+    net = NetnsHosts(2, tmp_path_factory.mktemp("netns"))
+    yield net
+    net.close()
+
+
+def backends(result, np):
+    return [[line for line in rank_lines(result.stdout, rank, "stdout") if line.startswith("BACKEND")]
+            for rank in range(np)]
+
+
+def test_two_hosts_hierarchical_is_used_and_correct(hosts):
+    h1, h2 = hosts.addrs
+    result = run_command([*LAUNCHER, "-p", str(SSH_PORT), "-i", hosts.key, "-np", "4", "-H", f"{h1}:2,{h2}:2",
+                          *FLAGS, sys.executable, WORKER, SCENARIOS], env=hosts.ssh_env(), timeout=300)
+    assert_checks_passed(result, 4, *SCENARIOS.split(","))
+    assert backends(result, 4) == [["BACKEND HierarchicalBackend True True"]] * 4, describe(result)
+    for rank in range(4):
+        said = [line for line in rank_lines(result.stderr, rank, "stderr") if "hierarchical allreduce" in line]
+        assert len(said) == 1 and said[0].endswith(
+            f"hierarchical allreduce and allgather over 2 hosts x 2 ranks (local rank {rank % 2}, "
+            f"cross rank {rank // 2})"), describe(result)
+    assert "no effect yet" not in result.stderr
+    assert not hosts.leftovers()
+
+
+def test_two_hosts_allreduce_only(hosts):
+    h1, h2 = hosts.addrs
+    result = run_command([*LAUNCHER, "-p", str(SSH_PORT), "-i", hosts.key, "-np", "4", "-H", f"{h1}:2,{h2}:2",
+                          "--hierarchical-allreduce", sys.executable, WORKER, "fused,allgather"],
+                         env=hosts.ssh_env(), timeout=300)
+    assert_checks_passed(result, 4, "fused", "allgather")
+    assert backends(result, 4) == [["BACKEND HierarchicalBackend True False"]] * 4, describe(result)
+
+
+def test_uneven_hosts_stay_flat(hosts):
+    h1, h2 = hosts.addrs
+    result = run_command([*LAUNCHER, "-p", str(SSH_PORT), "-i", hosts.key, "-np", "3", "-H", f"{h1}:2,{h2}:1",
+                          *FLAGS, sys.executable, WORKER, "fused,allgather"], env=hosts.ssh_env(), timeout=300)
+    assert_checks_passed(result, 3, "fused", "allgather")
+    assert backends(result, 3) == [["BACKEND GlooBackend False False"]] * 3, describe(result)
+    assert "the job stays flat: hosts run different numbers of ranks (local sizes [1, 2])" in result.stderr
+
+
+def test_one_host_stays_flat_and_correct():
+    result = run_command([*LAUNCHER, "-np", "2", *FLAGS, sys.executable, WORKER, SCENARIOS], timeout=300)
+    assert_checks_passed(result, 2, *SCENARIOS.split(","))
+    assert backends(result, 2) == [["BACKEND GlooBackend False False"]] * 2, describe(result)
+    for rank in range(2):
+        assert any(line.endswith("the job stays flat: the job runs on one host")
+                   for line in rank_lines(result.stderr, rank, "stderr")), describe(result)
