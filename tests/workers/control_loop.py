@@ -25,7 +25,7 @@ from roundel.common import basics
 
 
 def control_port() -> int:
-    listener = basics._runtime.engine._listener
+    listener = basics._runtime.engine._coordinator._listener
     port = getattr(listener, "port", None)
     return port if port is not None else listener.getsockname()[1]
 

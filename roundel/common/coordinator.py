@@ -1,0 +1,393 @@
+"""The coordinator on rank 0: matches every rank's requests and sends back what to run.
+
+Rank 0's engine owns one ``Coordinator`` and runs its loop on the engine
+thread (:meth:`Coordinator.run`). It accepts the other ranks' control
+connections, feeds their requests and rank 0's own to the ``Negotiator``,
+dispatches the agreed batches (rank 0's to its own executor through the
+engine), and watches the job: heartbeats both ways, ranks that go silent
+(lost), deadlocks between ranks, stalls, and the goodbyes at shutdown. The
+messages are the records of :mod:`roundel.common.control_messages`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import selectors
+import threading
+import time
+
+from roundel.common import autotune, control_channel, control_codec, deadlock
+from roundel.common.control_messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
+from roundel.common.negotiation import Negotiator
+from roundel.common.settings import Settings
+from roundel.errors import RoundelInternalError
+
+log = logging.getLogger("roundel")
+
+TICK_S = 0.25  # liveness checks (heartbeats, lost ranks, deadlocks) run this often, on every rank
+HEARTBEAT_S = 1.0  # every rank and the coordinator send each other a heartbeat this often
+BYE_GRACE_S = 5.0  # how long a leaving coordinator waits for the others' goodbyes
+_STALL_POLL_S = 1.0
+_DEADLOCK_GRACE_S = 0.5
+
+
+def describe_silence(silent: float, timeout: float) -> str:
+    """Why a peer silent for ``silent`` s counts as lost, for error messages."""
+    return (f"no heartbeat for {silent:.1f} s (heartbeat timeout {timeout:g} s, "
+            "ROUNDEL_HEARTBEAT_TIMEOUT_SECONDS); the process is stopped, hung outside Python, "
+            "or its host or network is down")
+
+
+class Coordinator:
+    """Rank 0's coordination of the job; ``engine`` is rank 0's own ``Engine`` (its queue, executor, store)."""
+
+    def __init__(self, engine, size: int, settings: Settings, secret: bytes, advertise_host: str):
+        self._engine = engine
+        self._negotiator = Negotiator(size, settings.cache_capacity)
+        self._autotuner = autotune.Autotuner(settings) if settings.autotune else None
+        self._peers: dict[int, control_channel.Connection] = {}
+        self._readers: dict[int, control_channel.FrameReader] = {}
+        self._outbox: dict[int, list] = {}
+        self._resends: dict[int, list] = {}
+        self._finishing_since: float | None = None
+        self._accepted: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._last_dispatch = 0.0
+        self._next_tick = 0.0
+        self._last_heartbeat = 0.0
+        self._next_stall_check = 0.0
+        self._heard: dict[int, float] = {}  # peer rank -> when it was last heard from
+        self._hosts: dict[int, str] = {0: engine._host}
+        self._rank_waits: dict[int, tuple] = {}  # peer rank -> (sequence, waits)
+        self._deadlock_seen: tuple | None = None  # (since, {rank: sequence}) while a deadlock holds
+        self._ever_connected: set[int] = set()  # peers may join and leave (bye) before the last joins
+        self.all_connected = threading.Event()  # every other rank has joined: init() may return
+        if size == 1:
+            self.all_connected.set()
+        self.awaiting_idle = False  # ready names held back until the executor is idle
+        self._listener = control_channel.Listener(advertise_host, secret, self._connection_accepted,
+                                                  backlog=max(128, size),
+                                                  send_timeout_s=settings.heartbeat_timeout_s)
+        self.port = self._listener.port
+
+    def missing_peers(self) -> list[int]:
+        """The ranks that never joined the coordinator."""
+        return sorted(set(range(1, self._engine.size)) - self._ever_connected)
+
+    def _apply_control(self, message: tuple) -> None:
+        """A process-set change rank 0 queued, in order with its requests around it."""
+        if message[0] == "add_process_set":
+            self._negotiator.add_process_set(message[1], message[2])
+        elif message[0] == "remove_process_set":
+            self._negotiator.remove_process_set(message[1])
+
+    def _connection_accepted(self, connection: control_channel.Connection) -> None:
+        """Called by the listener's handshake threads: hand the connection to the coordinator loop."""
+        self._accepted.put(connection)
+        try:
+            os.write(self._engine._wake_w, b"a")
+        except OSError:
+            connection.close()  # the engine is shutting down
+
+    def run(self) -> None:
+        """The engine thread's loop on rank 0, until shutdown; a failure breaks the job on every rank."""
+        try:
+            while not self._step():
+                pass
+        except Exception as exc:
+            log.exception("roundel coordinator failed")
+            self._engine._break(f"roundel's coordinator on rank 0 failed: {exc!r}")
+            self._broadcast_abort(str(self._engine._broken))
+        finally:
+            if self._autotuner is not None:
+                self._autotuner.close()
+            self._listener.close()
+            for sock in self._peers.values():
+                sock.close()
+
+    def _step(self) -> bool:
+        if self._finishing_since is not None:  # leaving: wait for byes in bounded steps, never block
+            return self._finish()
+        timeout = self._timeout()
+        self._engine.timeline.cycle()
+        for key, _ in self._engine._selector.select(timeout):
+            if key.data == "wake":
+                self._wake()
+            else:
+                self._receive(key.data)
+        now = time.monotonic()
+        if self._engine._stopping:
+            return self._finish()
+        if now >= self._next_tick:
+            self._tick(now)
+        self._check_stalls(now)
+        self._dispatch(now)
+        return False
+
+    def _timeout(self) -> float | None:
+        negotiator = self._negotiator
+        waits = [self._next_tick - time.monotonic()]
+        if negotiator.has_ready():  # held back while the executor is busy: wake on idle or at the cycle
+            waits.append(self._last_dispatch + self._engine.tuned.cycle_time_ms / 1000 - time.monotonic())
+        if negotiator.has_pending() and self._engine.settings.stall_check_enabled:
+            waits.append(_STALL_POLL_S)
+        return max(0.0, min(waits))
+
+    def _wake(self) -> None:
+        items = self._engine._drain()
+        while not self._accepted.empty():
+            sock = self._accepted.get()
+            rank = sock.rank
+            if rank in self._peers or not 0 < rank < self._engine.size:
+                log.warning("roundel coordinator refused a second connection claiming rank %d", rank)
+                sock.close()
+                continue
+            self._peers[rank] = sock
+            self._readers[rank] = control_channel.FrameReader(sock)
+            self._engine._selector.register(sock, selectors.EVENT_READ, rank)
+            self._ever_connected.add(rank)
+            if len(self._ever_connected) == self._engine.size - 1:
+                self.all_connected.set()
+        if self._engine._broken is not None:
+            self._engine._fail_inflight(self._engine._broken)
+        now = time.monotonic()
+        for item in items:
+            if isinstance(item, tuple):
+                self._apply_control(item)
+            elif self._engine._broken is not None:
+                item.handle.set_error(self._engine._broken)
+            else:
+                self._engine._register(item)
+                if self._engine.timeline.active:
+                    self._engine.timeline.rank_ready(item.request.name, item.request.kind.label, 0)
+                self._negotiator.submit(0, item.request, now)
+
+    def _receive(self, rank: int) -> None:
+        sock = self._peers[rank]
+        try:
+            data = sock.recv(1 << 20)
+        except OSError:
+            data = b""
+        if not data:  # gone without saying goodbye: the job cannot go on, so every rank is told
+            reason = f"rank {rank} died (crashed or was killed) or lost its connection to the coordinator"
+            self._drop_peer(rank, reason)
+            self._engine._break(f"{reason}; the job's communication is broken")
+            self._broadcast_abort(str(self._engine._broken))
+            return
+        now = time.monotonic()
+        self._heard[rank] = now
+        negotiator = self._negotiator
+        for message in self._readers[rank].feed(data):
+            kind = type(message)
+            if kind is Heartbeat:
+                self._hosts[rank] = message.host
+            elif kind is Waits:
+                self._rank_waits[rank] = (message.sequence, message.waits)
+            elif kind is Submit:
+                version, bits = message.version, message.bits
+                stale = []
+                bit = 0
+                while bits:
+                    if bits & 1:
+                        if self._engine.timeline.active:
+                            self._timeline_cached_arrival(rank, bit, version)
+                        if not negotiator.submit_bit(rank, bit, version, now):
+                            stale.append((version, bit))
+                    bits >>= 1
+                    bit += 1
+                for request in message.full:
+                    if self._engine.timeline.active:
+                        self._engine.timeline.rank_ready(request.name, request.kind.label, rank)
+                    negotiator.submit(rank, request, now)
+                if stale:
+                    self._resends.setdefault(rank, []).extend(stale)
+            elif kind is Bye:
+                self._drop_peer(rank, f"rank {rank} has shut down: it finished, called hvd.shutdown(), "
+                                      "or failed and exited (its own output says which)")
+                return
+
+    def _timeline_cached_arrival(self, rank: int, bit: int, version: int) -> None:
+        cached = self._negotiator.cache.lookup(bit, version)
+        if cached is not None and rank in cached[1]:
+            request = cached[1][rank]
+            self._engine.timeline.rank_ready(request.name, request.kind.label, rank)
+
+    def _drop_peer(self, rank: int, reason: str) -> None:
+        sock = self._peers.pop(rank, None)
+        if sock is None:
+            return
+        self._engine._selector.unregister(sock)
+        sock.close()
+        self._readers.pop(rank, None)
+        self._heard.pop(rank, None)
+        self._rank_waits.pop(rank, None)
+        self._negotiator.rank_left(rank, reason)
+
+    def _tick(self, now: float) -> None:
+        """Heartbeat every peer, declare silent ones lost, and look for a deadlock."""
+        self._next_tick = now + TICK_S
+        own = self._engine._waits.snapshot()  # before draining: every name rank 0 waits for is then submitted
+        self._wake()
+        self._heartbeat_peers(now)
+        timeout = self._engine.settings.heartbeat_timeout_s
+        for rank in list(self._peers):
+            silent = now - self._heard.setdefault(rank, now)
+            if silent > timeout:
+                self._lose_peer(rank, f"stopped responding: {describe_silence(silent, timeout)}")
+        self._check_deadlock(now, own)
+
+    def _heartbeat_peers(self, now: float) -> None:
+        beat = now - self._last_heartbeat >= HEARTBEAT_S
+        if beat:
+            self._last_heartbeat = now
+        for rank in list(self._peers):
+            if beat or rank not in self._heard:  # a new peer learns rank 0's host at once
+                self._send_peer(rank, Heartbeat(self._engine._host))
+
+    def _lose_peer(self, rank: int, reason: str) -> None:
+        host = self._hosts.get(rank, "unknown")
+        self._engine._record_lost(rank, host, reason)
+        named = f"rank {rank} (host {host}) {reason}"
+        self._drop_peer(rank, named)
+        self._engine._break(f"{named}; the job's communication is broken")
+        self._broadcast_abort(str(self._engine._broken))
+
+    def _check_deadlock(self, now: float, own: tuple) -> None:
+        """Fail the waited names once every involved rank has been blocked on them, unchanged, for the grace."""
+        if self._engine._broken is not None:
+            return
+        states = dict(self._rank_waits)
+        states[0] = own
+        negotiator = self._negotiator
+        live = [r for r in negotiator.live_ranks() if r == 0 or r in self._peers]
+        stuck = deadlock.deadlocked_ranks({r: w for r, (_, w) in states.items()}, live,
+                                          negotiator.missing_ranks)
+        if not stuck:
+            self._deadlock_seen = None
+            return
+        seqs = {r: states[r][0] for r in stuck}
+        if self._deadlock_seen is None or self._deadlock_seen[1] != seqs:
+            self._deadlock_seen = (now, seqs)
+            return
+        if now - self._deadlock_seen[0] < _DEADLOCK_GRACE_S:
+            return
+        # only ranks heard from since (alive, still blocked alike) count: a stopped rank's last report is
+        # stale (e.g. sent before the request it names); the heartbeat timeout deals with that rank
+        if any(r != 0 and self._heard.get(r, 0.0) <= self._deadlock_seen[0] for r in stuck):
+            return
+        self._deadlock_seen = None
+        message = ("roundel detected a deadlock: these ranks are blocked on collectives that can never "
+                   "complete because the ranks called different collectives (or in a different order): "
+                   f"{deadlock.describe(stuck, negotiator.missing_ranks)}. These collectives fail on every "
+                   "rank that submitted them; later collectives work once the ranks call matching ones")
+        log.error("%s", message)
+        for waits in stuck.values():
+            negotiator.fail_waits(waits, message)
+
+    def _check_stalls(self, now: float) -> None:
+        settings = self._engine.settings
+        if not settings.stall_check_enabled or now < self._next_stall_check:
+            return
+        self._next_stall_check = now + _STALL_POLL_S
+        for name, ps_id, missing, present, waited in self._negotiator.stalled(now, settings.stall_check_time_s):
+            log.warning(
+                "roundel stall: '%s' (process set %d) has waited %.0f s; submitted by rank(s) %s, "
+                "not yet by rank(s) %s. Those ranks may be running different code, be stuck, or "
+                "be skipping this collective.", name, ps_id, waited,
+                ", ".join(map(str, present)), ", ".join(map(str, missing)))
+        if settings.stall_shutdown_time_s > 0:
+            self._negotiator.fail_stalled(now, settings.stall_shutdown_time_s)
+
+    def _dispatch(self, now: float) -> None:
+        """Send what is ready: at once while the pipeline is idle, else batched per cycle time.
+
+        Holding ready names back while rank 0's executor is busy lets them
+        accumulate and fuse; an idle executor means nobody gains from waiting.
+        """
+        negotiator = self._negotiator
+        due = self._engine.executor.idle() or now - self._last_dispatch >= self._engine.tuned.cycle_time_ms / 1000
+        batches = []
+        if due and negotiator.has_ready():
+            batches = negotiator.take(self._engine.tuned.fusion_threshold)
+            self._last_dispatch = now
+        elif negotiator.has_direct():
+            batches = negotiator.take_direct()
+        self.awaiting_idle = negotiator.has_ready()
+        if self._engine.timeline.active:
+            for _, batch in batches:
+                for entry in batch.entries:
+                    self._engine.timeline.negotiated(entry.name)
+        mine = []
+        for members, batch in batches:
+            sent = negotiator.compact_form(batch) or batch  # bits where the members hold the requests
+            for member in members:
+                if member == 0:
+                    mine.append(batch)
+                elif member in self._peers:
+                    self._outbox.setdefault(member, []).append(sent)
+        if mine:
+            self._engine._accept_batches(mine)
+        evicted = [bit for bit, _ in negotiator.take_evictions()]
+        version = negotiator.cache.version
+        targets = set(self._outbox) | set(self._resends) | (set(self._peers) if evicted else set())
+        encoded: dict[tuple, bytes] = {}  # peers getting the same batches share one encoding
+        for rank in targets:
+            outbox, resends = self._outbox.get(rank, []), self._resends.get(rank, [])
+            same = (tuple(map(id, outbox)), bool(resends))
+            payload = None if resends else encoded.get(same)
+            if payload is None:
+                payload = control_codec.encode(Dispatch(version, outbox, evicted, resends))
+                if not resends:
+                    encoded[same] = payload
+            self._send_peer_encoded(rank, payload)
+        self._outbox.clear()
+        self._resends.clear()
+        if self._autotuner is not None and not self._autotuner.done:
+            self._autotune(batches)
+
+    def _autotune(self, batches) -> None:
+        """Score the dispatched batches; apply and announce new settings when a sample ends."""
+        params = self._autotuner.observe(batches)
+        if params is None:
+            return
+        if params.cache_enabled != self._engine.tuned.cache_enabled:
+            self._negotiator.set_cache_capacity(self._engine.settings.cache_capacity if params.cache_enabled else 0)
+        self._engine.tuned = params
+        for rank in list(self._peers):
+            self._send_peer(rank, Tune(params))
+
+    def _send_peer(self, rank: int, message) -> None:
+        self._send_peer_encoded(rank, control_codec.encode(message))
+
+    def _send_peer_encoded(self, rank: int, payload: bytes) -> None:
+        try:
+            self._peers[rank].send_encoded(payload)
+        except (OSError, KeyError):
+            pass  # a closed peer is noticed by select and dropped there
+
+    def _broadcast_abort(self, message: str) -> None:
+        for sock in self._peers.values():
+            try:
+                control_channel.send(sock, Abort(message))
+            except OSError:
+                pass
+
+    def _finish(self) -> bool:
+        """Rank 0 is leaving: fail what needs it, let the others say goodbye, then stop."""
+        if self._finishing_since is None:
+            self._finishing_since = time.monotonic()
+            self._negotiator.rank_left(0, "rank 0 has shut down: it finished, called hvd.shutdown(), "
+                                          "or failed and exited (its own output says which)")
+            self._engine._fail_inflight(RoundelInternalError("roundel was shut down on this rank"))
+        self._dispatch(time.monotonic() + 1.0)
+        self._heartbeat_peers(time.monotonic())  # the others wait for rank 0's goodbye, not a timeout
+        waited = time.monotonic() - self._finishing_since
+        if self._peers and waited < BYE_GRACE_S:
+            for key, _ in self._engine._selector.select(0.1):
+                if key.data == "wake":
+                    self._engine._drain()
+                else:
+                    self._receive(key.data)
+            return False
+        return True
