@@ -180,3 +180,12 @@ class NetnsHosts:
         self._cleanup()
         fcntl.flock(self._lock, fcntl.LOCK_UN)
         self._lock.close()
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    """Two simulated hosts for every test of a module (import this fixture into the test module)."""
+    require_tools()
+    net = NetnsHosts(2, tmp_path_factory.mktemp("netns"))
+    yield net
+    net.close()

@@ -9,22 +9,13 @@ line saying why it went hierarchical or stayed flat.
 
 import sys
 
-import pytest
-
 from launch_util import LAUNCHER, WORKERS_DIR, assert_checks_passed, describe, rank_lines, run_command
-from netns_util import SSH_PORT, NetnsHosts, require_tools
+from netns_util import SSH_PORT
+from netns_util import two_hosts as hosts  # noqa: F401 (a fixture)
 
 WORKER = str(WORKERS_DIR / "torch_hierarchical.py")
 SCENARIOS = "allreduce,fused,allgather"
 FLAGS = ("--hierarchical-allreduce", "--hierarchical-allgather", "--verbose")
-
-
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
-    require_tools()
-    net = NetnsHosts(2, tmp_path_factory.mktemp("netns"))
-    yield net
-    net.close()
 
 
 def backends(result, np):

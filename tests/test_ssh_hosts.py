@@ -15,18 +15,11 @@ import psutil
 import pytest
 
 from launch_util import LAUNCHER, WORKERS_DIR, assert_checks_passed, clean_env, describe, rank_lines, run_command
-from netns_util import LAUNCHER_ADDR, SSH_PORT, NetnsHosts, require_tools
+from netns_util import LAUNCHER_ADDR, SSH_PORT
+from netns_util import two_hosts as hosts  # noqa: F401 (a fixture)
 
 WORKER = str(Path(__file__).parent / "scripts" / "worker.py")
 COLLECTIVES = str(WORKERS_DIR / "torch_collectives.py")
-
-
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
-    require_tools()
-    net = NetnsHosts(2, tmp_path_factory.mktemp("netns"))
-    yield net
-    net.close()
 
 
 def launch_args(hosts, *extra):

@@ -383,19 +383,9 @@ def _srun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s
         bind = _bind_address(env, _srun_listen_address(host, env))
     except ValueError as exc:
         raise RoundelInternalError(f"rank 0 cannot choose the address to listen on: {exc}") from None
-    server = RendezvousServer(secret, bind, port)
-    try:
-        server.start()
-    except OSError as exc:
-        raise RoundelInternalError(
-            f"rank 0 could not listen on {bind}:{port} for the rendezvous ({exc}); choose another port with "
-            f"ROUNDEL_RENDEZVOUS_PORT, or the address with {RENDEZVOUS_BIND}") from None
-    if path is not None:
-        try:
-            secret_file.publish(path, secret_file.JobSecret(secret, host, port))
-        except BaseException:
-            server.stop()
-            raise
+    server = secret_file.serve(secret, bind, port, host, path,
+                               f"choose another port with ROUNDEL_RENDEZVOUS_PORT, or the address with "
+                               f"{RENDEZVOUS_BIND}")
     return host, port, secret, server, path
 
 

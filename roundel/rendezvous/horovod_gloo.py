@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from roundel.errors import RoundelInternalError, SettingsError
+from roundel.errors import SettingsError
 from roundel.rendezvous import identity as identity_env
 from roundel.rendezvous import network, secret_file
 from roundel.rendezvous.identity import LauncherIdentity
@@ -62,16 +62,5 @@ def store(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s
         bind = env.get(identity_env.RENDEZVOUS_BIND) or network.resolve(host)
     except ValueError as exc:
         raise SettingsError(f"{ADDR}={host!r}: {exc}") from None
-    server = RendezvousServer(secret, bind, port)
-    try:
-        server.start()
-    except OSError as exc:
-        raise RoundelInternalError(f"rank 0 could not listen on port {port} ({PORT}) for the rendezvous: {exc}; "
-                                   "choose a free port") from None
-    if path is not None:
-        try:
-            secret_file.publish(path, secret_file.JobSecret(secret, host, port))
-        except BaseException:
-            server.stop()
-            raise
+    server = secret_file.serve(secret, bind, port, host, path, f"choose a free port ({PORT})")
     return host, port, secret, server, path

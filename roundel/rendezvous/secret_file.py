@@ -31,6 +31,7 @@ from typing import Mapping
 
 from roundel.errors import RoundelInternalError, SettingsError
 from roundel.rendezvous import identity as identity_env
+from roundel.rendezvous.store import RendezvousServer
 
 __all__ = ["SECRET_DIR", "JobSecret", "SecretFileError", "job_secret_path", "publish", "read", "remove"]
 
@@ -192,3 +193,24 @@ def remove(path: Path) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def serve(secret: bytes, bind: str, port: int, host: str, path, what_to_do: str) -> RendezvousServer:
+    """Rank 0's store on ``bind:port``, with the secret published at ``path`` (None: nothing to publish).
+
+    Raises RoundelInternalError ending with ``what_to_do`` when the port cannot be bound; the
+    store is stopped again if publishing fails.
+    """
+    server = RendezvousServer(secret, bind, port)
+    try:
+        server.start()
+    except OSError as exc:
+        raise RoundelInternalError(f"rank 0 could not listen on {bind}:{port} for the rendezvous ({exc}); "
+                                   f"{what_to_do}") from None
+    if path is not None:
+        try:
+            publish(path, JobSecret(secret, host, port))
+        except BaseException:
+            server.stop()
+            raise
+    return server
