@@ -66,6 +66,14 @@ def test_training_over_mpi_matches_gloo():
     assert weights[("mpi", "0")] == pytest.approx(weights[("gloo", "0")], rel=1e-6, abs=1e-7)
 
 
+def test_hierarchical_collectives_over_mpi():
+    result = mpirun(4, "torch_mpi_backend.py", "hierarchical",
+                    extra=("-x", "HOROVOD_LOG_LEVEL=debug"))
+    assert result.returncode == 0 and checks_passed(result.stdout, 4, "hierarchical"), describe(result)
+    assert transports(result.stdout) == over_mpi(4), describe(result)
+    assert result.stderr.count("stays flat: the job runs on one host") == 4, describe(result)
+
+
 def test_roundelrun_mpi_moves_data_over_mpi():
     require("mpirun", "mpi4py")
     result = run_job(2, "torch_mpi_backend.py", "transport", launcher_args=["--mpi"],

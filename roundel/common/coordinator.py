@@ -326,8 +326,6 @@ class Coordinator:
                     mine.append(batch)
                 elif member in self._peers:
                     self._outbox.setdefault(member, []).append(sent)
-        if mine:
-            self._engine._accept_batches(mine)
         evicted = [bit for bit, _ in negotiator.take_evictions()]
         version = negotiator.cache.version
         targets = set(self._outbox) | set(self._resends) | (set(self._peers) if evicted else set())
@@ -343,6 +341,8 @@ class Coordinator:
             self._send_peer_encoded(rank, payload)
         self._outbox.clear()
         self._resends.clear()
+        if mine:  # after the peers' messages are out: rank 0's executor waits for them in the collective anyway
+            self._engine._accept_batches(mine)
         if self._autotuner is not None and not self._autotuner.done:
             self._autotune(batches)
 

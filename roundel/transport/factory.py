@@ -3,8 +3,8 @@
 :func:`check` runs first in ``init()`` so that a job that asked for MPI but
 cannot have it fails at once with a clear message; :func:`job_backend` and
 :func:`process_set_backend` then build the communicators. The caller passes
-what its settings ask for as a :class:`Choice`; with Gloo, the job's
-communicator is hierarchical when the choice asks for it and the job
+what its settings ask for as a :class:`Choice`; the job's communicator
+(Gloo or MPI) is hierarchical when the choice asks for it and the job
 qualifies (see :mod:`roundel.transport.hierarchical`).
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+
+import torch.distributed as dist
 
 from roundel.errors import SettingsError
 from roundel.transport import hierarchical
@@ -79,15 +81,20 @@ def job_backend(choice: Choice, store, rank: int, size: int, hostname: str,
         from mpi4py import MPI
         from roundel.transport.mpi import MPIBackend  # imports mpi4py: only when MPI was asked for
 
-        if wants_hierarchical:
-            log.debug("roundel: hierarchical allreduce/allgather are Gloo-only; the MPI transport stays flat")
-        return MPIBackend(MPI.COMM_WORLD, world_ranks)
-    flat = GlooBackend(store, rank, size, choice.timeout_s, hostname)
+        flat = MPIBackend(MPI.COMM_WORLD, world_ranks)
+
+        def sub_communicator(label, members, rank):
+            return flat.subset(members)
+    else:
+        flat = GlooBackend(store, rank, size, choice.timeout_s, hostname)
+
+        def sub_communicator(label, members, rank):
+            return GlooBackend(dist.PrefixStore(f"{label}/", store), rank, len(members), choice.timeout_s, hostname)
     if not wants_hierarchical or placement is None:
         return flat
     try:
-        return hierarchical.build(flat, store, placement, choice.timeout_s, hostname,
-                                  choice.hierarchical_allreduce, choice.hierarchical_allgather)
+        return hierarchical.build(flat, placement, sub_communicator, choice.hierarchical_allreduce,
+                                  choice.hierarchical_allgather)
     except BaseException:
         flat.close()
         raise

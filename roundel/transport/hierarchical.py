@@ -3,9 +3,9 @@
 ``HOROVOD_HIERARCHICAL_ALLREDUCE`` / ``HOROVOD_HIERARCHICAL_ALLGATHER`` (or
 ``roundelrun --hierarchical-allreduce`` / ``--hierarchical-allgather``) make
 the job's communicator a :class:`HierarchicalBackend`: the flat communicator
-of the job plus two Gloo sub-communicators, *local* (the ranks on this host,
-numbered by local rank) and *cross* (the ranks with this local rank on every
-host, numbered by cross rank).
+of the job plus two sub-communicators of the same transport (Gloo or MPI),
+*local* (the ranks on this host, numbered by local rank) and *cross* (the
+ranks with this local rank on every host, numbered by cross rank).
 
 Both collectives go through one leader per host (local rank 0): local
 reduce (or gather) to it, the leaders' allreduce (or allgather) across hosts,
@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import logging
 
+from typing import Callable
+
 import torch
-import torch.distributed as dist
 
 from roundel.ops import ReduceOp
 from roundel.transport.backend import Backend
-from roundel.transport.gloo import GlooBackend
 
 log = logging.getLogger("roundel")
 
@@ -48,7 +48,7 @@ class HierarchicalBackend(Backend):
     that is flat rank order already (ranks numbered host by host).
     """
 
-    def __init__(self, flat: Backend, local: GlooBackend, cross: GlooBackend, order: list[int] | None,
+    def __init__(self, flat: Backend, local: Backend, cross: Backend, order: list[int] | None,
                  hierarchical_allreduce: bool, hierarchical_allgather: bool):
         super().__init__(flat.rank, flat.size)
         self.name = flat.name  # the timeline names the transport's calls as the flat ones
@@ -102,15 +102,19 @@ class HierarchicalBackend(Backend):
             backend.close()
 
 
-def build(flat: Backend, store, placement, timeout_s: float, hostname: str,
+def build(flat: Backend, placement, sub_communicator: Callable[[str, tuple[int, ...], int], Backend],
           hierarchical_allreduce: bool, hierarchical_allgather: bool) -> Backend:
     """``flat`` wrapped with hierarchical collectives when the job qualifies, else ``flat`` itself.
 
     Collective over the job: every rank calls it with its own ``placement``
     (anything with ``local_rank``, ``local_size``, ``cross_rank`` and
-    ``cross_size``, e.g. the rank's ``Identity``). The sub-communicators'
-    Gloo bootstrap keys live in ``store`` under ``local<cross_rank>/`` and
-    ``cross<local_rank>/``.
+    ``cross_size``, e.g. the rank's ``Identity``). The local and cross
+    communicators come from ``sub_communicator(label, members, rank)``:
+    ``label`` names the group (``local<cross rank>`` or ``cross<local rank>``,
+    the same on all its members), ``members`` are its flat ranks in the
+    group's rank order and ``rank`` is this rank's place among them. The
+    transport must offer ``reduce`` and ``gather`` besides the collectives of
+    :class:`Backend`.
     """
     mine = torch.tensor([placement.local_rank, placement.local_size, placement.cross_rank,
                          placement.cross_size], dtype=torch.int64)
@@ -122,9 +126,15 @@ def build(flat: Backend, store, placement, timeout_s: float, hostname: str,
         log.debug("roundel: hierarchical allreduce/allgather asked for, but the job stays flat: %s", reason)
         return flat
     local_rank, local_size, cross_rank, cross_size = places[flat.rank]
-    local = GlooBackend(dist.PrefixStore(f"local{cross_rank}/", store), local_rank, local_size, timeout_s, hostname)
-    cross = GlooBackend(dist.PrefixStore(f"cross{local_rank}/", store), cross_rank, cross_size, timeout_s,
-                        hostname)
+    by_place = {(cr, lr): r for r, (lr, _, cr, _) in enumerate(places)}
+    local = sub_communicator(f"local{cross_rank}", tuple(by_place[cross_rank, lr] for lr in range(local_size)),
+                             local_rank)
+    try:
+        cross = sub_communicator(f"cross{local_rank}", tuple(by_place[cr, local_rank] for cr in range(cross_size)),
+                                 cross_rank)
+    except BaseException:
+        local.close()
+        raise
     order = [cr * local_size + lr for lr, _, cr, _ in places]
     done = [what for what, on in (("allreduce", hierarchical_allreduce), ("allgather", hierarchical_allgather))
             if on]

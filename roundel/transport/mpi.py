@@ -91,6 +91,28 @@ class MPIBackend(Backend):
     def broadcast(self, tensor, root):
         self.comm.Bcast(_words(tensor), root=root)
 
+    def reduce(self, tensor, root: int, op) -> None:
+        """Reduce ``tensor`` into the root member's copy (the others' are left as they were)."""
+        wide = _REDUCE_AS.get(tensor.dtype)
+        sent = tensor if wide is None else tensor.to(wide)
+        values = _values(sent)
+        if self.rank == root:
+            self.comm.Reduce(MPI.IN_PLACE, values, op=_MPI_OPS[op], root=root)
+            if sent is not tensor:
+                tensor.copy_(sent)
+        else:
+            self.comm.Reduce(values, None, op=_MPI_OPS[op], root=root)
+
+    def gather(self, outputs: list, tensor, root: int) -> None:
+        """Gather ``tensor`` from every member into the root's ``outputs`` (one tensor per member)."""
+        if self.rank != root:
+            self.comm.Gather(_words(tensor), None, root=root)
+            return
+        received = torch.empty((self.size,) + tuple(tensor.reshape(-1).shape), dtype=tensor.dtype)
+        self.comm.Gather(_words(tensor), _words(received), root=root)
+        for output, row in zip(outputs, received):
+            output.copy_(row.view(output.shape))
+
     def alltoall(self, output, tensor, output_splits, input_splits):
         send_row, recv_row = _row_size(tensor), _row_size(output)
         send_counts = [n * send_row for n in input_splits]

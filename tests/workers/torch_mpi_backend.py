@@ -9,6 +9,12 @@ torch_collectives.py's scenarios, then prints the TRANSPORT line below.
   per-rank data, then print ``WEIGHTS <transport> <rank> <json list>``.
 - ``subcomm``: ``init(comm=...)`` splits 3+ ranks into the even and the odd
   ranks; each job's allreduce must sum its own members only.
+- ``hierarchical``: 4 ranks under one mpirun, placed as if on 2 hosts x 2
+  (host = rank % 2, so host-major order differs from rank order): the
+  transport factory builds the MPI job communicator with hierarchical
+  allreduce and allgather over MPI sub-communicators, checked against
+  NumPy-style expectations for several dtypes and ops; then a real
+  ``hvd.init()`` with both flags on this one host stays flat.
 """
 
 from __future__ import annotations
@@ -74,7 +80,43 @@ def scenario_subcomm():
     print(_transport_line(), flush=True)
 
 
-SCENARIOS = {"transport": scenario_transport, "train": scenario_train, "subcomm": scenario_subcomm}
+def scenario_hierarchical():
+    from types import SimpleNamespace
+
+    from mpi4py import MPI
+
+    from roundel.transport import factory, hierarchical
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    assert size == 4, "run with mpirun -np 4"
+    place = SimpleNamespace(local_rank=rank // 2, local_size=2, cross_rank=rank % 2, cross_size=2)
+    backend = factory.job_backend(factory.Choice("mpi", 30.0, True, True), None, rank, size, "",
+                                  tuple(range(size)), placement=place)
+    assert isinstance(backend, hierarchical.HierarchicalBackend) and backend.local.name == "mpi", backend
+    assert (backend.local.rank, backend.cross.rank) == (rank // 2, rank % 2), (backend.local.rank, backend.cross.rank)
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.float16, torch.bfloat16):
+        tensor = torch.arange(10, dtype=torch.float64).add(rank * 100).to(dtype)
+        backend.allreduce(tensor, hvd.Sum)
+        check(tensor, (torch.arange(10, dtype=torch.float64) * size + 600).to(dtype), f"hierarchical sum {dtype}")
+    tensor = torch.tensor([rank, -rank, 7], dtype=torch.int64)
+    backend.allreduce(tensor, hvd.Max)
+    check(tensor, torch.tensor([size - 1, 0, 7]), "hierarchical max")
+    for width in (3, 0):
+        mine = torch.full((width,), float(rank))
+        output = torch.empty(size * width)
+        backend.allgather(output, mine)
+        check(output, torch.arange(size, dtype=torch.float32).repeat_interleave(width), f"hierarchical allgather {width}")
+    backend.close()
+    os.environ.update(HOROVOD_HIERARCHICAL_ALLREDUCE="1", HOROVOD_HIERARCHICAL_ALLGATHER="1")
+    hvd.init()  # one real host: the job stays flat, and says why at debug level
+    total = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="flat")
+    check(total, torch.full((2,), float(size)), "one host stays flat")
+    print(_transport_line(), flush=True)
+
+
+SCENARIOS = {"transport": scenario_transport, "train": scenario_train, "subcomm": scenario_subcomm,
+             "hierarchical": scenario_hierarchical}
 
 if __name__ == "__main__":
     if sys.argv[1] == "collectives":
