@@ -1,9 +1,14 @@
 """Collectives on TensorFlow tensors, eagerly and inside ``tf.function``.
 
-Each collective converts its inputs to NumPy, wraps them as the engine's
-buffers (:mod:`roundel.common.buffers`, no copy), submits them through
+Each collective hands its inputs to the engine as buffers
+(:mod:`roundel.common.buffers`), submits them through
 :mod:`roundel.common.collectives` and converts the results back. Nothing here
-talks to the other ranks itself.
+talks to the other ranks itself. Eagerly, inputs and results cross over
+DLPack without a copy: the engine only reads a TensorFlow tensor's memory and
+writes the result into a buffer of its own, which becomes the result tensor
+(one copy in all, the engine's; through ``Tensor.numpy()`` and
+``tf.convert_to_tensor`` there would be three). Inside ``tf.function`` the
+values are NumPy copies (see below).
 
 Eagerly, a collective submits and waits in place. Inside a ``tf.function``
 each collective becomes two ``tf.numpy_function`` ops:
@@ -36,6 +41,8 @@ import re
 
 import numpy as np
 import tensorflow as tf
+import torch
+import torch.utils.dlpack
 
 from roundel.common import basics, buffers, collectives
 from roundel.common.process_sets import global_process_set
@@ -62,6 +69,20 @@ def to_buffer(array):
 def to_numpy(buffer) -> np.ndarray:
     """The NumPy view of an engine buffer (bfloat16 as TensorFlow's NumPy bfloat16)."""
     return buffers.to_numpy(buffer, bfloat16=_BF16)
+
+
+@_do_not_convert
+def _shared_numpy(tensor) -> np.ndarray:
+    """A NumPy view of an eager CPU tensor's own memory (DLPack); for reading only."""
+    return to_numpy(torch.from_dlpack(tf.experimental.dlpack.to_dlpack(tensor)))
+
+
+@_do_not_convert
+def _as_tensor(array: np.ndarray, dtype):
+    """``array`` (an engine result, not used elsewhere) as a tensor of ``dtype``, sharing its memory."""
+    if array.dtype != dtype.as_numpy_dtype:
+        return tf.convert_to_tensor(array, dtype=dtype)
+    return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(buffers.from_numpy(array)))
 
 
 @_do_not_convert
@@ -167,11 +188,11 @@ def _collective(kind: str, inputs: list, name, submit, finish, out_dtypes: list,
     """
     if tf.executing_eagerly():
         try:
-            handle = submit([t.numpy() for t in inputs], name)
+            handle = submit([_shared_numpy(t) for t in inputs], name)
             arrays = finish(collectives.synchronize(handle))
         except CollectiveMismatchError as error:
             raise tf_errors.translate(kind, error) from error
-        return [tf.convert_to_tensor(a, dtype=d) for a, d in zip(arrays, out_dtypes)]
+        return [_as_tensor(a, d) for a, d in zip(arrays, out_dtypes)]
 
     graph = tf.compat.v1.get_default_graph()
     op_name = _graph_name(graph, kind, name, inputs[0] if inputs else None)
