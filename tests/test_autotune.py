@@ -100,12 +100,13 @@ def batch(*names, elements=1024, process_set_id=0, error=None):
     return ((0, 1), Batch(OpKind.ALLREDUCE, process_set_id, entries, error=error))
 
 
-def test_a_sample_is_steps_of_the_same_names_and_warmups_are_discarded(tmp_path):
+def test_a_sample_is_the_median_of_five_windows_of_steps_and_warmups_are_discarded(tmp_path):
     clock = FakeClock()
     s = settings(tmp_path, autotune_warmup_samples=1, autotune_steps_per_sample=3,
                  autotune_bayes_opt_max_samples=2, cache_capacity=16)
     tuner = Autotuner(s, clock=clock)
     assert tuner.params.cache_enabled
+    step_bytes = 3 * 4096
 
     def train(steps: int, seconds_per_step: float):
         changes = []
@@ -116,14 +117,18 @@ def test_a_sample_is_steps_of_the_same_names_and_warmups_are_discarded(tmp_path)
             clock.now += seconds_per_step
         return [c for c in changes if c is not None]
 
-    assert train(3, 0.5) == []  # three steps: the window is not over until a name comes back
-    assert train(3, 0.25) == []  # the first window (warm-up) ended at step 4 and was discarded
-    changes = train(1, 1.0)  # step 7 ends the first sample: steps 4-6, 3 x 12 KiB in 0.75 s
+    assert train(3, 0.25) == []  # a window is not over until a name comes back for a fourth step
+    assert train(12, 0.25) == []  # steps 1-15: the warm-up sample's five windows, discarded at step 16
+    assert tuner.samples == []
+    changes = []
+    for seconds in (1.0, 0.5, 0.1, 0.5, 2.0):  # the first sample: five windows of 3 steps from step 16
+        changes += train(3, seconds)
+    changes += train(1, 0.1)  # step 31 ends it; its score is the median window's (3 steps in 1.5 s)
     assert changes == [TunedParams(4 * MIB, 5.0, True, True)], changes
-    assert tuner.samples == [(TunedParams(1 * MIB, 50.0, True, True), pytest.approx(3 * 3 * 4096 / 0.75))]
-    changes = train(3, 0.1)  # the second (last) sample: steps 7-9, the first of which took 1 s
-    assert changes == [TunedParams(1 * MIB, 50.0, True, False)], changes  # the better one, fixed
-    assert tuner.samples[1] == (TunedParams(4 * MIB, 5.0, True, True), pytest.approx(3 * 3 * 4096 / 1.2))
+    assert tuner.samples == [(TunedParams(1 * MIB, 50.0, True, True), pytest.approx(3 * step_bytes / 1.5))]
+    changes = train(15, 0.1)  # the second (last) sample: steps 31-45, ended by step 46
+    assert changes == [TunedParams(4 * MIB, 5.0, True, False)], changes  # the better one, fixed
+    assert tuner.samples[1] == (TunedParams(4 * MIB, 5.0, True, True), pytest.approx(3 * step_bytes / 0.3))
     assert tuner.done and train(5, 0.1) == []
     assert len(log_rows(s.autotune_log)) == 2
 
@@ -181,7 +186,7 @@ def test_two_rank_job_tunes_agrees_and_stays_exact(tmp_path):
     log = tmp_path / "autotune.csv"
     result = run_job(2, "torch_autotune.py", launcher_args=[
         "--autotune", "--autotune-log-file", log, "--autotune-warmup-samples", 1,
-        "--autotune-steps-per-sample", 5, "--autotune-bayes-opt-max-samples", 6,
+        "--autotune-steps-per-sample", 2, "--autotune-bayes-opt-max-samples", 6,
         "--fusion-threshold-mb", 1, "--cycle-time-ms", 20, "--verbose"], timeout=240)
     assert_checks_passed(result, 2, "autotune")
     tuned = [json.loads(next(line for line in rank_lines(result.stdout, rank, "stdout")
@@ -196,7 +201,7 @@ def test_two_rank_job_tunes_agrees_and_stays_exact(tmp_path):
     assert float(best["tensor_fusion_threshold"]) == pytest.approx(fusion / MIB, rel=1e-5)
     assert float(best["cycle_time_ms"]) == pytest.approx(cycle, rel=1e-5)
     assert best["cache_enabled"] == str(int(cache))
-    assert tuned[0]["steps"] >= 7 * 5  # a warm-up and six samples of five steps each
+    assert tuned[0]["steps"] >= 7 * 5 * 2  # a warm-up and six samples, each of five windows of two steps
     debug = rank_lines(result.stderr, 0, "stderr")
     assert sum("roundel autotune: sample " in line for line in debug) == 6, describe(result)
     assert sum("roundel autotune: done after 6 samples" in line for line in debug) == 1, describe(result)

@@ -21,24 +21,26 @@ boundaries, and an optimizer may reduce on a process set that some ranks are
 not in); the fusion threshold already decides how much of what is ready
 travels together.
 
-A *step* is one reduction of the same tensor name: a sample's window ends
-when a name of the global process set is dispatched for the
-``steps_per_sample + 1``-th time since the window began, so a window holds
-``steps_per_sample`` whole training steps. Its score is the bytes dispatched
-in it (every collective of the global process set) per second of wall
-clock. The first ``warmup_samples`` windows, at the configured settings, are
-discarded. Then ``bayes_opt_max_samples`` samples are taken: the configured
-settings, Horovod's fixed starting points (4 MiB/5 ms, 32/50, 16/25, 8/10),
-then the points that maximise the expected improvement of a Gaussian process
+A *step* is one reduction of the same tensor name: a window ends when a
+name of the global process set is dispatched for the ``steps_per_sample +
+1``-th time since the window began, so a window holds ``steps_per_sample``
+whole training steps, and its score is the bytes dispatched in it (every
+collective of the global process set) per second of wall clock. As in
+Horovod, a sample is five windows at the same settings and its score their
+median (one slow or fast window does not decide). The first
+``warmup_samples`` samples, at the configured settings, are discarded. Then
+``bayes_opt_max_samples`` samples are taken: the configured settings,
+Horovod's fixed starting points (4 MiB/5 ms, 32/50, 16/25, 8/10), then the
+points that maximise the expected improvement of a Gaussian process
 (scikit-learn) fitted to the scores so far; after the last one the best
 point seen is fixed for the rest of the job. Unlike Horovod, a value set
-explicitly is the starting point of the search rather than excluded from it,
-and a score is one window rather than the median of five.
+explicitly is the starting point of the search rather than excluded from it.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import warnings
 from typing import NamedTuple
@@ -57,6 +59,9 @@ START_POINTS = ((4.0, 5.0, True), (32.0, 50.0, False), (16.0, 25.0, True), (8.0,
 LOG_COLUMNS = ("hierarchical_allreduce", "hierarchical_allgather", "torus_allreduce", "cache_enabled",
                "cycle_time_ms", "tensor_fusion_threshold", "score")
 """Horovod's autotune log columns; ``tensor_fusion_threshold`` is in MiB, ``score`` in bytes per second."""
+
+WINDOWS_PER_SAMPLE = 5
+"""Windows of ``steps_per_sample`` steps whose median score is one sample's (Horovod's ``SAMPLES``)."""
 
 _EI_XI = 0.01  # Horovod's exploration margin of the expected improvement
 _CANDIDATES = 2048
@@ -191,6 +196,7 @@ class Autotuner:
         self.samples: list[tuple[TunedParams, float]] = []  # every scored sample, in order
         self._window_start: float | None = None
         self._window_bytes = 0
+        self._window_scores: list[float] = []  # of the sample being taken
         self._counts: dict[str, int] = {}
         self._log_file = None
         if settings.autotune_log:
@@ -228,8 +234,13 @@ class Autotuner:
 
     def _end_window(self) -> TunedParams | None:
         elapsed = self._clock() - self._window_start
-        score = self._window_bytes / elapsed if elapsed > 0 else 0.0
+        self._window_scores.append(self._window_bytes / elapsed if elapsed > 0 else 0.0)
         self._window_bytes, self._counts = 0, {}
+        self._window_start = self._clock()
+        if len(self._window_scores) < WINDOWS_PER_SAMPLE:
+            return None
+        score = statistics.median(self._window_scores)
+        self._window_scores = []
         if self._warmups_left > 0:
             self._warmups_left -= 1
             log.debug("roundel autotune: warm-up sample discarded (%d left): %s", self._warmups_left,
@@ -237,7 +248,7 @@ class Autotuner:
             params = None
         else:
             params = self.score(score)
-        self._window_start = self._clock()
+        self._window_start = self._clock()  # choosing the next point is not timed
         return params
 
     def score(self, score: float) -> TunedParams:
