@@ -27,7 +27,7 @@ def smooth(x: float, y: float) -> float:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_optimizer_gets_near_the_optimum_of_a_smooth_function(seed):
     optimizer = BayesianOptimizer([(0.0, 1.0), (0.0, 1.0)], noise=0.1, seed=seed)
-    for fusion, cycle, _ in autotune.START_POINTS:  # the tuner's first points, scaled to the unit square
+    for fusion, cycle, *_ in autotune.START_POINTS:  # the tuner's first points, scaled to the unit square
         point = ((fusion - autotune.FUSION_MIB_RANGE[0]) / 64, (cycle - autotune.CYCLE_MS_RANGE[0]) / 99)
         assert smooth(*point) < 0.5
         optimizer.add_sample(point, smooth(*point))
@@ -72,7 +72,7 @@ def test_tuner_finds_a_good_point_logs_every_sample_and_fixes_the_best(tmp_path)
     assert len(seen) == s.autotune_bayes_opt_max_samples
     assert seen[0] == TunedParams(1 * MIB, 50.0, False, True)  # the configured point comes first
     assert [(p.fusion_threshold / MIB, p.cycle_time_ms) for p in seen[1:5]] == \
-        [(f, c) for f, c, _ in autotune.START_POINTS]
+        [(f, c) for f, c, *_ in autotune.START_POINTS]
     best_score = max(throughput(p) for p in seen)
     assert best_score > 0.95e9, [(p, throughput(p)) for p in seen]
     best = max(seen, key=throughput)
@@ -84,6 +84,35 @@ def test_tuner_finds_a_good_point_logs_every_sample_and_fixes_the_best(tmp_path)
         assert float(row["cycle_time_ms"]) == pytest.approx(params.cycle_time_ms, rel=1e-5)
         assert float(row["score"]) == pytest.approx(throughput(params), rel=1e-5)
         assert row["hierarchical_allreduce"] == row["torus_allreduce"] == row["cache_enabled"] == "0"
+
+
+def test_hierarchical_switches_are_tuned_where_the_job_can_switch_them(tmp_path):
+    s = settings(tmp_path, autotune_bayes_opt_max_samples=12, hierarchical_allgather=True)
+
+    def score(params: TunedParams) -> float:  # hierarchical allreduce helps, hierarchical allgather hurts
+        return throughput(params) * (1.5 if params.hierarchical_allreduce else 1.0) * \
+            (0.5 if params.hierarchical_allgather else 1.0)
+
+    tuner = Autotuner(s, hierarchical=True, seed=5)
+    assert tuner.params == TunedParams(1 * MIB, 50.0, False, True, False, True)  # as configured
+    seen = []
+    while not tuner.done:
+        seen.append(tuner.params)
+        tuner.score(score(tuner.params))
+    assert len(seen) == 12 + 2  # the search, then each switch tried the other way at the best point
+    assert all((p.hierarchical_allreduce, p.hierarchical_allgather) == (False, True) for p in seen[:12])
+    best = max(seen[:12], key=score)
+    assert seen[12] == best._replace(hierarchical_allreduce=True)  # better: kept
+    assert seen[13] == best._replace(hierarchical_allreduce=True, hierarchical_allgather=False)  # better again
+    assert tuner.params == seen[13]._replace(tuning=False)
+    rows = log_rows(s.autotune_log)
+    assert [(row["hierarchical_allreduce"], row["hierarchical_allgather"]) for row in rows] == \
+        [(str(int(p.hierarchical_allreduce)), str(int(p.hierarchical_allgather))) for p in seen]
+
+    fixed = Autotuner(settings(tmp_path, hierarchical_allreduce=True), hierarchical=False, seed=5)
+    while not fixed.done:  # a job that cannot switch keeps its configured values throughout
+        assert (fixed.params.hierarchical_allreduce, fixed.params.hierarchical_allgather) == (True, False)
+        fixed.score(throughput(fixed.params))
 
 
 class FakeClock:
@@ -126,11 +155,14 @@ def test_a_sample_is_the_median_of_five_windows_of_steps_and_warmups_are_discard
     changes += train(1, 0.1)  # step 31 ends it; its score is the median window's (3 steps in 1.5 s)
     assert changes == [TunedParams(4 * MIB, 5.0, True, True)], changes
     assert tuner.samples == [(TunedParams(1 * MIB, 50.0, True, True), pytest.approx(3 * step_bytes / 1.5))]
-    changes = train(15, 0.1)  # the second (last) sample: steps 31-45, ended by step 46
-    assert changes == [TunedParams(4 * MIB, 5.0, True, False)], changes  # the better one, fixed
+    changes = train(15, 0.1)  # the second sample: steps 31-45, ended by step 46
     assert tuner.samples[1] == (TunedParams(4 * MIB, 5.0, True, True), pytest.approx(3 * step_bytes / 0.3))
+    assert changes == [TunedParams(4 * MIB, 5.0, False, True)], changes  # the better point, cache off
+    changes = train(15, 0.2)  # slower without the cache: the better point is fixed as it was
+    assert tuner.samples[2] == (TunedParams(4 * MIB, 5.0, False, True), pytest.approx(3 * step_bytes / 0.6))
+    assert changes == [TunedParams(4 * MIB, 5.0, True, False)], changes
     assert tuner.done and train(5, 0.1) == []
-    assert len(log_rows(s.autotune_log)) == 2
+    assert len(log_rows(s.autotune_log)) == 3
 
 
 def test_no_samples_means_the_configured_settings_stay(tmp_path):
@@ -192,19 +224,19 @@ def test_two_rank_job_tunes_agrees_and_stays_exact(tmp_path):
     tuned = [json.loads(next(line for line in rank_lines(result.stdout, rank, "stdout")
                              if line.startswith("TUNED "))[6:]) for rank in (0, 1)]
     assert tuned[0]["params"] == tuned[1]["params"], describe(result)
-    fusion, cycle, cache, tuning = tuned[0]["params"]
-    assert tuning is False
+    fusion, cycle, cache, tuning, hierarchical_allreduce, hierarchical_allgather = tuned[0]["params"]
+    assert tuning is False and hierarchical_allreduce is hierarchical_allgather is False  # one host: not tuned
     rows = log_rows(log)
-    assert len(rows) == 6, describe(result)
+    assert len(rows) == 7, describe(result)  # six samples, then the response cache tried off
     assert (float(rows[0]["tensor_fusion_threshold"]), float(rows[0]["cycle_time_ms"])) == (1.0, 20.0)
     best = max(rows, key=lambda row: float(row["score"]))
     assert float(best["tensor_fusion_threshold"]) == pytest.approx(fusion / MIB, rel=1e-5)
     assert float(best["cycle_time_ms"]) == pytest.approx(cycle, rel=1e-5)
     assert best["cache_enabled"] == str(int(cache))
-    assert tuned[0]["steps"] >= 7 * 5 * 2  # a warm-up and six samples, each of five windows of two steps
+    assert tuned[0]["steps"] >= 8 * 5 * 2  # a warm-up and seven samples, each of five windows of two steps
     debug = rank_lines(result.stderr, 0, "stderr")
-    assert sum("roundel autotune: sample " in line for line in debug) == 6, describe(result)
-    assert sum("roundel autotune: done after 6 samples" in line for line in debug) == 1, describe(result)
+    assert sum("roundel autotune: sample " in line for line in debug) == 7, describe(result)
+    assert sum("roundel autotune: done after 7 samples" in line for line in debug) == 1, describe(result)
     assert not any("no effect yet" in line and "--autotune" in line for line in result.stderr.splitlines())
 
 

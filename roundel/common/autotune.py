@@ -2,18 +2,23 @@
 
 Rank 0's coordinator feeds every batch it dispatches to an :class:`Autotuner`
 and applies the :class:`TunedParams` it returns; the engine sends them to the
-other ranks, which only record them (every tuned setting acts on the
-coordinator alone).
+other ranks. The fusion threshold, cycle time and cache act on the
+coordinator alone; the hierarchical switches act on every rank's executor,
+which each rank's engine tells between the same two batches of the job (rank
+0's right after dispatching them, the others on the ``Tune`` message that
+follows those batches), so all ranks switch at the same point.
 
 What is tuned, as in Horovod 0.28.1's ``ParameterManager``:
 
 * the fusion threshold, 0 to 64 MiB (Horovod's range);
 * the cycle time, 1 to 100 ms (Horovod's range);
 * the response cache, on (the configured ``cache_capacity``) or off; left
-  off when the configured capacity is 0.
+  off when the configured capacity is 0;
+* hierarchical allreduce and hierarchical allgather, each on or off, when
+  the job's communicator can do both (several hosts with the same number of
+  ranks, more than one each; see :mod:`roundel.transport.hierarchical`).
 
-Not tuned: hierarchical allreduce/allgather and torus allreduce (the log
-carries their configured values),
+Not tuned: torus allreduce (the log carries its configured value),
 and ``DistributedOptimizer``'s ``bucket_cap_mb``: buckets are laid out by
 each rank's optimizer between its steps, and the engine cannot make every
 rank re-lay them between the same two steps (it does not see step
@@ -32,9 +37,13 @@ median (one slow or fast window does not decide). The first
 ``bayes_opt_max_samples`` samples are taken: the configured settings,
 Horovod's fixed starting points (4 MiB/5 ms, 32/50, 16/25, 8/10), then the
 points that maximise the expected improvement of a Gaussian process
-(scikit-learn) fitted to the scores so far; after the last one the best
-point seen is fixed for the rest of the job. Unlike Horovod, a value set
-explicitly is the starting point of the search rather than excluded from it.
+(scikit-learn) fitted to the scores so far, all with the on/off settings as
+configured. Then each on/off setting that is tuned (hierarchical allreduce,
+hierarchical allgather, response cache: Horovod's order) is tried the other
+way at the best point so far, one sample each, and kept when it scored
+better. Finally the best point seen is fixed for the rest of the job.
+Unlike Horovod, a value set explicitly is the starting point of the search
+rather than excluded from it.
 """
 
 from __future__ import annotations
@@ -53,8 +62,8 @@ log = logging.getLogger("roundel")
 
 FUSION_MIB_RANGE = (0.0, 64.0)
 CYCLE_MS_RANGE = (1.0, 100.0)
-START_POINTS = ((4.0, 5.0, True), (32.0, 50.0, False), (16.0, 25.0, True), (8.0, 10.0, False))
-"""Horovod's first points (fusion MiB, cycle ms), with the cache alternately on and off."""
+START_POINTS = ((4.0, 5.0), (32.0, 50.0), (16.0, 25.0), (8.0, 10.0))
+"""Horovod's first points (fusion MiB, cycle ms) after the configured one."""
 
 LOG_COLUMNS = ("hierarchical_allreduce", "hierarchical_allgather", "torus_allreduce", "cache_enabled",
                "cycle_time_ms", "tensor_fusion_threshold", "score")
@@ -75,12 +84,15 @@ class TunedParams(NamedTuple):
     cycle_time_ms: float
     cache_enabled: bool
     tuning: bool
+    hierarchical_allreduce: bool = False
+    hierarchical_allgather: bool = False
 
 
 def initial_params(settings: Settings) -> TunedParams:
     """The configured settings, where tuning starts (and stays, without autotune)."""
     return TunedParams(settings.fusion_threshold, settings.cycle_time_ms, settings.cache_capacity > 0,
-                       settings.autotune and settings.autotune_bayes_opt_max_samples > 0)
+                       settings.autotune and settings.autotune_bayes_opt_max_samples > 0,
+                       settings.hierarchical_allreduce, settings.hierarchical_allgather)
 
 
 def require_scikit_learn() -> None:
@@ -179,20 +191,25 @@ class Autotuner:
 
     Opens the log file (``settings.autotune_log``) at once, truncating it,
     and writes a header and one row per sample; raises SettingsError when it
-    cannot be written. ``clock`` gives the time in seconds; the time spent
-    choosing the next point is not counted in the next window.
+    cannot be written. ``hierarchical`` says whether the job's communicator can
+    switch hierarchical allreduce and allgather (then both are tuned).
+    ``clock`` gives the time in seconds; the time spent choosing the next
+    point is not counted in the next window.
     """
 
-    def __init__(self, settings: Settings, seed: int = 0, clock=time.monotonic):
+    def __init__(self, settings: Settings, hierarchical: bool = False, seed: int = 0, clock=time.monotonic):
         self._settings = settings
         self._clock = clock
         self._steps = settings.autotune_steps_per_sample
         self._warmups_left = settings.autotune_warmup_samples
         self._max_samples = settings.autotune_bayes_opt_max_samples
-        self._tune_cache = settings.cache_capacity > 0
-        bounds = [FUSION_MIB_RANGE, CYCLE_MS_RANGE] + ([(0.0, 1.0)] if self._tune_cache else [])
-        self._optimizer = BayesianOptimizer(bounds, settings.autotune_gaussian_process_noise, seed)
+        # Horovod's order; each is tried the other way once the fusion threshold and cycle time are chosen
+        self._switches = (["hierarchical_allreduce", "hierarchical_allgather"] if hierarchical else []) + \
+            (["cache_enabled"] if settings.cache_capacity > 0 else [])
+        self._optimizer = BayesianOptimizer([FUSION_MIB_RANGE, CYCLE_MS_RANGE],
+                                            settings.autotune_gaussian_process_noise, seed)
         self.params = initial_params(settings)
+        self._initial = self.params
         self.samples: list[tuple[TunedParams, float]] = []  # every scored sample, in order
         self._window_start: float | None = None
         self._window_bytes = 0
@@ -255,42 +272,48 @@ class Autotuner:
         """Record ``score`` for the current params; return the next params (the best, when done)."""
         self.samples.append((self.params, score))
         self._write_row(self.params, score)
-        log.debug("roundel autotune: sample %d/%d: %s", len(self.samples), self._max_samples,
+        log.debug("roundel autotune: sample %d/%d: %s", len(self.samples), self._max_samples + len(self._switches),
                   _describe(self.params, score))
-        self._optimizer.add_sample(self._point(self.params), score)
-        if len(self.samples) >= self._max_samples:
-            best, best_score = max(self.samples, key=lambda sample: sample[1])
-            self.params = best._replace(tuning=False)
-            log.info("roundel autotune: done after %d samples; fixed the best: %s", len(self.samples),
-                     _describe(self.params, best_score))
-            if self._log_file is not None:
-                self._log_file.close()
-        else:
+        taken = len(self.samples)
+        if taken <= self._max_samples:
+            self._optimizer.add_sample(self._point(self.params), score)
+        if taken < self._max_samples:
             self.params = self._params_at(self._next_point())
+            return self.params
+        best, best_score = max(self.samples, key=lambda sample: sample[1])
+        trial = taken - self._max_samples  # the on/off setting to try next, in order
+        if trial < len(self._switches):
+            name = self._switches[trial]
+            self.params = best._replace(**{name: not getattr(best, name)})
+            return self.params
+        self.params = best._replace(tuning=False)
+        log.info("roundel autotune: done after %d samples; fixed the best: %s", taken,
+                 _describe(self.params, best_score))
+        if self._log_file is not None:
+            self._log_file.close()
         return self.params
 
     def _next_point(self):
         index = len(self.samples) - 1  # the first sample was the configured point
         if index < len(START_POINTS):
-            fusion, cycle, cache = START_POINTS[index]
-            return [fusion, cycle] + ([float(cache)] if self._tune_cache else [])
+            return list(START_POINTS[index])
         return self._optimizer.next_point()
 
-    def _point(self, params: TunedParams) -> list:
+    @staticmethod
+    def _point(params: TunedParams) -> list:
         """``params`` in the box's units; a configured value outside the box counts as its nearest edge."""
-        point = [min(params.fusion_threshold / MIB, FUSION_MIB_RANGE[1]),
-                 min(max(params.cycle_time_ms, CYCLE_MS_RANGE[0]), CYCLE_MS_RANGE[1])]
-        return point + ([float(params.cache_enabled)] if self._tune_cache else [])
+        return [min(params.fusion_threshold / MIB, FUSION_MIB_RANGE[1]),
+                min(max(params.cycle_time_ms, CYCLE_MS_RANGE[0]), CYCLE_MS_RANGE[1])]
 
     def _params_at(self, point) -> TunedParams:
-        cache = bool(point[2] >= 0.5) if self._tune_cache else False
-        return TunedParams(int(round(float(point[0]) * MIB)), round(float(point[1]), 3), cache, True)
+        return self._initial._replace(fusion_threshold=int(round(float(point[0]) * MIB)),
+                                      cycle_time_ms=round(float(point[1]), 3))
 
     def _write_row(self, params: TunedParams, score: float) -> None:
         if self._log_file is None:
             return
         s = self._settings
-        row = (int(s.hierarchical_allreduce), int(s.hierarchical_allgather), int(s.torus_allreduce),
+        row = (int(params.hierarchical_allreduce), int(params.hierarchical_allgather), int(s.torus_allreduce),
                int(params.cache_enabled), f"{params.cycle_time_ms:g}", f"{params.fusion_threshold / MIB:g}",
                f"{score:.6g}")
         self._log_file.write(",".join(map(str, row)) + "\n")
@@ -303,6 +326,10 @@ class Autotuner:
 
 
 def _describe(params: TunedParams, score: float) -> str:
+    def on(flag: bool) -> str:
+        return "on" if flag else "off"
+
     return (f"fusion threshold {params.fusion_threshold / MIB:.2f} MiB, cycle time {params.cycle_time_ms:g} ms, "
-            f"response cache {'on' if params.cache_enabled else 'off'}; "
+            f"response cache {on(params.cache_enabled)}, hierarchical allreduce "
+            f"{on(params.hierarchical_allreduce)}, hierarchical allgather {on(params.hierarchical_allgather)}; "
             f"score {score / 1e6:.3f} MB/s")

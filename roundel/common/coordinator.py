@@ -23,6 +23,7 @@ from roundel.common.control_messages import Abort, Bye, Dispatch, Heartbeat, Sub
 from roundel.common.negotiation import Negotiator
 from roundel.common.settings import Settings
 from roundel.errors import RoundelInternalError
+from roundel.transport.hierarchical import HierarchicalBackend
 
 log = logging.getLogger("roundel")
 
@@ -46,7 +47,8 @@ class Coordinator:
     def __init__(self, engine, size: int, settings: Settings, secret: bytes, advertise_host: str):
         self._engine = engine
         self._negotiator = Negotiator(size, settings.cache_capacity)
-        self._autotuner = autotune.Autotuner(settings) if settings.autotune else None
+        self._autotuner = autotune.Autotuner(settings, isinstance(engine.job_backend, HierarchicalBackend)) \
+            if settings.autotune else None
         self._peers: dict[int, control_channel.Connection] = {}
         self._readers: dict[int, control_channel.FrameReader] = {}
         self._outbox: dict[int, list] = {}
@@ -354,6 +356,7 @@ class Coordinator:
         if params.cache_enabled != self._engine.tuned.cache_enabled:
             self._negotiator.set_cache_capacity(self._engine.settings.cache_capacity if params.cache_enabled else 0)
         self._engine.tuned = params
+        self._engine.executor.retune(params)
         for rank in list(self._peers):
             self._send_peer(rank, Tune(params))
 

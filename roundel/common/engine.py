@@ -198,6 +198,11 @@ class Engine:
         return stopped
 
     @property
+    def job_backend(self):
+        """The communicator of the whole job (the global process set's)."""
+        return self._process_sets[0][1]
+
+    @property
     def broken(self) -> RoundelInternalError | None:
         return self._broken
 
@@ -384,6 +389,7 @@ class Engine:
                 self._accept_batches(batches)
             elif kind is Tune:
                 self.tuned = message.params
+                self.executor.retune(message.params)
             elif kind is Abort:
                 self._break(message.message)
 

@@ -16,9 +16,11 @@ from typing import Callable
 import torch
 
 from roundel.common.adasum import adasum_tree
+from roundel.common.autotune import TunedParams
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
 from roundel.common.handles import Handle
 from roundel.ops import ReduceOp
+from roundel.transport.hierarchical import HierarchicalBackend
 from roundel.common.requests import Batch, OpKind, Request
 from roundel.common.timeline import Timeline, transport_activity
 
@@ -85,6 +87,10 @@ class Executor:
             self._timeline.begin([e.name for e in batch.entries], batch.kind.label, "QUEUE")
         self._queue.put((batch, works))
 
+    def retune(self, params) -> None:
+        """Apply autotune's hierarchical switches (``TunedParams``) after the batches put so far."""
+        self._queue.put(params)
+
     def abort(self, error: RoundelInternalError) -> None:
         """Fail every handle queued or running here now, and every batch put later.
 
@@ -124,6 +130,11 @@ class Executor:
             item = self._queue.get()
             if item is None:
                 return
+            if isinstance(item, TunedParams):
+                job = self._process_sets[0][1]
+                if isinstance(job, HierarchicalBackend):
+                    job.use(item.hierarchical_allreduce, item.hierarchical_allgather)
+                continue
             batch, works = item
             try:
                 if self._aborted is not None:

@@ -29,12 +29,14 @@ _MPI_LAUNCHERS = ("openmpi", "mpich")
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """The transport the settings ask for: ``cpu_operations`` ("gloo" or "mpi"), Gloo's timeout in
-    seconds, and whether allreduce and allgather should be hierarchical."""
+    seconds, whether allreduce and allgather should be hierarchical, and whether autotune may switch
+    them (then a job that qualifies gets a hierarchical communicator either way)."""
 
     cpu_operations: str
     timeout_s: float
     hierarchical_allreduce: bool = False
     hierarchical_allgather: bool = False
+    autotune: bool = False
 
 
 def mpi_importable() -> bool:
@@ -76,7 +78,7 @@ def job_backend(choice: Choice, store, rank: int, size: int, hostname: str,
     ``placement`` (this rank's ``local_rank``, ``local_size``, ``cross_rank``,
     ``cross_size``, e.g. its ``Identity``) is needed for hierarchical collectives.
     """
-    wants_hierarchical = choice.hierarchical_allreduce or choice.hierarchical_allgather
+    wants_hierarchical = choice.hierarchical_allreduce or choice.hierarchical_allgather or choice.autotune
     if choice.cpu_operations == "mpi":
         from mpi4py import MPI
         from roundel.transport.mpi import MPIBackend  # imports mpi4py: only when MPI was asked for

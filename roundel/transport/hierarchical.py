@@ -1,8 +1,9 @@
 """Hierarchical allreduce and allgather: work within each host first, cross hosts with less data.
 
 ``HOROVOD_HIERARCHICAL_ALLREDUCE`` / ``HOROVOD_HIERARCHICAL_ALLGATHER`` (or
-``roundelrun --hierarchical-allreduce`` / ``--hierarchical-allgather``) make
-the job's communicator a :class:`HierarchicalBackend`: the flat communicator
+``roundelrun --hierarchical-allreduce`` / ``--hierarchical-allgather``), and
+autotune (which switches them), make the job's communicator a
+:class:`HierarchicalBackend`: the flat communicator
 of the job plus two sub-communicators of the same transport (Gloo or MPI),
 *local* (the ranks on this host, numbered by local rank) and *cross* (the
 ranks with this local rank on every host, numbered by cross rank).
@@ -56,6 +57,12 @@ class HierarchicalBackend(Backend):
         self.hierarchical_allreduce = hierarchical_allreduce
         self.hierarchical_allgather = hierarchical_allgather
         self._order = None if order is None else torch.tensor(order, dtype=torch.int64)
+
+    def use(self, hierarchical_allreduce: bool, hierarchical_allgather: bool) -> None:
+        """Switch allreduce and allgather between hierarchical and flat (autotune; every member at the
+        same point of its sequence of collectives)."""
+        self.hierarchical_allreduce = hierarchical_allreduce
+        self.hierarchical_allgather = hierarchical_allgather
 
     def allreduce(self, tensor, op: ReduceOp) -> None:
         """Local reduce to the host's leader, leaders' allreduce across hosts, local broadcast."""

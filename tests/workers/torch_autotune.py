@@ -5,7 +5,8 @@ every sum is exact) and checks each result, then agrees with the other
 ranks (an allreduce of "this rank has seen the final settings", Min) whether
 to stop; a few more steps follow at the final settings. Prints
 ``TUNED <json>`` with the settings in force on this rank at the end, the
-number of steps, and ``CHECKS PASSED autotune``.
+number of steps and the job communicator's hierarchical switches (null when
+it is flat), and ``CHECKS PASSED autotune``.
 
 ``no-sklearn``: scikit-learn cannot be imported; ``init()`` must raise
 SettingsError naming it (on every rank); prints ``CHECKS PASSED no-sklearn``.
@@ -66,7 +67,9 @@ def main() -> None:
     for _ in range(STEPS_AFTER):
         step(steps)
         steps += 1
-    print("TUNED " + json.dumps({"params": list(engine.tuned), "steps": steps}), flush=True)
+    backend = engine.job_backend  # a hierarchical one has the switches the executor applied
+    switches = [getattr(backend, "hierarchical_allreduce", None), getattr(backend, "hierarchical_allgather", None)]
+    print("TUNED " + json.dumps({"params": list(engine.tuned), "steps": steps, "backend": switches}), flush=True)
     hvd.shutdown()
     print("CHECKS PASSED autotune", flush=True)
 
