@@ -57,7 +57,10 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     Gradients named by their index (``str(index)``); with ``num_groups`` > 0 a
     list of indices is reduced in that many grouped allreduces. Everything
-    else (learning rate, states, ...) is the wrapped optimizer's.
+    else (learning rate, states, ...) is the wrapped optimizer's; setting a
+    public attribute sets it there too (so ``gluon.Trainer.step`` setting
+    ``rescale_grad`` reaches the optimizer that uses it, which Horovod's
+    wrapper does not do).
     """
 
     def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0, process_set=global_process_set):
@@ -68,7 +71,15 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self._process_set = process_set
 
     def __getattr__(self, item):
+        if item == "_optimizer":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(item)
         return getattr(self._optimizer, item)
+
+    def __setattr__(self, item, value):
+        if item.startswith("_"):
+            object.__setattr__(self, item, value)
+        else:
+            setattr(self._optimizer, item, value)
 
     def create_state(self, index, weight):
         return self._optimizer.create_state(index, weight)
