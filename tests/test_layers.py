@@ -1,6 +1,6 @@
 """The package's layers: imports only go down, adapters stay apart, and nothing hides a cycle.
 
-    adapters   roundel.torch · roundel.tensorflow · roundel.keras   (and roundel.timeline, a tool)
+    adapters   roundel.torch · roundel.tensorflow · roundel.keras · roundel.mxnet   (and roundel.timeline, a tool)
     core       roundel.common
     below it   roundel.transport · roundel.rendezvous               (not each other)
     ground     roundel.errors · roundel.excepthook · roundel.ops · the roundel package itself
@@ -27,9 +27,10 @@ LEVELS = {
     "roundel.transport": 1, "roundel.rendezvous": 1,
     "roundel.common": 2,
     "roundel.torch": 3, "roundel.tensorflow": 3, "roundel.keras": 3, "roundel.timeline": 3,
+    "roundel.mxnet": 3,
     "roundel.runner": 4,
 }
-ADAPTERS = ("roundel.torch", "roundel.tensorflow", "roundel.keras")
+ADAPTERS = ("roundel.torch", "roundel.tensorflow", "roundel.keras", "roundel.mxnet")
 
 # (importing module, imported package or module) allowed across packages of one layer: Keras runs on
 # TensorFlow; roundel.tensorflow.keras is Horovod's name for the Keras adapter, and TensorFlow's
