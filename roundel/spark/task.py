@@ -59,12 +59,11 @@ class TaskSpec:
 
 @dataclasses.dataclass(frozen=True)
 class TaskOutcome:
-    """One rank's end: its result (pickled) or traceback, and whether it was stopped for another's failure."""
+    """One rank's end: its result (pickled), or why it failed or was stopped."""
 
     rank: int
     ok: bool
-    data: bytes  # pickled result when ok, else the traceback's UTF-8 text
-    stopped: bool = False
+    data: bytes  # pickled result when ok, else the traceback's (or the reason's) UTF-8 text
 
 
 def run_task(spec: TaskSpec, _partition) -> Iterator[TaskOutcome]:
@@ -161,7 +160,7 @@ def _run_rank(spec: TaskSpec, identity: Identity, client: RendezvousClient) -> T
         return _failed(client, rank, data[1:].decode(errors="replace"))
     if stopped:
         who = client.get(abort.ABORT_KEY).decode()
-        return TaskOutcome(rank, False, f"rank {rank} was stopped because rank {who} failed".encode(), stopped=True)
+        return TaskOutcome(rank, False, f"rank {rank} was stopped because rank {who} failed".encode())
     last = b"".join(tail).decode(errors="replace").rstrip()
     return _failed(client, rank, f"rank {rank}'s process {_exit_text(process.returncode)} before returning a "
                                  f"result" + (f"; the last lines of its stderr:\n{last}" if last else ""))
