@@ -5,6 +5,7 @@
     below it   roundel.transport · roundel.rendezvous               (not each other)
     ground     roundel.errors · roundel.excepthook · roundel.ops · the roundel package itself
     launcher   roundel.runner (may use everything but the adapters; no worker needs it)
+    on top     roundel.spark (a launcher inside Spark: uses roundel.runner's run API)
 
 Read from the source with ``ast`` (every import, at module level or inside a
 function), and checked in fresh interpreters for what importing an adapter loads.
@@ -29,6 +30,7 @@ LEVELS = {
     "roundel.torch": 3, "roundel.tensorflow": 3, "roundel.keras": 3, "roundel.timeline": 3,
     "roundel.mxnet": 3,
     "roundel.runner": 4,
+    "roundel.spark": 5,
 }
 ADAPTERS = ("roundel.torch", "roundel.tensorflow", "roundel.keras", "roundel.mxnet")
 

@@ -196,6 +196,11 @@ class RendezvousServer:
         with self._cond:
             return self._data.get(key)
 
+    def pop(self, key: str) -> bytes | None:
+        """Remove ``key`` and return its value, or None if it is not set (never blocks)."""
+        with self._cond:
+            return self._data.pop(key, None)
+
     def _accept_loop(self) -> None:
         backoff = 0.0
         while not self._stopping:
