@@ -5,6 +5,7 @@
     below it   roundel.transport · roundel.rendezvous               (not each other)
     ground     roundel.errors · roundel.excepthook · roundel.ops · the roundel package itself
     launcher   roundel.runner (may use everything but the adapters; no worker needs it)
+    drivers    roundel.ray (a launcher on Ray: uses roundel.runner's driver, starts ranks as actors)
 
 Read from the source with ``ast`` (every import, at module level or inside a
 function), and checked in fresh interpreters for what importing an adapter loads.
@@ -28,6 +29,7 @@ LEVELS = {
     "roundel.common": 2,
     "roundel.torch": 3, "roundel.tensorflow": 3, "roundel.keras": 3, "roundel.timeline": 3,
     "roundel.runner": 4,
+    "roundel.ray": 5,
 }
 ADAPTERS = ("roundel.torch", "roundel.tensorflow", "roundel.keras")
 
