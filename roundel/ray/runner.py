@@ -180,7 +180,7 @@ class RayExecutor:
         if not failed:
             return [outcomes[r][1] for r in sorted(outcomes)]
         # the cause first: a dead actor, then an exception of the user's, then a peer's loss of the job
-        rank = min(failed, key=lambda r: ({"died": 0, "failed": 1 + bool(failed[r][2])}[failed[r][0]], r))
+        rank = min(failed, key=lambda r: (0 if failed[r][0] == "died" else 1 + bool(failed[r][2]), r))
         kind, text = failed[rank][0], failed[rank][1]
         others = f"; {len(pending)} rank(s) still running" if pending else ""
         if kind == "died":
