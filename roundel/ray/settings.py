@@ -35,7 +35,6 @@ class RaySettings:
     min_num_proc: int | None = None
     max_num_proc: int | None = None
     reset_limit: int | None = None
-    verbose: int = 1
     discovery: object | None = None  # an elastic job's hosts (find_available_hosts_and_slots())
 
     def __post_init__(self):
