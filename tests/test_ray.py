@@ -293,3 +293,30 @@ def test_elastic_job_survives_a_lost_node_and_grows_onto_a_new_one(cluster, exec
     assert sizes == results[1]["sizes"] and len(sizes) == 40
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes
     np.testing.assert_array_equal(results[0]["weights"], results[1]["weights"])
+
+
+def elastic_raises():
+    import roundel.torch as hvd
+
+    hvd.init()
+    state = hvd.elastic.ObjectState(step=0)
+
+    @hvd.elastic.run
+    def train(state):
+        raise ValueError(f"rank {hvd.rank()} has bad data")
+
+    train(state)
+
+
+def test_an_elastic_job_whose_workers_raise_ends_with_their_traceback(cluster, executor):
+    executor.shutdown()
+    elastic = ElasticRayExecutor(ElasticRayExecutor.create_settings(elastic_timeout=20, timeout_s=30),
+                                 min_workers=1, max_workers=2)
+    elastic.start()
+    try:
+        with pytest.raises(RankFailedError) as info:
+            elastic.run(elastic_raises)
+    finally:
+        elastic.shutdown()
+    assert "ElasticRayExecutor: the job failed" in str(info.value)
+    assert "ValueError: rank" in info.value.traceback_text and "has bad data" in info.value.traceback_text
