@@ -5,7 +5,7 @@
     below it   roundel.transport · roundel.rendezvous               (not each other)
     ground     roundel.errors · roundel.excepthook · roundel.ops · the roundel package itself
     launcher   roundel.runner (may use everything but the adapters; no worker needs it)
-    on top     roundel.spark (a launcher inside Spark: uses roundel.runner's run API)
+    drivers    roundel.spark · roundel.ray (launchers inside Spark and on Ray: use roundel.runner)
 
 Read from the source with ``ast`` (every import, at module level or inside a
 function), and checked in fresh interpreters for what importing an adapter loads.
@@ -31,6 +31,7 @@ LEVELS = {
     "roundel.mxnet": 3,
     "roundel.runner": 4,
     "roundel.spark": 5,
+    "roundel.ray": 5,
 }
 ADAPTERS = ("roundel.torch", "roundel.tensorflow", "roundel.keras", "roundel.mxnet")
 

@@ -66,6 +66,8 @@ class ElasticSettings:
     ssh_port: int | None = None
     ssh_identity_file: str | None = None
     ssh_args: str = ""
+    # starts a worker some other way than as a process (roundel.ray's actors): (slot, env, label) -> Worker
+    start_worker: Callable[[SlotInfo, dict[str, str], str], spawn.Worker] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -131,7 +133,9 @@ class _Driver:
         env["PYTHONUNBUFFERED"] = "1"
         env[protocol.WORKER_ID] = _worker_id(label, serial)
         env[protocol.TIMEOUT] = repr(self.s.elastic_timeout_s)
-        if is_local_host(host):
+        if self.s.start_worker is not None:
+            worker = self.s.start_worker(slot, env, label)
+        elif is_local_host(host):
             worker = spawn.start_local(slot, self.s.command, env, self.s.output_dir, label)
         else:
             worker = spawn.start_remote(slot, self.s.command, env, (address, self.server.port),
@@ -141,8 +145,7 @@ class _Driver:
         self.members[serial] = member
         self.member_of[worker] = member
         self.group.add(worker)
-        where = "over ssh" if worker.remote else f"pid {worker.process.pid}"
-        self._say(f"started worker {label} (#{serial}, {where})")
+        self._say(f"started worker {label} (#{serial}, {worker.where})")
 
     def _say(self, message: str) -> None:
         print(f"roundelrun: {message}", file=sys.stderr, flush=True)

@@ -150,6 +150,15 @@ class Worker:
         """The exit status once reaped: negative for death by signal, None while running."""
         return self.process.returncode
 
+    @property
+    def where(self) -> str:
+        """Where the worker runs, for the launcher's messages."""
+        return f"pid {self.process.pid}"
+
+    def wait(self) -> int:
+        """Block until the worker has ended; return its exit status."""
+        return self.process.wait()
+
     def signal_group(self, signum: int) -> None:
         """Send ``signum`` to the worker's whole process group; ignore a group already gone."""
         try:
@@ -225,6 +234,10 @@ class RemoteWorker(Worker):
     """
 
     remote = True
+
+    @property
+    def where(self) -> str:
+        return "over ssh"
 
     def signal_group(self, signum: int) -> None:
         if signum == signal.SIGKILL:
@@ -387,7 +400,7 @@ class WorkerGroup:
         ).start()
 
     def _wait(self, worker: Worker) -> None:
-        worker.process.wait()
+        worker.wait()
         self.events.put(("exit", worker))
 
     def watch(self, started=None, start_timeout: float = 0.0, lost=None) -> tuple[str, object] | None:
@@ -446,7 +459,7 @@ class WorkerGroup:
         for worker in self.workers:
             worker.signal_group(signal.SIGKILL)
         for worker in self.workers:
-            worker.process.wait()
+            worker.wait()
 
     def drain_output(self) -> None:
         deadline = time.monotonic() + _OUTPUT_DRAIN_SECONDS
