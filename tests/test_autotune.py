@@ -115,6 +115,44 @@ def test_hierarchical_switches_are_tuned_where_the_job_can_switch_them(tmp_path)
         fixed.score(throughput(fixed.params))
 
 
+def test_bucket_size_is_tried_at_half_and_twice_when_the_job_has_gradient_buckets(tmp_path):
+    s = settings(tmp_path, autotune_bayes_opt_max_samples=5, bucket_cap_mb=10.0)
+    asked = []
+
+    def bucketed():
+        asked.append(len(tuner.samples))
+        return True
+
+    tuner = Autotuner(s, bucketed=bucketed, seed=1)
+    seen = []
+    while not tuner.done:
+        seen.append(tuner.params)
+        tuner.score(throughput(tuner.params) * (1.2 if tuner.params.bucket_cap_mb == 20.0 else 1.0))
+    assert asked == [5]  # once the search is over
+    assert [p.bucket_cap_mb for p in seen] == [0.0] * 5 + [5.0, 20.0]  # 0.0: the optimizer's own
+    best = max(seen[:5], key=throughput)
+    assert seen[5:] == [best._replace(bucket_cap_mb=5.0), best._replace(bucket_cap_mb=20.0)]
+    assert tuner.params == seen[6]._replace(tuning=False)
+    assert [row["bucket_cap_mb"] for row in log_rows(s.autotune_log)] == ["0", "0", "0", "0", "0", "5", "20"]
+
+
+def test_two_rank_optimizer_relays_its_buckets_alike_on_every_rank(tmp_path):
+    log = tmp_path / "autotune.csv"
+    result = run_job(2, "torch_autotune.py", "optimizer", launcher_args=[
+        "--autotune", "--autotune-log-file", log, "--autotune-warmup-samples", 0,
+        "--autotune-steps-per-sample", 1, "--autotune-bayes-opt-max-samples", 2, "--cache-capacity", 0],
+        env={"HOROVOD_BUCKET_CAP_MB": "0.5"}, timeout=240)
+    assert_checks_passed(result, 2, "optimizer")
+    assert [row["bucket_cap_mb"] for row in log_rows(log)] == ["0", "0", "0.25", "1"], describe(result)
+    tuned = [json.loads(next(line for line in rank_lines(result.stdout, rank, "stdout")
+                             if line.startswith("TUNED "))[6:]) for rank in (0, 1)]
+    assert tuned[0] == {**tuned[1], "weights": tuned[0]["weights"]}, describe(result)
+    assert tuned[0]["weights"] == pytest.approx(tuned[1]["weights"], rel=1e-12)  # the same reductions
+    final = tuned[0]["params"][6] or 0.5
+    assert tuned[0]["bucket_mib"] == final, describe(result)
+    assert len(set(tuned[0]["layouts"])) == 3, tuned[0]["layouts"]  # re-laid for each size tried
+
+
 class FakeClock:
     def __init__(self):
         self.now = 100.0
@@ -224,8 +262,9 @@ def test_two_rank_job_tunes_agrees_and_stays_exact(tmp_path):
     tuned = [json.loads(next(line for line in rank_lines(result.stdout, rank, "stdout")
                              if line.startswith("TUNED "))[6:]) for rank in (0, 1)]
     assert tuned[0]["params"] == tuned[1]["params"], describe(result)
-    fusion, cycle, cache, tuning, hierarchical_allreduce, hierarchical_allgather = tuned[0]["params"]
+    fusion, cycle, cache, tuning, hierarchical_allreduce, hierarchical_allgather, bucket = tuned[0]["params"]
     assert tuning is False and hierarchical_allreduce is hierarchical_allgather is False  # one host: not tuned
+    assert bucket == 0.0  # no gradient buckets in this job: not tuned
     rows = log_rows(log)
     assert len(rows) == 7, describe(result)  # six samples, then the response cache tried off
     assert (float(rows[0]["tensor_fusion_threshold"]), float(rows[0]["cycle_time_ms"])) == (1.0, 20.0)

@@ -16,15 +16,14 @@ What is tuned, as in Horovod 0.28.1's ``ParameterManager``:
   off when the configured capacity is 0;
 * hierarchical allreduce and hierarchical allgather, each on or off, when
   the job's communicator can do both (several hosts with the same number of
-  ranks, more than one each; see :mod:`roundel.transport.hierarchical`).
+  ranks, more than one each; see :mod:`roundel.transport.hierarchical`);
+* roundel's own: the gradient bucket size of ``roundel.torch``'s
+  ``DistributedOptimizer`` (``bucket_cap_mb``), when the job has one. The
+  executor stamps each collective with the settings in force when it ran, so
+  every rank's optimizer sees the same new size after the same step and
+  re-lays its buckets there.
 
-Not tuned: torus allreduce (the log carries its configured value),
-and ``DistributedOptimizer``'s ``bucket_cap_mb``: buckets are laid out by
-each rank's optimizer between its steps, and the engine cannot make every
-rank re-lay them between the same two steps (it does not see step
-boundaries, and an optimizer may reduce on a process set that some ranks are
-not in); the fusion threshold already decides how much of what is ready
-travels together.
+Not tuned: torus allreduce (the log carries its configured value).
 
 A *step* is one reduction of the same tensor name: a window ends when a
 name of the global process set is dispatched for the ``steps_per_sample +
@@ -41,7 +40,8 @@ points that maximise the expected improvement of a Gaussian process
 configured. Then each on/off setting that is tuned (hierarchical allreduce,
 hierarchical allgather, response cache: Horovod's order) is tried the other
 way at the best point so far, one sample each, and kept when it scored
-better. Finally the best point seen is fixed for the rest of the job.
+better; with gradient buckets, half and twice the bucket size are tried the
+same way. Finally the best point seen is fixed for the rest of the job.
 Unlike Horovod, a value set explicitly is the starting point of the search
 rather than excluded from it.
 """
@@ -66,8 +66,12 @@ START_POINTS = ((4.0, 5.0), (32.0, 50.0), (16.0, 25.0), (8.0, 10.0))
 """Horovod's first points (fusion MiB, cycle ms) after the configured one."""
 
 LOG_COLUMNS = ("hierarchical_allreduce", "hierarchical_allgather", "torus_allreduce", "cache_enabled",
-               "cycle_time_ms", "tensor_fusion_threshold", "score")
-"""Horovod's autotune log columns; ``tensor_fusion_threshold`` is in MiB, ``score`` in bytes per second."""
+               "cycle_time_ms", "tensor_fusion_threshold", "score", "bucket_cap_mb")
+"""Horovod's autotune log columns, then roundel's bucket size (MiB; 0: the optimizer's own);
+``tensor_fusion_threshold`` is in MiB, ``score`` in bytes per second."""
+
+BUCKET_MIB_RANGE = (0.25, 256.0)
+"""The gradient bucket sizes tried (MiB)."""
 
 WINDOWS_PER_SAMPLE = 5
 """Windows of ``steps_per_sample`` steps whose median score is one sample's (Horovod's ``SAMPLES``)."""
@@ -86,6 +90,7 @@ class TunedParams(NamedTuple):
     tuning: bool
     hierarchical_allreduce: bool = False
     hierarchical_allgather: bool = False
+    bucket_cap_mb: float = 0.0  # 0: each DistributedOptimizer's own bucket_cap_mb
 
 
 def initial_params(settings: Settings) -> TunedParams:
@@ -192,12 +197,15 @@ class Autotuner:
     Opens the log file (``settings.autotune_log``) at once, truncating it,
     and writes a header and one row per sample; raises SettingsError when it
     cannot be written. ``hierarchical`` says whether the job's communicator can
-    switch hierarchical allreduce and allgather (then both are tuned).
-    ``clock`` gives the time in seconds; the time spent choosing the next
-    point is not counted in the next window.
+    switch hierarchical allreduce and allgather (then both are tuned);
+    ``bucketed()`` whether the job reduces gradients in buckets (asked once
+    the fusion threshold and cycle time are chosen; then the bucket size is
+    tuned). ``clock`` gives the time in seconds; the time spent choosing the
+    next point is not counted in the next window.
     """
 
-    def __init__(self, settings: Settings, hierarchical: bool = False, seed: int = 0, clock=time.monotonic):
+    def __init__(self, settings: Settings, hierarchical: bool = False, bucketed=lambda: False, seed: int = 0,
+                 clock=time.monotonic):
         self._settings = settings
         self._clock = clock
         self._steps = settings.autotune_steps_per_sample
@@ -206,6 +214,8 @@ class Autotuner:
         # Horovod's order; each is tried the other way once the fusion threshold and cycle time are chosen
         self._switches = (["hierarchical_allreduce", "hierarchical_allgather"] if hierarchical else []) + \
             (["cache_enabled"] if settings.cache_capacity > 0 else [])
+        self._bucketed = bucketed
+        self._refinements: list | None = None  # once the search is over: the settings to try one at a time
         self._optimizer = BayesianOptimizer([FUSION_MIB_RANGE, CYCLE_MS_RANGE],
                                             settings.autotune_gaussian_process_noise, seed)
         self.params = initial_params(settings)
@@ -272,19 +282,24 @@ class Autotuner:
         """Record ``score`` for the current params; return the next params (the best, when done)."""
         self.samples.append((self.params, score))
         self._write_row(self.params, score)
-        log.debug("roundel autotune: sample %d/%d: %s", len(self.samples), self._max_samples + len(self._switches),
-                  _describe(self.params, score))
+        log.debug("roundel autotune: sample %d: %s", len(self.samples), _describe(self.params, score))
         taken = len(self.samples)
         if taken <= self._max_samples:
             self._optimizer.add_sample(self._point(self.params), score)
         if taken < self._max_samples:
             self.params = self._params_at(self._next_point())
             return self.params
+        if self._refinements is None:
+            self._refinements = [(name, None) for name in self._switches]
+            if self._bucketed():
+                base = self._settings.bucket_cap_mb or 25.0
+                self._refinements += [("bucket_cap_mb", min(max(base * factor, BUCKET_MIB_RANGE[0]),
+                                                            BUCKET_MIB_RANGE[1])) for factor in (0.5, 2.0)]
         best, best_score = max(self.samples, key=lambda sample: sample[1])
-        trial = taken - self._max_samples  # the on/off setting to try next, in order
-        if trial < len(self._switches):
-            name = self._switches[trial]
-            self.params = best._replace(**{name: not getattr(best, name)})
+        trial = taken - self._max_samples  # the refinement to try next, in order
+        if trial < len(self._refinements):
+            name, value = self._refinements[trial]
+            self.params = best._replace(**{name: not getattr(best, name) if value is None else value})
             return self.params
         self.params = best._replace(tuning=False)
         log.info("roundel autotune: done after %d samples; fixed the best: %s", taken,
@@ -315,7 +330,7 @@ class Autotuner:
         s = self._settings
         row = (int(params.hierarchical_allreduce), int(params.hierarchical_allgather), int(s.torus_allreduce),
                int(params.cache_enabled), f"{params.cycle_time_ms:g}", f"{params.fusion_threshold / MIB:g}",
-               f"{score:.6g}")
+               f"{score:.6g}", f"{params.bucket_cap_mb:g}")
         self._log_file.write(",".join(map(str, row)) + "\n")
         self._log_file.flush()
 
@@ -331,5 +346,6 @@ def _describe(params: TunedParams, score: float) -> str:
 
     return (f"fusion threshold {params.fusion_threshold / MIB:.2f} MiB, cycle time {params.cycle_time_ms:g} ms, "
             f"response cache {on(params.cache_enabled)}, hierarchical allreduce "
-            f"{on(params.hierarchical_allreduce)}, hierarchical allgather {on(params.hierarchical_allgather)}; "
+            f"{on(params.hierarchical_allreduce)}, hierarchical allgather {on(params.hierarchical_allgather)}, "
+            f"gradient buckets {f'{params.bucket_cap_mb:g} MiB' if params.bucket_cap_mb else 'as configured'}; "
             f"score {score / 1e6:.3f} MB/s")

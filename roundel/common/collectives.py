@@ -28,7 +28,7 @@ from roundel.ops import ReduceOp
 
 __all__ = ["Pending", "allgather_async", "allreduce_async", "alltoall_async", "barrier", "broadcast_async",
            "grouped_allgather_async", "grouped_allreduce_async", "grouped_reducescatter_async", "join", "poll",
-           "reducescatter_async", "set_id", "synchronize"]
+           "note_gradient_buckets", "reducescatter_async", "set_id", "synchronize", "tuned_settings"]
 
 
 class Pending:
@@ -77,6 +77,21 @@ def synchronize(handle: int):
     if pending is None:
         raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
     return pending.wait()
+
+
+def note_gradient_buckets() -> None:
+    """Tell autotune that this job reduces gradients in buckets (``DistributedOptimizer``), so it tunes
+    their size."""
+    basics.runtime().engine.bucketed = True
+
+
+def tuned_settings(names, process_set=global_process_set):
+    """The ``TunedParams`` autotune had put in force when the latest of the finished collectives ``names``
+    ran on this rank; None before autotune changed anything. The same on every member of the set."""
+    table = basics.runtime().engine.executor.tuned_at
+    number = set_id(process_set)
+    stamps = [table[(number, name)] for name in names if (number, name) in table]
+    return max(stamps, key=lambda stamp: stamp[0])[1] if stamps else None
 
 
 def set_id(process_set) -> int:

@@ -47,8 +47,8 @@ class Coordinator:
     def __init__(self, engine, size: int, settings: Settings, secret: bytes, advertise_host: str):
         self._engine = engine
         self._negotiator = Negotiator(size, settings.cache_capacity)
-        self._autotuner = autotune.Autotuner(settings, isinstance(engine.job_backend, HierarchicalBackend)) \
-            if settings.autotune else None
+        self._autotuner = autotune.Autotuner(settings, isinstance(engine.job_backend, HierarchicalBackend),
+                                             lambda: engine.bucketed) if settings.autotune else None
         self._peers: dict[int, control_channel.Connection] = {}
         self._readers: dict[int, control_channel.FrameReader] = {}
         self._outbox: dict[int, list] = {}

@@ -74,6 +74,7 @@ class Engine:
         if settings.autotune:
             autotune.require_scikit_learn()  # on every rank, before anything starts
         self.tuned = autotune.initial_params(settings)  # what the coordinator applies; rank 0 decides
+        self.bucketed = False  # whether a DistributedOptimizer reduces gradients in buckets (autotune's question)
         self._process_sets = process_sets
         self._lock = threading.Lock()
         self._queue: list = []

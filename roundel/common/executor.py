@@ -76,6 +76,8 @@ class Executor:
         self._aborted: RoundelInternalError | None = None
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._tuned: tuple[int, TunedParams | None] = (0, None)  # autotune's changes so far, the latest
+        self.tuned_at: dict[tuple, tuple[int, TunedParams]] = {}  # (set id, name) -> self._tuned when it last ran
         self._thread = threading.Thread(target=self._loop, name="roundel-executor", daemon=True)
         self._thread.start()
 
@@ -88,7 +90,8 @@ class Executor:
         self._queue.put((batch, works))
 
     def retune(self, params) -> None:
-        """Apply autotune's hierarchical switches (``TunedParams``) after the batches put so far."""
+        """Apply autotune's ``TunedParams`` after the batches put so far: the hierarchical switches, and
+        the stamp ``tuned_at`` gives every later collective (every rank stamps the same collectives alike)."""
         self._queue.put(params)
 
     def abort(self, error: RoundelInternalError) -> None:
@@ -134,8 +137,12 @@ class Executor:
                 job = self._process_sets[0][1]
                 if isinstance(job, HierarchicalBackend):
                     job.use(item.hierarchical_allreduce, item.hierarchical_allgather)
+                self._tuned = (self._tuned[0] + 1, item)
                 continue
             batch, works = item
+            if self._tuned[1] is not None:
+                for entry in batch.entries:
+                    self.tuned_at[(batch.process_set_id, entry.name)] = self._tuned
             try:
                 if self._aborted is not None:
                     self._fail(works, self._aborted)

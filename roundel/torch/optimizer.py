@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from roundel.common import basics
+from roundel.common import basics, collectives
 from roundel.errors import RoundelError
 from roundel.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
@@ -201,6 +201,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         grouped = {p for group in explicit for p in group}
         rest = [p for p in reversed(self._parameter_names) if p in trainable and p not in grouped]  # backward order
         self._cap = 0 if op == ReduceOp.Adasum else bucket_cap_mb * _MIB  # Adasum combines each gradient alone
+        self._own_cap = self._cap  # autotune may change _cap; its "as configured" means this one
         self._explicit = [_Bucket(g, self._parameter_names, flat=op != ReduceOp.Adasum) for g in explicit]
         self._sized = rest  # the parameters bucketed by size, in the order of their first buckets
         self._views = compression is Compression.none and op != ReduceOp.Adasum
@@ -220,6 +221,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                           for g in _split_by_size(self._sized, self._cap)]
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._ready_order: list | None = []  # gradients in the order they became final; None once rebuilt
+        self._agreed: tuple[list, list] | None = None  # rank 0's ready order and sparse flags, once agreed
         self._runtime = None  # a weak reference to the runtime (the init()) these buckets were agreed in
 
     def _follow_runtime(self) -> None:
@@ -231,8 +233,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._runtime = weakref.ref(current)
         elif self._runtime() is not current:
             self._reset()
+            self._cap = self._own_cap
             self._start_over()
             self._runtime = weakref.ref(current)
+        else:
+            return
+        if self._own_cap and current.settings.autotune:
+            collectives.note_gradient_buckets()
 
     # ---------------------------------------------------------------- hooks
     def _on_grad_ready(self, p) -> None:
@@ -330,7 +337,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         their own.
         """
         if self._sized:
-            order, sparse = self._agreed_order()
+            self._agreed = self._agreed_order()
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        """Buckets of about ``_cap`` bytes in the agreed order (gradients as views into them)."""
+        if self._agreed is not None:
+            order, sparse = self._agreed
             dense = [p for p, on_wire in zip(order, sparse) if not on_wire]
             alone = [(p,) for p, on_wire in zip(order, sparse) if on_wire]
             flat = self.op != ReduceOp.Adasum
@@ -341,6 +354,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for bucket in self._buckets:
                 if bucket.sizes is not None and len(bucket.params) > 1:
                     bucket.attach_views()
+
+    def _follow_tuning(self) -> None:
+        """Re-lay the buckets when autotune's bucket size changed before this step's reductions ran
+        (every rank sees the change after the same step)."""
+        runtime = self._runtime() if self._runtime is not None else None
+        if self._agreed is None or not self._own_cap or runtime is None or not runtime.settings.autotune:
+            return
+        tuned = collectives.tuned_settings([b.name for b in self._buckets], self._process_set)
+        if tuned is None:
+            return
+        cap = tuned.bucket_cap_mb * _MIB if tuned.bucket_cap_mb else self._own_cap
+        if cap != self._cap:
+            self._cap = cap
+            self._lay_out()
 
     def _agreed_order(self) -> tuple[list, list]:
         """Rank 0's ready order of the size-bucketed parameters (never ready: last) and which are sparse."""
@@ -393,6 +420,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = p.grad.to_sparse()
             if self._ready_order is not None:
                 self._rebuild_buckets()
+            else:
+                self._follow_tuning()
         finally:
             self._ready_order = None
             self._reset()
