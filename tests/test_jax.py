@@ -1,0 +1,68 @@
+"""The JAX adapter (roundel.jax) under the real launcher.
+
+- ``tests/workers/jax_collectives.py`` at 2 and 3 ranks: every collective,
+  eagerly and inside ``jax.jit``, on arrays and pytrees, against NumPy;
+  the async forms; gradients through ``jax.custom_vjp`` (eager and jitted);
+  the clear errors for ragged allgather or alltoall splits inside jit and
+  for ``vmap``; ``DistributedOptimizer`` against one process on the whole
+  batch (also with two backward passes per step and fp16 compression);
+  ``broadcast_parameters`` and ``broadcast_optimizer_state``.
+- An elastic job (``tests/workers/jax_elastic.py``, a jitted step) whose
+  second worker is SIGKILLed mid-epoch: the survivor rolls back, trains on
+  alone and finishes every epoch.
+- ``examples/jax_mnist.py`` at 2 ranks learns the digits; the synthetic
+  benchmark prints its figures.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from elastic_util import ElasticJob, records, worker_lines
+from launch_util import WORKERS_DIR, assert_checks_passed, describe, rank_lines, run_job
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SCENARIOS = ("eager", "async", "jit", "grads", "optimizer")
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_collectives_gradients_and_optimizer(np):
+    scenarios = SCENARIOS if np == 2 else SCENARIOS[:4]  # the optimizer once: it is the slowest to compile
+    result = run_job(np, "jax_collectives.py", ",".join(scenarios), timeout=240)
+    assert_checks_passed(result, np, *scenarios)
+
+
+def test_elastic_training_survives_a_killed_worker(tmp_path):
+    job = ElasticJob(tmp_path, "localhost:2\n", str(WORKERS_DIR / "jax_elastic.py"),
+                     ("--elastic-timeout", "60", "--min-np", "1"), {"EPOCHS": 2, "STEP_SLEEP": 0.05})
+    job.wait_count("COMMIT", 4, timeout=180)
+    job.kill("localhost:1")
+    job.wait_count("generation 1: 1 worker(s)", 1)
+    assert job.finish(timeout=180) == 0, job.describe()
+    text = job.text()
+    assert "rolling back to the last commit" in text and "RESET 1" in text, job.describe()
+    finals = [record for _, record in records(text, "FINAL")]
+    assert [(r["rank"], r["size"], r["epoch"]) for r in finals] == [(0, 1, 2)], job.describe()
+    committed = [int(payload.split()[1]) for _, stream, payload in worker_lines(text)
+                 if stream == "stdout" and payload.startswith("COMMIT ")]
+    assert all(b > a for a, b in zip(committed, committed[1:])), f"committed steps went backwards: {committed}"
+    # epochs of 12 steps at 2 ranks and 24 at 1: the survivor went on beyond what 2 ranks alone reach
+    assert committed[-1] > 24, committed
+
+
+def test_mnist_example_learns_and_benchmark_reports():
+    result = run_job(2, EXAMPLES / "jax_mnist.py", "--epochs", "3", timeout=240)
+    assert result.returncode == 0, describe(result)
+    found = [float(m.group(1)) for line in rank_lines(result.stdout, 0, "stdout")
+             if (m := re.match(r"^final test accuracy: ([\d.]+)$", line))]
+    assert found and found[0] >= 0.75, describe(result)  # chance is 0.10 on the ten digits
+    bench = run_job(2, EXAMPLES / "jax_synthetic_benchmark.py", "--model", "mlp", "--batch-size", "16",
+                    "--num-warmup-batches", "1", "--num-iters", "2", "--num-batches-per-iter", "2", timeout=240)
+    assert bench.returncode == 0, describe(bench)
+    lines = rank_lines(bench.stdout, 0, "stdout")
+    assert any(re.match(r"^Img/sec per CPU: [\d.]+ \+-[\d.]+$", line) for line in lines), describe(bench)
+    assert any(re.match(r"^Total img/sec on 2 CPU\(s\): [\d.]+ \+-[\d.]+$", line) for line in lines), describe(bench)
+    assert rank_lines(bench.stdout, 1, "stdout") == [], "only rank 0 prints the figures"
