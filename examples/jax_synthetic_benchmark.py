@@ -19,7 +19,9 @@ Output, on rank 0 only, in the format of Horovod's synthetic benchmarks::
     Total img/sec on 2 CPU(s): 240.2 +-10.4
 
 "per CPU" is the mean over ranks of each rank's own img/sec, "Total" their
-sum; ``+-`` is 1.96 standard deviations over the iterations.
+sum; ``+-`` is 1.96 standard deviations over the iterations. With
+``--compare-local`` it then times the same steps with the plain optax
+optimizer (each rank alone, no allreduce) and prints the ratio.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-iters", type=int, default=10, help="number of timed iterations")
     p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to float16 for the allreduce")
     p.add_argument("--seed", type=int, default=0, help="random seed for the model and the data")
+    p.add_argument("--compare-local", action="store_true",
+                   help="then time the same steps with the plain optax optimizer (no allreduce) and print the ratio")
     args = p.parse_args(argv)
     for name in ("batch_size", "image_size", "num_classes", "num_batches_per_iter", "num_iters"):
         if getattr(args, name) < 1:
@@ -99,17 +103,23 @@ def main(argv=None) -> None:
     data = jax.random.normal(key, (args.batch_size, args.image_size, args.image_size, 3))
     target = jax.random.randint(key, (args.batch_size,), 0, args.num_classes)
     params = hvd.broadcast_parameters(model.init(jax.random.PRNGKey(args.seed), data[:1])["params"])
-    tx = hvd.DistributedOptimizer(optax.sgd(0.01 * hvd.size()),
+    local_tx = optax.sgd(0.01 * hvd.size())
+    tx = hvd.DistributedOptimizer(local_tx,
                                   compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none)
     opt_state = tx.init(params)
 
     def loss_fn(p):
         return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, data), target).mean()
 
-    @jax.jit
-    def step(p, s):
-        updates, s = tx.update(jax.grad(loss_fn)(p), s, p)
-        return optax.apply_updates(p, updates), s
+    def make_step(transformation):
+        @jax.jit
+        def step(p, s):
+            updates, s = transformation.update(jax.grad(loss_fn)(p), s, p)
+            return optax.apply_updates(p, updates), s
+
+        return step
+
+    step = make_step(tx)
 
     def timed(steps: int) -> float:
         nonlocal params, opt_state
@@ -137,6 +147,13 @@ def main(argv=None) -> None:
     n = hvd.size()
     log(f"Img/sec per CPU: {total_mean / n:.1f} +-{total_conf / n:.1f}")
     log(f"Total img/sec on {n} CPU(s): {total_mean:.1f} +-{total_conf:.1f}")
+    if args.compare_local:  # the same steps without the allreduce, in this run: what communication costs
+        step = make_step(local_tx)
+        timed(1)
+        local = args.batch_size * args.num_batches_per_iter * args.num_iters / timed(
+            args.num_batches_per_iter * args.num_iters)
+        local = float(hvd.allreduce(jnp.array([local]), op=hvd.Average, name="img_sec.local")[0])
+        log(f"Without the allreduce: {local:.1f} img/sec per CPU; with it / without: {total_mean / n / local:.2f}")
 
 
 if __name__ == "__main__":

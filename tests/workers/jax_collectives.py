@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import roundel.jax as hvd  # noqa: E402
+from roundel.jax import host_calls  # noqa: E402
 from _checks import expect_raises, run_scenarios  # noqa: E402
 
 hvd.init()
@@ -140,6 +141,15 @@ def scenario_eager():
     r0, r1 = hvd.grouped_reducescatter([jnp.asarray(rs[RANK]), jnp.asarray(rs[RANK]) * 2])
     check(r0, reduce_ref("Average", rs)[start:start + scatter_rows(rows, RANK)], "grouped_reducescatter 0")
     check(r1, 2 * reduce_ref("Average", rs)[start:start + scatter_rows(rows, RANK)], "grouped_reducescatter 1")
+    # zero-copy: a CPU jax.Array and its engine buffer share memory
+    x = jnp.arange(6, dtype=jnp.float32)
+    assert host_calls.to_buffer(x).data_ptr() == x.unsafe_buffer_pointer(), "to_buffer copied"
+    # a process set of ranks 0 and 1, eagerly and jitted
+    pair = hvd.add_process_set([0, 1])
+    if RANK in (0, 1):
+        check(hvd.allreduce(jnp.ones(2) * (RANK + 1), op=hvd.Sum, process_set=pair), np.full(2, 3.0), "set allreduce")
+        check(jax.jit(lambda v: hvd.allgather(v, process_set=pair))(jnp.ones(1) * RANK), [0.0, 1.0], "set allgather")
+    hvd.remove_process_set(pair)
     # objects
     assert hvd.broadcast_object({"from": RANK} if RANK == 1 % SIZE else None, root_rank=1 % SIZE) == {"from": 1 % SIZE}
     assert hvd.allgather_object(("r", RANK)) == [("r", r) for r in range(SIZE)]
@@ -180,6 +190,7 @@ def scenario_async():
         pass
     check(hvd.synchronize(handle), np.ones(3), "poll then synchronize")
     hvd.barrier()
+    assert hvd.join() in range(SIZE)
     expect_raises(ValueError, lambda: jax.jit(lambda x: hvd.allreduce_async(x))(jnp.ones(2)), "runs eagerly only")
 
 
