@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import torch
 from jax.custom_batching import custom_vmap
@@ -63,7 +64,8 @@ def _refuse_vmap(axis_size, in_batched, *args):
 
 
 def run(host, arrays: list, result_specs) -> list:
-    """``host(arrays)`` -> list of results: called now for concrete arrays, else staged as an ordered callback.
+    """``host(arrays)`` -> list of engine buffers, as jax.Arrays: called now for concrete arrays, else staged
+    as an ordered callback (which hands XLA NumPy views of the buffers).
 
     ``result_specs`` (a list of ``jax.ShapeDtypeStruct``, or a function of the
     arrays returning it) is only used when staging. Before running eagerly,
@@ -72,12 +74,15 @@ def run(host, arrays: list, result_specs) -> list:
     """
     if not is_traced(arrays):
         jax.effects_barrier()
-        return host(list(arrays))
+        return [to_jax(b) for b in host(list(arrays))]
     specs = result_specs(arrays) if callable(result_specs) else result_specs
+
+    def host_numpy(xs):
+        return [buffers.to_numpy(b, bfloat16=ml_dtypes.bfloat16) for b in host(xs)]
 
     @custom_vmap
     def staged(xs):
-        return io_callback(host, list(specs), xs, ordered=True)
+        return io_callback(host_numpy, list(specs), xs, ordered=True)
 
     staged.def_vmap(_refuse_vmap)
     return list(staged(list(arrays)))

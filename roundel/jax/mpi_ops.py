@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 
 from roundel.common import basics, buffers, collectives
 from roundel.common.collectives import barrier, join, poll
@@ -120,7 +121,7 @@ def _allreduce_host(name, op, pre, post, process_set):
         else:
             results = collectives.synchronize(collectives.grouped_allreduce_async(buffers, name, op, pre, post,
                                                                                   process_set))
-        return [host_calls.to_jax(r) for r in results]
+        return results
 
     return host
 
@@ -181,7 +182,7 @@ def _allgather_host(name, process_set, expected=None):
                         f"allgather inside jax.jit gathered {tuple(result.shape)} where the traced program expects "
                         f"{tuple(spec.shape)}: inside jit every rank must pass the same first dimension. Call "
                         "hvd.allgather outside jit for first dimensions that differ between ranks")
-        return [host_calls.to_jax(r) for r in results]
+        return results
 
     return host
 
@@ -245,7 +246,7 @@ def _broadcast_host(root_rank, name, process_set):
         names = [name] if len(arrays) == 1 else [None if name is None else f"{name}.{i}" for i in range(len(arrays))]
         handles = [collectives.broadcast_async(host_calls.to_buffer(a), root_rank, n, process_set)
                    for a, n in zip(arrays, names)]
-        return [host_calls.to_jax(r) for r in _wait_all(handles)]
+        return _wait_all(handles)
 
     return host
 
@@ -273,15 +274,15 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 # ------------------------------------------------------------------- alltoall
-def _received_splits(received) -> jax.Array:
-    return jnp.asarray(np.asarray(received.numpy() if hasattr(received, "numpy") else received, dtype=np.int32))
+def _received_splits(received) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(received.numpy() if hasattr(received, "numpy") else received, dtype=np.int32))
 
 
 def _alltoall_host(splits, name, process_set):
     def host(arrays):
         out, received = collectives.synchronize(
             collectives.alltoall_async(host_calls.to_buffer(arrays[0]), splits, name, process_set))
-        return [host_calls.to_jax(out), _received_splits(received)]
+        return [out, _received_splits(received)]
 
     return host
 
@@ -331,7 +332,7 @@ def _reducescatter_host(name, op, pre, post, process_set):
         else:
             results = collectives.synchronize(collectives.grouped_reducescatter_async(buffers, name, op, process_set,
                                                                                       pre, post))
-        return [host_calls.to_jax(r) for r in results]
+        return results
 
     return host
 
@@ -415,7 +416,7 @@ def synchronize(handle: int):
     if finish is not None:
         return finish(result)
     if isinstance(result, tuple):  # alltoall: (received array, received splits)
-        return host_calls.to_jax(result[0]), _received_splits(result[1])
+        return host_calls.to_jax(result[0]), host_calls.to_jax(_received_splits(result[1]))
     return host_calls.to_jax(result)
 
 
