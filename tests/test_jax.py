@@ -9,7 +9,8 @@
   ``broadcast_parameters`` and ``broadcast_optimizer_state``.
 - An elastic job (``tests/workers/jax_elastic.py``, a jitted step) whose
   second worker is SIGKILLed mid-epoch: the survivor rolls back, trains on
-  alone and finishes every epoch.
+  alone and finishes every epoch. And in one process: a failure inside
+  compiled code makes ``hvd.elastic.run`` restore ``JaxState`` and retry.
 - ``examples/jax_mnist.py`` at 2 ranks learns the digits; the synthetic
   benchmark prints its figures.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from elastic_util import ElasticJob, records, worker_lines
-from launch_util import WORKERS_DIR, assert_checks_passed, describe, rank_lines, run_job
+from launch_util import WORKERS_DIR, assert_checks_passed, describe, rank_lines, run_job, run_python
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCENARIOS = ("eager", "async", "jit", "grads", "optimizer")
@@ -51,6 +52,51 @@ def test_elastic_training_survives_a_killed_worker(tmp_path):
     assert all(b > a for a, b in zip(committed, committed[1:])), f"committed steps went backwards: {committed}"
     # epochs of 12 steps at 2 ranks and 24 at 1: the survivor went on beyond what 2 ranks alone reach
     assert committed[-1] > 24, committed
+
+
+JAX_STATE_SCRIPT = '''
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import io_callback
+import roundel.jax as hvd
+from roundel.errors import RoundelInternalError
+
+hvd.init()
+state = hvd.elastic.JaxState(params={"w": jnp.array([1.0, 2.0])}, opt_state=(jnp.zeros(2),), epoch=0)
+state.register_reset_callbacks([lambda: print("RESET", flush=True)])
+calls, failed = [], []
+
+def fail_once(x):
+    if not failed:
+        failed.append(True)
+        raise RoundelInternalError("peer died")
+    return np.asarray(x)
+
+@jax.jit
+def step(w):
+    return io_callback(fail_once, jax.ShapeDtypeStruct(w.shape, w.dtype), hvd.allreduce(w) + 1, ordered=True)
+
+@hvd.elastic.run
+def train(state):
+    calls.append((state.epoch, state.params["w"].tolist()))
+    state.epoch = 5
+    state.params = {"w": state.params["w"] * 0}  # changed, then the step fails: restore() must undo this
+    state.params = {"w": step(state.params["w"])}
+    return state.params["w"].tolist()
+
+print("RESULT", train(state), calls, state.epoch)
+'''
+
+
+def test_jax_state_rolls_back_after_a_failure_inside_jit(tmp_path):
+    """One process: the first call fails inside compiled code (a JaxRuntimeError carrying RoundelInternalError);
+    ``run`` treats it as HorovodInternalError, restores JaxState (params and epoch), resets and calls again."""
+    script = tmp_path / "jax_state.py"
+    script.write_text(JAX_STATE_SCRIPT)
+    result = run_python(script, timeout=120)
+    assert result.returncode == 0, describe(result)
+    assert "rolling back to the last commit" in result.stderr and "RESET" in result.stdout, describe(result)
+    # both calls started from the synced state (epoch 0, w = [1, 2]); the second's step ran: 0 + 1
+    assert "RESULT [1.0, 1.0] [(0, [1.0, 2.0]), (0, [1.0, 2.0])] 5" in result.stdout, describe(result)
 
 
 def test_mnist_example_learns_and_benchmark_reports():
