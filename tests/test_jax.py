@@ -31,9 +31,8 @@ SCENARIOS = ("eager", "async", "jit", "grads", "optimizer")
 
 @pytest.mark.parametrize("np", [2, 3])
 def test_collectives_gradients_and_optimizer(np):
-    scenarios = SCENARIOS if np == 2 else SCENARIOS[:4]  # the optimizer once: it is the slowest to compile
-    result = run_job(np, "jax_collectives.py", ",".join(scenarios), timeout=240)
-    assert_checks_passed(result, np, *scenarios)
+    result = run_job(np, "jax_collectives.py", ",".join(SCENARIOS), timeout=240)
+    assert_checks_passed(result, np, *SCENARIOS)
 
 
 def test_elastic_training_survives_a_killed_worker(tmp_path):

@@ -36,7 +36,9 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation, compression=Co
     divides before the sum and the rest after it, as in Horovod. With
     ``backward_passes_per_step`` k > 1 the gradients of k calls are averaged
     locally and reduced on every k-th call, which alone applies ``optimizer``;
-    the others return zero updates. Works eagerly and inside ``jax.jit``.
+    the others return zero updates. ``op=Adasum`` combines the gradients
+    with Adasum (not roundel.torch's delta-based Adasum optimizer). Works
+    eagerly and inside ``jax.jit``.
     """
     op = resolve_op(op)
     if backward_passes_per_step < 1:
