@@ -217,12 +217,17 @@ def scenario_jit():
         exchanged = hvd.alltoall(jnp.tile(part[:1], (SIZE, 1)) + jnp.arange(SIZE, dtype=jnp.int32)[:, None])
         scattered = hvd.reducescatter(r, op=hvd.Sum, prescale_factor=2.0)
         (g_scattered,) = hvd.grouped_reducescatter([r])
-        return summed + 1, tree, gathered, bcast, exchanged, scattered, g_scattered
+        low = hvd.allreduce({"bf16": x.astype(jnp.bfloat16), "bool": part > 0, "f16": x.astype(jnp.float16)},
+                            op=hvd.Sum)
+        return summed + 1, tree, gathered, bcast, exchanged, scattered, g_scattered, low
 
     for _ in range(2):  # the second call runs the compiled program again: unnamed ops numbered alike
-        summed, tree, gathered, bcast, exchanged, scattered, g_scattered = step(
+        summed, tree, gathered, bcast, exchanged, scattered, g_scattered, low = step(
             jnp.asarray(xs[RANK]), jnp.asarray(parts[RANK]), jnp.asarray(rs[RANK]))
         check(summed, reduce_ref("Sum", [2 * x for x in xs]) + 1, "jit allreduce")
+        check(low["bf16"], reduce_ref("Sum", xs), "jit bfloat16", jnp.bfloat16)
+        check(low["f16"], reduce_ref("Sum", xs), "jit float16", jnp.float16)
+        check(low["bool"], reduce_ref("Sum", [p > 0 for p in parts]), "jit bool", jnp.bool_)
         check(tree["a"], reduce_ref("Max", xs), "jit pytree a")
         check(tree["b"], reduce_ref("Max", parts), "jit pytree b", jnp.int32)
         check(gathered, np.concatenate(parts), "jit allgather", jnp.int32)
