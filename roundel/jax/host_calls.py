@@ -9,9 +9,11 @@ every rank submits its collectives in the same order. Under ``jax.vmap``
 defined) it raises a ValueError saying so.
 
 Copies: a CPU ``jax.Array`` is shared with the engine through DLPack without
-a copy, and results come back the same way (JAX copies only when a buffer
-is not aligned as it needs). From compiled code the callback's return value
-is copied once more into XLA's output buffer.
+a copy, and eager results come back the same way (JAX copies only when a
+buffer is not aligned as it needs). Arrays on other devices go through
+NumPy (a copy to the host), and eager results are CPU arrays. From compiled
+code, ``io_callback`` hands the callback its operands and copies the
+returned NumPy views of the engine's results into XLA's output buffers.
 """
 
 from __future__ import annotations
