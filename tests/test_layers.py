@@ -1,6 +1,6 @@
 """The package's layers: imports only go down, adapters stay apart, and nothing hides a cycle.
 
-    adapters   roundel.torch · roundel.tensorflow · roundel.keras · roundel.mxnet   (and roundel.timeline, a tool)
+    adapters   roundel.torch · roundel.tensorflow · roundel.keras · roundel.jax · roundel.mxnet   (and roundel.timeline, a tool)
     core       roundel.common
     below it   roundel.transport · roundel.rendezvous               (not each other)
     ground     roundel.errors · roundel.excepthook · roundel.ops · the roundel package itself
@@ -28,12 +28,13 @@ LEVELS = {
     "roundel.transport": 1, "roundel.rendezvous": 1,
     "roundel.common": 2,
     "roundel.torch": 3, "roundel.tensorflow": 3, "roundel.keras": 3, "roundel.timeline": 3,
+    "roundel.jax": 3,
     "roundel.mxnet": 3,
     "roundel.runner": 4,
     "roundel.spark": 5,
     "roundel.ray": 5,
 }
-ADAPTERS = ("roundel.torch", "roundel.tensorflow", "roundel.keras", "roundel.mxnet")
+ADAPTERS = ("roundel.torch", "roundel.tensorflow", "roundel.keras", "roundel.jax", "roundel.mxnet")
 
 # (importing module, imported package or module) allowed across packages of one layer: Keras runs on
 # TensorFlow; roundel.tensorflow.keras is Horovod's name for the Keras adapter, and TensorFlow's
@@ -172,4 +173,11 @@ def test_tensorflow_adapters_load_no_other_adapter_and_leave_torch_threads_alone
 def test_torch_adapter_loads_neither_tensorflow_nor_the_launcher():
     line = _loaded_after("import roundel.torch")
     assert "roundel.tensorflow" not in line and "roundel.keras" not in line and "roundel.runner" not in line, line
+    assert line.endswith("True False"), line
+
+
+def test_jax_adapter_loads_no_other_adapter_nor_the_launcher_and_leaves_torch_threads_alone():
+    line = _loaded_after("import roundel.jax")
+    assert not any(f"'{p}" in line for p in ("roundel.torch", "roundel.tensorflow", "roundel.keras",
+                                              "roundel.runner")), line
     assert line.endswith("True False"), line
