@@ -22,12 +22,13 @@ The ``*_async`` forms run eagerly only.
 from __future__ import annotations
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 import torch
 
 from roundel.common import basics, buffers, collectives
-from roundel.common.collectives import barrier, join, poll
+from roundel.common.collectives import poll
 from roundel.common.process_sets import global_process_set
 from roundel.jax import host_calls
 from roundel.jax.compression import Compression
@@ -392,6 +393,25 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=R
     """Reducescatter a list of arrays together and return the list of this rank's slices; differentiable."""
     return list(_reducescatter_tree(list(tensors), name, compression, op, process_set, prescale_factor,
                                     postscale_factor, "grouped_reducescatter"))
+
+
+# ------------------------------------------------------------ barrier and join
+def barrier(process_set=global_process_set) -> None:
+    """Return once every rank of the set has called barrier; in compiled code, when the program reaches it
+    (an ordered callback, like the collectives)."""
+    def host():
+        collectives.barrier(process_set)
+        return np.int32(0)
+
+    jax.experimental.io_callback(host, jax.ShapeDtypeStruct((), np.int32), ordered=True)
+
+
+def join():
+    """Wait until every rank has joined (Horovod's ``join``); returns the rank that joined last, an int
+    eagerly and an int32 scalar in compiled code."""
+    last = jax.experimental.io_callback(lambda: np.int32(collectives.join()), jax.ShapeDtypeStruct((), np.int32),
+                                        ordered=True)
+    return last if isinstance(last, jax.core.Tracer) else int(last)
 
 
 # ------------------------------------------------------------ async forms

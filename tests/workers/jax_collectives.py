@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -194,6 +195,15 @@ def scenario_async():
     check(hvd.synchronize(handle), np.ones(3), "poll then synchronize")
     hvd.barrier()
     assert hvd.join() in range(SIZE)
+    # in compiled code, join and barrier run on every call (not once while tracing): in call n, rank n % SIZE
+    # arrives late, so it is the one join reports as the last to join
+    step = jax.jit(lambda x: (hvd.join(), hvd.allreduce(x, op=hvd.Sum, name="after_join"), hvd.barrier())[:2])
+    for n in range(SIZE):
+        if RANK == n % SIZE:
+            time.sleep(0.5)
+        last, total = step(jnp.full(2, float(n)))
+        assert int(last) == n % SIZE, (n, last)
+        check(total, np.full(2, float(n * SIZE)), f"jit join/allreduce/barrier call {n}")
     expect_raises(ValueError, lambda: jax.jit(lambda x: hvd.allreduce_async(x))(jnp.ones(2)), "runs eagerly only")
 
 
