@@ -48,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="steps per timed span")
     p.add_argument("--measurements", type=int, default=3, help="timed spans per job")
     p.add_argument("--warmup-samples", type=int, default=1, help="--autotune-warmup-samples")
-    p.add_argument("--steps-per-sample", type=int, default=5, help="--autotune-steps-per-sample")
+    p.add_argument("--steps-per-sample", type=int, default=2, help="--autotune-steps-per-sample (steps per window; "
+                   "a sample is five windows)")
     p.add_argument("--max-samples", type=int, default=10, help="--autotune-bayes-opt-max-samples")
     p.add_argument("--max-search-steps", type=int, default=1000, help="give up if the search takes longer")
     p.add_argument("--threads", type=int, default=max(1, torch_training.usable_cores() // 2),
@@ -90,7 +91,7 @@ def worker(args) -> None:
         print("BENCH_RESULT " + json.dumps({
             "rates": trainer.rates, "search_steps": search_steps, "search_s": search_s,
             "tuned": {"fusion_mib": tuned.fusion_threshold / 2 ** 20, "cycle_ms": tuned.cycle_time_ms,
-                      "cache": tuned.cache_enabled}}), flush=True)
+                      "cache": tuned.cache_enabled, "bucket_mib": tuned.bucket_cap_mb}}), flush=True)
     hvd.shutdown()
 
 
@@ -132,8 +133,10 @@ def driver(args) -> None:
             extra = ""
             if job == "autotune":
                 t = result["tuned"]
+                buckets = f"{t['bucket_mib']:g} MiB" if t["bucket_mib"] else "as configured"
                 extra = (f"; search {result['search_steps']} steps, {result['search_s']:.1f} s; chose "
-                         f"{t['fusion_mib']:.1f} MiB, {t['cycle_ms']:g} ms, cache {'on' if t['cache'] else 'off'}")
+                         f"{t['fusion_mib']:.1f} MiB, {t['cycle_ms']:g} ms, cache {'on' if t['cache'] else 'off'}, "
+                         f"buckets {buckets}")
             print(f"round {r + 1}/{args.rounds} {job:8s}: {statistics.median(result['rates']):7.1f} samples/sec "
                   f"(job {time.perf_counter() - started:.0f} s{extra})", flush=True)
     medians = {job: statistics.median(rate for res in results[job] for rate in res["rates"]) for job in JOBS}
@@ -141,7 +144,7 @@ def driver(args) -> None:
     print(f"MLP 3 x 2048, batch 32 per rank, 2 ranks, {args.threads} thread(s) per process, "
           f"{torch_training.usable_cores()} usable core(s); {args.rounds} round(s) x {args.measurements} span(s) "
           f"of {args.steps} steps; autotune: {args.warmup_samples} warm-up + {args.max_samples} samples "
-          f"of {args.steps_per_sample} steps")
+          f"of 5 windows of {args.steps_per_sample} steps")
     print()
     print("| settings | samples/sec (median) |")
     print("| --- | --- |")
