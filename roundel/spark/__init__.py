@@ -5,6 +5,7 @@ job's rendezvous store. See :mod:`roundel.spark.runner` for the driver and
 :mod:`roundel.spark.task` for the tasks. Needs ``pyspark`` (and Java).
 """
 
+from roundel.spark.elastic import run_elastic
 from roundel.spark.runner import run
 
-__all__ = ["run"]
+__all__ = ["run", "run_elastic"]
