@@ -12,7 +12,9 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import cloudpickle
@@ -176,3 +178,131 @@ def test_placement_groups_ranks_by_host_in_partition_order():
     assert [(i.rank, i.local_rank, i.local_size, i.cross_rank, i.cross_size, i.hostname) for i in ids] == [
         (0, 0, 2, 0, 3, "b"), (2, 0, 2, 1, 3, "a"), (1, 1, 2, 0, 2, "b"), (3, 1, 2, 1, 2, "a"),
         (4, 0, 1, 2, 3, "::1")]
+
+
+# ------------------------------------------------------------------ run_elastic
+
+def _regression_data():
+    import torch
+
+    generator = torch.Generator().manual_seed(42)
+    x = torch.randn(64, 4, generator=generator)
+    return x, x @ torch.tensor([[1.0], [-2.0], [3.0], [0.5]]) + 0.1 * torch.randn(64, 1, generator=generator)
+
+
+def elastic_regression(steps, die_at=None, marker=None, kill_task=False):
+    """Elastic training (TorchState, a commit per step) on each rank's share of a fixed data set; rank 1
+    exits abruptly at step ``die_at`` the first time (``marker`` remembers that it did), or with
+    ``kill_task`` SIGKILLs the Spark task (Python worker) that runs it, and dies with it."""
+    import torch
+
+    import roundel.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    x, y = _regression_data()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model, optimizer, step=0, sizes=[])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < steps:
+            if state.step == die_at and hvd.rank() == 1 and not os.path.exists(marker):
+                open(marker, "w").close()
+                if kill_task:
+                    os.kill(os.getppid(), signal.SIGKILL)
+                    time.sleep(60)  # this process gets SIGTERM when its task dies
+                os._exit(7)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x[hvd.rank()::hvd.size()]), y[hvd.rank()::hvd.size()]).backward()
+            optimizer.step()
+            state.step += 1
+            state.sizes.append(hvd.size())
+            state.commit()
+
+    train(state)
+    return {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "sizes": state.sizes,
+            "weights": model.weight.detach().flatten().tolist() + model.bias.detach().tolist()}
+
+
+def _expected_weights(sizes):
+    """The weights elastic_regression reaches when step i runs on sizes[i] ranks, computed in one process."""
+    import torch
+
+    x, y = _regression_data()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for size in sizes:
+        grads = []
+        for rank in range(size):
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x[rank::size]), y[rank::size]).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *per_rank in zip(model.parameters(), *grads):
+            p.grad = sum(per_rank) / size
+        optimizer.step()
+    return model.weight.detach().flatten().tolist() + model.bias.detach().tolist()
+
+
+def test_elastic_torch_training_completes_with_identical_weights(spark):
+    out = io.StringIO()
+    results = roundel.spark.run_elastic(elastic_regression, args=(12,), num_proc=2, elastic_timeout=60,
+                                        start_timeout=120, stdout=out)
+    assert [(r["rank"], r["size"], r["step"]) for r in results] == [(0, 2, 12), (1, 2, 12)]
+    assert results[0]["sizes"] == [2] * 12
+    assert results[0]["weights"] == results[1]["weights"]
+    assert results[0]["weights"] == pytest.approx(_expected_weights([2] * 12), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("kill_task", [False, True], ids=["worker-exits", "task-killed"])
+def test_elastic_job_survives_a_worker_that_dies_mid_training(spark, tmp_path, capfd, kill_task):
+    marker = str(tmp_path / "died-once")
+    results = roundel.spark.run_elastic(elastic_regression, args=(12, 5, marker, kill_task), num_proc=2,
+                                        min_num_proc=1, elastic_timeout=60, start_timeout=120)
+    assert os.path.exists(marker)  # rank 1 did die
+    # the task's machine is blacklisted (as Horovod does), so the survivor goes on alone from its last commit
+    assert [(r["rank"], r["size"], r["step"]) for r in results] == [(0, 1, 12)]
+    assert results[0]["sizes"] == [2] * 5 + [1] * 7
+    assert results[0]["weights"] == pytest.approx(_expected_weights(results[0]["sizes"]), rel=1e-5, abs=1e-6)
+    err = capfd.readouterr().err
+    if kill_task:
+        assert "Spark task 1 (attempt 0) is gone; its worker counts as killed" in err
+    else:
+        assert "exited with code 7" in err
+
+
+def elastic_raises():
+    import roundel.torch as hvd
+
+    hvd.init()
+    state = hvd.elastic.ObjectState(step=0)
+
+    @hvd.elastic.run
+    def train(state):
+        raise ValueError(f"rank {hvd.rank()} has bad data")
+
+    train(state)
+
+
+def test_elastic_workers_that_raise_end_the_job_with_their_traceback(spark):
+    with pytest.raises(RankFailedError) as info:
+        roundel.spark.run_elastic(elastic_raises, num_proc=2, min_num_proc=1, elastic_timeout=30, start_timeout=120)
+    assert info.value.rank in (0, 1)
+    assert f"rank {info.value.rank} raised" in str(info.value)
+    assert f"ValueError: rank {info.value.rank} has bad data" in info.value.traceback_text
+    assert "in train" in info.value.traceback_text
+
+
+def test_elastic_bad_arguments_and_too_few_task_slots_are_clear_errors(spark):
+    with pytest.raises(ValueError, match=r"need min_num_proc <= num_proc <= max_num_proc, got 3 <= 2 <= 2"):
+        roundel.spark.run_elastic(greet, num_proc=2, min_num_proc=3)
+    with pytest.raises(ValueError, match="reset_limit must be a whole number >= 0, not -1"):
+        roundel.spark.run_elastic(greet, num_proc=2, reset_limit=-1)
+    with pytest.raises(ValueError, match="elastic_timeout must be a positive number of seconds"):
+        roundel.spark.run_elastic(greet, num_proc=2, elastic_timeout=0)
+    with pytest.raises(TimeoutError, match=r"only 2 of 3 Spark tasks started within the start timeout of 3 s"):
+        roundel.spark.run_elastic(greet, num_proc=3, start_timeout=3)

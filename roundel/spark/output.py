@@ -81,12 +81,14 @@ class Sender:
 
 
 class Printer:
-    """Driver side: prints what the tasks sent, per label in order, until stopped."""
+    """Driver side: prints what the tasks sent, per label in order, until stopped; ``shown`` maps a
+    label to the prefix's name (default the label itself)."""
 
     def __init__(self, server, labels: Callable[[], Iterable[str]], stdout: TextIO, stderr: TextIO,
-                 timestamps: bool = False):
+                 timestamps: bool = False, shown: Callable[[str], str] = str):
         self._server = server
         self._labels = labels
+        self._shown = shown
         self._streams = {"stdout": stdout, "stderr": stderr}
         self._timestamps = timestamps
         self._next: dict[str, int] = {}
@@ -119,7 +121,8 @@ class Printer:
 
     def _print(self, label: str, stream: str, data: bytes) -> None:
         stamp = time.asctime() if self._timestamps else ""
-        text = "".join(f"{stamp}[{label}]<{stream}>:{line}\n"
+        name = self._shown(label)
+        text = "".join(f"{stamp}[{name}]<{stream}>:{line}\n"
                        for line in data.decode(errors="replace").rstrip("\n").split("\n"))
         out = self._streams[stream]
         try:

@@ -37,33 +37,40 @@ _CANCEL_WAIT_S = 30.0
 _job_ids = itertools.count()
 
 
-def _spark_context():
+def spark_context():
     import pyspark
 
     context = pyspark.SparkContext._active_spark_context
     if context is None:
         raise RuntimeError("roundel.spark: no active SparkContext; create a SparkSession (or SparkContext) "
-                           "before calling roundel.spark.run")
+                           "before calling roundel.spark.run or run_elastic")
     return context
 
 
-def _start_timeout(start_timeout: float | None) -> float:
-    if start_timeout is None:
-        for var in START_TIMEOUT_VARS:
+def seconds_setting(value: float | None, env_vars: Sequence[str], default: float, name: str) -> float:
+    """``value``, else the first of ``env_vars`` set, else ``default``; a positive number of seconds.
+    Raises ValueError naming ``name`` (or the variable) otherwise."""
+    if value is None:
+        for var in env_vars:
             if os.environ.get(var):
                 try:
-                    start_timeout = float(os.environ[var])
+                    value = float(os.environ[var])
                 except ValueError:
                     raise ValueError(f"{var}={os.environ[var]!r} must be a number of seconds") from None
                 break
         else:
-            start_timeout = DEFAULT_START_TIMEOUT_S
-    if not start_timeout > 0:
-        raise ValueError(f"start_timeout must be a positive number of seconds, not {start_timeout!r}")
-    return float(start_timeout)
+            value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+    return float(value)
 
 
-def _nic_list(nics) -> list[str]:
+def _start_timeout(start_timeout: float | None) -> float:
+    return seconds_setting(start_timeout, START_TIMEOUT_VARS, DEFAULT_START_TIMEOUT_S, "start_timeout")
+
+
+def nic_list(nics) -> list[str]:
+    """The interface names ``nics`` gives (one name, or a collection of them), sorted."""
     if nics is None:
         return []
     return [nics] if isinstance(nics, str) else sorted(nics)
@@ -77,7 +84,8 @@ def store_address(context, nics: list[str]) -> str:
     return network.resolve(context.getConf().get("spark.driver.host") or "localhost")
 
 
-def _num_proc(context, num_proc: int | None) -> int:
+def num_proc_setting(context, num_proc: int | None) -> int:
+    """``num_proc``, defaulting to ``spark.default.parallelism``; raises ValueError when not a whole number >= 1."""
     if num_proc is None:
         num_proc = context.defaultParallelism
         log.info("roundel.spark: running %d processes (spark.default.parallelism)", num_proc)
@@ -110,14 +118,14 @@ def run(fn: Callable, args: Sequence = (), kwargs: dict | None = None, num_proc:
                          "drop use_mpi/extra_mpi_args (roundelrun --mpi runs a job over MPI)")
     if not callable(fn):
         raise TypeError(f"roundel.spark.run: fn must be callable, not {type(fn).__name__}")
-    context = _spark_context()
-    num_proc = _num_proc(context, num_proc)
+    context = spark_context()
+    num_proc = num_proc_setting(context, num_proc)
     timeout_s = _start_timeout(start_timeout)
-    nic_list = _nic_list(nics)
-    host = store_address(context, nic_list)
+    nics = nic_list(nics)
+    host = store_address(context, nics)
     rank_env = {str(k): str(v) for k, v in (env or {}).items()}
-    if nic_list:
-        rank_env.setdefault("ROUNDEL_NETWORK_INTERFACE", ",".join(nic_list))
+    if nics:
+        rank_env.setdefault("ROUNDEL_NETWORK_INTERFACE", ",".join(nics))
     payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     secret = new_secret()
     server = RendezvousServer(secret, host=host)

@@ -30,7 +30,7 @@ from roundel.rendezvous.store import RendezvousClient
 from roundel.spark import abort, placement
 from roundel.spark.output import Sender
 
-__all__ = ["RESULT_FD", "TaskOutcome", "TaskSpec", "run_task", "started_key"]
+__all__ = ["RESULT_FD", "TaskOutcome", "TaskSpec", "read_all", "run_task", "started_key", "stop_group"]
 
 RESULT_FD = "ROUNDEL_SPARK_RESULT_FD"
 """Names the file descriptor on which the rank's process writes its outcome."""
@@ -92,7 +92,7 @@ def _child_env(spec: TaskSpec, identity: Identity, result_fd: int) -> dict[str, 
     return env
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop_group(process: subprocess.Popen) -> None:
     """SIGTERM the process's group, then SIGKILL it after a grace period."""
     for signum in (signal.SIGTERM, signal.SIGCONT):
         try:
@@ -110,7 +110,8 @@ def _stop(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def _read_all(fd: int, into: list[bytes]) -> None:
+def read_all(fd: int, into: list[bytes]) -> None:
+    """Append everything read from ``fd`` (until it closes) to ``into``."""
     with os.fdopen(fd, "rb") as pipe:
         into.append(pipe.read())
 
@@ -129,7 +130,7 @@ def _run_rank(spec: TaskSpec, identity: Identity, client: RendezvousClient) -> T
     finally:
         os.close(write_fd)
     result: list[bytes] = []
-    reader = threading.Thread(target=_read_all, args=(read_fd, result), name="roundel-spark-result", daemon=True)
+    reader = threading.Thread(target=read_all, args=(read_fd, result), name="roundel-spark-result", daemon=True)
     reader.start()
     tail: collections.deque = collections.deque(maxlen=20)
     sender = Sender(client, str(rank), tail)
@@ -145,11 +146,11 @@ def _run_rank(spec: TaskSpec, identity: Identity, client: RendezvousClient) -> T
         while process.poll() is None:
             if client.check([abort.ABORT_KEY]) and int(client.get(abort.ABORT_KEY)) != rank:
                 stopped = True  # another rank failed (this one's own failure lets it finish reporting)
-                _stop(process)
+                stop_group(process)
                 break
             time.sleep(_WATCH_S)
     except BaseException:  # the driver is gone, or Spark interrupts this task: take the rank down with it
-        _stop(process)
+        stop_group(process)
         raise
     reader.join(_DRAIN_S)
     sender.join(_DRAIN_S)
