@@ -4,50 +4,22 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from roundel.common.compression import Compressor, NoneCompressor, cast_compressor
 
-class Compressor:
-    """Interface: ``compress`` returns (array, context); ``decompress`` undoes it."""
-
-    @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 
 
-class NoneCompressor(Compressor):
-    """Sends arrays as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+def _cast(array, dtype):
+    return array.astype(dtype)
 
 
-def _cast_compressor(wire_dtype, doc: str):
-    class _Cast(Compressor):
-        __doc__ = doc
-
-        @staticmethod
-        def compress(tensor):
-            if jnp.issubdtype(tensor.dtype, jnp.floating) and tensor.dtype != wire_dtype:
-                return tensor.astype(wire_dtype), tensor.dtype
-            return tensor, None
-
-        @staticmethod
-        def decompress(tensor, ctx):
-            return tensor if ctx is None else tensor.astype(ctx)
-
-    return _Cast
+def _is_floating(array) -> bool:
+    return jnp.issubdtype(array.dtype, jnp.floating)
 
 
-FP16Compressor = _cast_compressor(jnp.float16, "Sends floating-point arrays as float16.")
-BF16Compressor = _cast_compressor(jnp.bfloat16, "Sends floating-point arrays as bfloat16 (wider range than fp16).")
+FP16Compressor = cast_compressor(jnp.float16, _is_floating, _cast, "Sends floating-point arrays as float16.")
+BF16Compressor = cast_compressor(jnp.bfloat16, _is_floating, _cast,
+                                 "Sends floating-point arrays as bfloat16 (wider range than fp16).")
 
 
 class Compression:

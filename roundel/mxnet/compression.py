@@ -2,45 +2,22 @@
 
 from __future__ import annotations
 
+import numpy as np
 
-class Compressor:
-    """Interface: ``compress`` returns (tensor, context); ``decompress`` undoes it."""
+from roundel.common.compression import Compressor, NoneCompressor, cast_compressor
 
-    @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
+__all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 
 
-class NoneCompressor(Compressor):
-    """Sends NDArrays as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+def _cast(array, dtype):
+    return array.astype(dtype, copy=False)
 
 
-class FP16Compressor(Compressor):
-    """Sends floating-point NDArrays as float16; the context is the original dtype."""
+def _is_floating(array) -> bool:
+    return np.issubdtype(array.dtype, np.floating)
 
-    @staticmethod
-    def compress(tensor):
-        if "float" in str(tensor.dtype):
-            return tensor.astype("float16", copy=False), tensor.dtype
-        return tensor, tensor.dtype
 
-    @staticmethod
-    def decompress(tensor, ctx):
-        if "float" in str(ctx):
-            return tensor.astype(ctx, copy=False)
-        return tensor
+FP16Compressor = cast_compressor(np.float16, _is_floating, _cast, "Sends floating-point NDArrays as float16.")
 
 
 class Compression:

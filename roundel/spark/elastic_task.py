@@ -16,7 +16,6 @@ a task is ``<partition>.<attempt>``, so a task Spark runs again is a new one.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import signal
@@ -27,10 +26,8 @@ import threading
 import time
 from typing import Iterator
 
-from roundel.rendezvous.identity import LAUNCHER_PID
 from roundel.rendezvous.store import RendezvousClient, RendezvousError, RendezvousTimeout
 from roundel.spark import task
-from roundel.spark.output import Sender
 
 __all__ = ["BEAT_S", "DONE_KEY", "beat_key", "exit_key", "gone_key", "kill_key", "outcome_key", "register_key",
            "serve_slot", "start_key", "task_id"]
@@ -43,7 +40,6 @@ DONE_KEY = "spark/elastic/done"
 
 _WATCH_S = 0.2
 _WAIT_START_S = 0.5
-_DRAIN_S = 10.0
 
 
 def task_id(partition: int, attempt: int) -> str:
@@ -129,16 +125,6 @@ def _beat(client: RendezvousClient, me: str, lost: threading.Event) -> None:
             lost.set()
 
 
-def _worker_env(spec: task.TaskSpec, start: dict, result_fd: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(spec.env)
-    env.update(start["env"])
-    env["PYTHONUNBUFFERED"] = "1"
-    env[LAUNCHER_PID] = str(os.getpid())  # the worker dies with this task
-    env[task.RESULT_FD] = str(result_fd)
-    return env
-
-
 def _run_worker(spec: task.TaskSpec, client: RendezvousClient, start: dict) -> None:
     """Run one worker to its end and report it; raise RendezvousError (after stopping it) when the
     driver is gone."""
@@ -147,31 +133,13 @@ def _run_worker(spec: task.TaskSpec, client: RendezvousClient, start: dict) -> N
         client.set(exit_key(worker), json.dumps({"code": -signal.SIGKILL, "stderr": ""}).encode())
         return
     python = spec.executable or sys.executable
-    read_fd, write_fd = os.pipe()
     try:
-        process = subprocess.Popen(
-            [python, "-m", "roundel.spark.elastic_exec"], env=_worker_env(spec, start, write_fd),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(write_fd,),
-            start_new_session=True)
+        child = task.RankProcess(python, "roundel.spark.elastic_exec", task.process_env(spec, start["env"]),
+                                 spec.payload, client, worker)
     except OSError as exc:
-        os.close(read_fd)
         client.set(exit_key(worker), json.dumps({"code": 127, "stderr": f"could not start {python}: {exc}"}).encode())
         return
-    finally:
-        os.close(write_fd)
-    result: list[bytes] = []
-    reader = threading.Thread(target=task.read_all, args=(read_fd, result), name="roundel-spark-result",
-                              daemon=True)
-    reader.start()
-    tail: collections.deque = collections.deque(maxlen=20)
-    sender = Sender(client, worker, tail)
-    sender.relay(process.stdout, "stdout")
-    sender.relay(process.stderr, "stderr")
-    try:
-        process.stdin.write(spec.payload)
-        process.stdin.close()
-    except OSError:
-        pass  # it died before reading; its exit status and stderr say why
+    process = child.process
     sent = None
     try:
         while process.poll() is None:
@@ -185,12 +153,10 @@ def _run_worker(spec: task.TaskSpec, client: RendezvousClient, start: dict) -> N
     except BaseException:  # the driver is gone, or Spark interrupts this task: take the worker down with it
         task.stop_group(process)
         raise
-    reader.join(_DRAIN_S)
-    sender.join(_DRAIN_S)
-    if result and result[0]:
-        client.set(outcome_key(worker), result[0])
-    last = b"".join(tail).decode(errors="replace").rstrip()
-    client.set(exit_key(worker), json.dumps({"code": process.returncode, "stderr": last}).encode())
+    result = child.result()
+    if result:
+        client.set(outcome_key(worker), result)
+    client.set(exit_key(worker), json.dumps({"code": process.returncode, "stderr": child.last_stderr()}).encode())
 
 
 def _signal(process: subprocess.Popen, signum: int) -> None:

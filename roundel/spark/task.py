@@ -81,15 +81,55 @@ def run_task(spec: TaskSpec, _partition) -> Iterator[TaskOutcome]:
         client.close()
 
 
-def _child_env(spec: TaskSpec, identity: Identity, result_fd: int) -> dict[str, str]:
+def process_env(spec: TaskSpec, *extra: dict) -> dict[str, str]:
+    """The environment of a process this task starts: the task's, ``spec.env``, then ``extra``."""
     env = dict(os.environ)
     env.update(spec.env)
-    env.update(identity.to_env())
-    env.update(rendezvous_env(spec.host, spec.port, spec.secret_hex))
+    for more in extra:
+        env.update(more)
     env["PYTHONUNBUFFERED"] = "1"
-    env[LAUNCHER_PID] = str(os.getpid())  # the rank's process dies with this task's
-    env[RESULT_FD] = str(result_fd)
+    env[LAUNCHER_PID] = str(os.getpid())  # the process dies with this task
     return env
+
+
+class RankProcess:
+    """``python -m module`` started by a task with the pickled function on its stdin, its output relayed
+    to the driver under ``label`` (the last 20 lines of stderr kept in ``tail``), and what it writes to the
+    result pipe collected. Raises OSError when it cannot be started."""
+
+    def __init__(self, python: str, module: str, env: dict, payload: bytes, client: RendezvousClient, label: str):
+        read_fd, write_fd = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [python, "-m", module], env={**env, RESULT_FD: str(write_fd)}, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(write_fd,), start_new_session=True)
+        except OSError:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        self._result: list[bytes] = []
+        self._reader = threading.Thread(target=read_all, args=(read_fd, self._result), name="roundel-spark-result",
+                                        daemon=True)
+        self._reader.start()
+        self.tail: collections.deque = collections.deque(maxlen=20)
+        self._sender = Sender(client, label, self.tail)
+        self._sender.relay(self.process.stdout, "stdout")
+        self._sender.relay(self.process.stderr, "stderr")
+        try:
+            self.process.stdin.write(payload)
+            self.process.stdin.close()
+        except OSError:
+            pass  # it died before reading; its exit status and stderr say why
+
+    def result(self) -> bytes:
+        """Once the process has ended: what it wrote to the result pipe (after its output is relayed)."""
+        self._reader.join(_DRAIN_S)
+        self._sender.join(_DRAIN_S)
+        return self._result[0] if self._result else b""
+
+    def last_stderr(self) -> str:
+        return b"".join(self.tail).decode(errors="replace").rstrip()
 
 
 def stop_group(process: subprocess.Popen) -> None:
@@ -118,29 +158,13 @@ def read_all(fd: int, into: list[bytes]) -> None:
 
 def _run_rank(spec: TaskSpec, identity: Identity, client: RendezvousClient) -> TaskOutcome:
     rank = identity.rank
-    read_fd, write_fd = os.pipe()
+    python = spec.executable or sys.executable
+    env = process_env(spec, identity.to_env(), rendezvous_env(spec.host, spec.port, spec.secret_hex))
     try:
-        process = subprocess.Popen(
-            [spec.executable or sys.executable, "-m", "roundel.spark.exec_fn"],
-            env=_child_env(spec, identity, write_fd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, pass_fds=(write_fd,), start_new_session=True)
+        child = RankProcess(python, "roundel.spark.exec_fn", env, spec.payload, client, str(rank))
     except OSError as exc:
-        os.close(read_fd)
-        return _failed(client, rank, f"rank {rank} could not start {spec.executable or sys.executable}: {exc}")
-    finally:
-        os.close(write_fd)
-    result: list[bytes] = []
-    reader = threading.Thread(target=read_all, args=(read_fd, result), name="roundel-spark-result", daemon=True)
-    reader.start()
-    tail: collections.deque = collections.deque(maxlen=20)
-    sender = Sender(client, str(rank), tail)
-    sender.relay(process.stdout, "stdout")
-    sender.relay(process.stderr, "stderr")
-    try:
-        process.stdin.write(spec.payload)
-        process.stdin.close()
-    except OSError:
-        pass  # it died before reading; its exit status and stderr say why
+        return _failed(client, rank, f"rank {rank} could not start {python}: {exc}")
+    process = child.process
     stopped = False
     try:
         while process.poll() is None:
@@ -152,9 +176,7 @@ def _run_rank(spec: TaskSpec, identity: Identity, client: RendezvousClient) -> T
     except BaseException:  # the driver is gone, or Spark interrupts this task: take the rank down with it
         stop_group(process)
         raise
-    reader.join(_DRAIN_S)
-    sender.join(_DRAIN_S)
-    data = result[0] if result else b""
+    data = child.result()
     if data[:1] == b"1":
         return TaskOutcome(rank, True, data[1:])
     if data[:1] == b"0":
@@ -162,7 +184,7 @@ def _run_rank(spec: TaskSpec, identity: Identity, client: RendezvousClient) -> T
     if stopped:
         who = client.get(abort.ABORT_KEY).decode()
         return TaskOutcome(rank, False, f"rank {rank} was stopped because rank {who} failed".encode())
-    last = b"".join(tail).decode(errors="replace").rstrip()
+    last = child.last_stderr()
     return _failed(client, rank, f"rank {rank}'s process {_exit_text(process.returncode)} before returning a "
                                  f"result" + (f"; the last lines of its stderr:\n{last}" if last else ""))
 

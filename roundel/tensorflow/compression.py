@@ -4,50 +4,18 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from roundel.common.compression import Compressor, NoneCompressor, cast_compressor
 
-class Compressor:
-    """Interface: ``compress`` returns (tensor, context); ``decompress`` undoes it."""
-
-    @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 
 
-class NoneCompressor(Compressor):
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+def _is_floating(tensor) -> bool:
+    return tensor.dtype.is_floating
 
 
-def _cast_compressor(wire_dtype, doc: str):
-    class _Cast(Compressor):
-        __doc__ = doc
-
-        @staticmethod
-        def compress(tensor):
-            if tensor.dtype.is_floating and tensor.dtype != wire_dtype:
-                return tf.cast(tensor, wire_dtype), tensor.dtype
-            return tensor, None
-
-        @staticmethod
-        def decompress(tensor, ctx):
-            return tensor if ctx is None else tf.cast(tensor, ctx)
-
-    return _Cast
-
-
-FP16Compressor = _cast_compressor(tf.float16, "Sends floating-point tensors as float16.")
-BF16Compressor = _cast_compressor(tf.bfloat16, "Sends floating-point tensors as bfloat16 (wider range than fp16).")
+FP16Compressor = cast_compressor(tf.float16, _is_floating, tf.cast, "Sends floating-point tensors as float16.")
+BF16Compressor = cast_compressor(tf.bfloat16, _is_floating, tf.cast,
+                                 "Sends floating-point tensors as bfloat16 (wider range than fp16).")
 
 
 class Compression:

@@ -4,50 +4,22 @@ from __future__ import annotations
 
 import torch
 
+from roundel.common.compression import Compressor, NoneCompressor, cast_compressor
 
-class Compressor:
-    """Interface: ``compress`` returns (tensor, context); ``decompress`` undoes it."""
-
-    @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 
 
-class NoneCompressor(Compressor):
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+def _cast(tensor, dtype):
+    return tensor.to(dtype)
 
 
-def _cast_compressor(wire_dtype: torch.dtype, doc: str):
-    class _Cast(Compressor):
-        __doc__ = doc
-
-        @staticmethod
-        def compress(tensor):
-            if tensor.dtype.is_floating_point and tensor.dtype != wire_dtype:
-                return tensor.to(wire_dtype), tensor.dtype
-            return tensor, None
-
-        @staticmethod
-        def decompress(tensor, ctx):
-            return tensor if ctx is None else tensor.to(ctx)
-
-    return _Cast
+def _is_floating(tensor) -> bool:
+    return tensor.dtype.is_floating_point
 
 
-FP16Compressor = _cast_compressor(torch.float16, "Sends floating-point tensors as float16.")
-BF16Compressor = _cast_compressor(torch.bfloat16, "Sends floating-point tensors as bfloat16 (wider range than fp16).")
+FP16Compressor = cast_compressor(torch.float16, _is_floating, _cast, "Sends floating-point tensors as float16.")
+BF16Compressor = cast_compressor(torch.bfloat16, _is_floating, _cast,
+                                 "Sends floating-point tensors as bfloat16 (wider range than fp16).")
 
 
 class Compression:
