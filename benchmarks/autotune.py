@@ -2,7 +2,7 @@
 
 Run it with plain ``python``; it starts every job itself, on this machine only::
 
-    python benchmarks/autotune.py                       # 2 rounds of the three jobs below
+    python benchmarks/autotune.py --rounds 3 --steps 10  # the README's run: 3 rounds of the three jobs below
     python benchmarks/autotune.py --rounds 1 --max-samples 8 --steps-per-sample 5
 
 Three ``roundelrun -np 2`` jobs train the MLP of ``benchmarks/torch_training.py``
@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="steps per timed span")
     p.add_argument("--measurements", type=int, default=3, help="timed spans per job")
     p.add_argument("--warmup-samples", type=int, default=1, help="--autotune-warmup-samples")
-    p.add_argument("--steps-per-sample", type=int, default=2, help="--autotune-steps-per-sample (steps per window; "
+    p.add_argument("--steps-per-sample", type=int, default=5, help="--autotune-steps-per-sample (steps per window; "
                    "a sample is five windows)")
     p.add_argument("--max-samples", type=int, default=10, help="--autotune-bayes-opt-max-samples")
     p.add_argument("--max-search-steps", type=int, default=1000, help="give up if the search takes longer")
