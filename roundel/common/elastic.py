@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import re
 
 import numpy as np
 
@@ -25,7 +26,8 @@ from roundel.common import basics
 from roundel.errors import HostsUpdatedInterrupt, RoundelInternalError
 from roundel.rendezvous import elastic_join
 
-__all__ = ["ModelState", "ObjectState", "State", "VariablesState", "reset", "run_fn"]
+__all__ = ["ModelState", "ObjectState", "State", "VariablesState", "raising_internal_errors", "reset",
+           "run_fn"]
 
 log = logging.getLogger("roundel")
 
@@ -176,6 +178,27 @@ def reset() -> None:
     """Leave the current communicator and join the next generation of the job."""
     basics.shutdown()
     basics.init()
+
+
+_WRAPPED_INTERNAL_ERROR = re.compile(r"(?:Roundel|Horovod)InternalError: ([^\n]*)")
+
+
+def raising_internal_errors(func, wrapper_type: type, text_of=str):
+    """``func`` with a roundel internal error that compiled code reported as a ``wrapper_type`` (whose
+    text, ``text_of(error)``, names it) raised as RoundelInternalError again, so that ``run_fn`` rolls
+    back as for an eager one."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except wrapper_type as exc:
+            match = _WRAPPED_INTERNAL_ERROR.search(text_of(exc) or "")
+            if match is None:
+                raise
+            raise RoundelInternalError(match.group(1)) from exc
+
+    return wrapper
 
 
 def run_fn(func):

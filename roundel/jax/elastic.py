@@ -11,33 +11,14 @@ need not be traced again.
 
 from __future__ import annotations
 
-import functools
-import re
-
 import jax
 import jax.numpy as jnp
 
 from roundel.common import elastic as common
-from roundel.errors import HorovodInternalError, HostsUpdatedInterrupt, RoundelInternalError
+from roundel.errors import HorovodInternalError, HostsUpdatedInterrupt
 from roundel.jax.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "JaxState", "ObjectState", "State", "run"]
-
-_INTERNAL_ERROR = re.compile(r"(?:Roundel|Horovod)InternalError: ([^\n]*)")
-
-
-def _raising_internal_errors(func):
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        try:
-            return func(*args, **kwargs)
-        except jax.errors.JaxRuntimeError as exc:
-            match = _INTERNAL_ERROR.search(str(exc))
-            if match is None:
-                raise
-            raise RoundelInternalError(match.group(1)) from exc
-
-    return wrapper
 
 
 def run(func):
@@ -48,7 +29,7 @@ def run(func):
     it is kept. Either way the job is re-formed, the reset callbacks run,
     every rank takes rank 0's state, and ``func`` is called again with it.
     """
-    return common.run_fn(_raising_internal_errors(func))
+    return common.run_fn(common.raising_internal_errors(func, jax.errors.JaxRuntimeError))
 
 
 class State(common.State):

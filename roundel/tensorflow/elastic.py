@@ -11,33 +11,14 @@ creating it in the training function or in a reset callback.
 
 from __future__ import annotations
 
-import functools
-import re
-
 import tensorflow as tf
 
 from roundel.common import elastic as common
-from roundel.errors import HorovodInternalError, HostsUpdatedInterrupt, RoundelInternalError
+from roundel.errors import HorovodInternalError, HostsUpdatedInterrupt
 from roundel.tensorflow.functions import broadcast_object, broadcast_variables
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "TensorFlowKerasState",
            "TensorFlowState", "run"]
-
-_INTERNAL_ERROR = re.compile(r"(?:Roundel|Horovod)InternalError: ([^\n]*)")
-
-
-def _raising_internal_errors(func):
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        try:
-            return func(*args, **kwargs)
-        except tf.errors.OpError as exc:
-            match = _INTERNAL_ERROR.search(exc.message or "")
-            if match is None:
-                raise
-            raise RoundelInternalError(match.group(1)) from exc
-
-    return wrapper
 
 
 def run(func):
@@ -49,7 +30,7 @@ def run(func):
     reset callbacks run, every rank takes rank 0's state, and ``func`` is
     called again with the same state.
     """
-    return common.run_fn(_raising_internal_errors(func))
+    return common.run_fn(common.raising_internal_errors(func, tf.errors.OpError, lambda exc: exc.message))
 
 
 class State(common.State):
