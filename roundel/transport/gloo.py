@@ -138,7 +138,14 @@ class GlooBackend(Backend):
         self._pg.barrier().wait()
 
     def close(self):
+        """Shut the process group down and free it at once, which joins its native threads while the
+        interpreter still runs: a Gloo worker left to exit-time garbage collection aborts the process
+        when it releases a tensor after Python has begun to finalize."""
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
         try:
-            self._pg.shutdown()
+            pg.shutdown()
         except RuntimeError:
             pass
+        del pg  # the last reference: torch destroys the group with the GIL released

@@ -12,15 +12,26 @@ from __future__ import annotations
 import copy
 import importlib.util
 import inspect
+import os
 import sys
 
 import numpy as np
 import torch
 
 import roundel.torch as hvd
+from roundel.common import basics
 from roundel.torch.elastic import state as elastic_state
 from _checks import check, expect_raises, make_float, run_scenarios, to_np
 
+torch.randn(1 << 20).sum()  # torch's own worker threads start here, before the baseline below
+
+
+def os_threads() -> set:
+    """The ids of this process's threads, Python's and native ones alike."""
+    return set(os.listdir("/proc/self/task"))
+
+
+THREADS_BEFORE_INIT = os_threads()
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
 
@@ -306,8 +317,15 @@ def scenario_registry():
 
 # ------------------------------------------------------------- init(comm=...)
 def scenario_comm():
-    from mpi4py import MPI
+    hvd.allgather(torch.ones(3), name="fid.comm.before_shutdown")
+    job = basics.runtime().process_sets[0][1]  # a reference that outlives shutdown() must not matter
     hvd.shutdown()
+    # shutdown() joins every thread init() started, Gloo's native workers included: one left to the
+    # garbage collector at interpreter exit may abort the process when it releases a tensor
+    left = os_threads() - THREADS_BEFORE_INIT
+    assert not left, f"threads still running after shutdown() of {type(job).__name__}: {sorted(left)}"
+    del job
+    from mpi4py import MPI  # starts MPI's own threads: after the check
     # without mpirun every process is its own MPI world: a clear error, nothing started
     if SIZE > 1:
         expect_raises(ValueError, lambda: hvd.init(comm=MPI.COMM_WORLD), "COMM_WORLD", "mpirun")
