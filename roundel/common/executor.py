@@ -3,6 +3,11 @@
 Each rank's executor receives the same sequence of batches (those of its
 process sets), packs fused entries into a reusable buffer, makes one backend
 call, unpacks, and completes the handles.
+
+A single-tensor allreduce on a backend with ``allreduce_async`` skips the
+executor thread when nothing is queued there: the engine thread starts it and
+the transport's thread completes its handle (no timeline is recording then).
+Every backend call is still started in the order the batches came.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -60,6 +66,18 @@ def _scale(buffer, factor: float) -> None:
         buffer.copy_(buffer.double().mul_(factor).trunc_())
 
 
+def _startable_here(batch: Batch, works: list, backend) -> bool:
+    """Whether ``batch`` is an allreduce the executor may start without its thread: one tensor, its own
+    buffer (no fusion buffer, which the next batch may reuse), not Adasum, on a backend with
+    ``allreduce_async``."""
+    if batch.kind != OpKind.ALLREDUCE or batch.error or len(batch.entries) != 1 or \
+            getattr(backend, "allreduce_async", None) is None or \
+            batch.entries[0].request.reduce_op == ReduceOp.Adasum:
+        return False
+    work = works[0]
+    return work is None or work.output is None or work.output.is_contiguous()
+
+
 class Executor:
     """A thread that executes batches on the backends of this rank's process sets."""
 
@@ -71,7 +89,9 @@ class Executor:
         self._on_transport_failure = on_transport_failure
         self._on_idle = on_idle
         self._outstanding = 0
+        self._queued = 0  # items put on the executor thread's queue and not yet done there
         self._count_lock = threading.Lock()
+        self._all_done = threading.Condition(self._count_lock)
         self._held: dict[int, list] = {}  # batches put and not yet finished: id -> works
         self._aborted: RoundelInternalError | None = None
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -82,9 +102,19 @@ class Executor:
         self._thread.start()
 
     def put(self, batch: Batch, works: list) -> None:
+        """Run ``batch`` (with this rank's ``works``, None for joined ranks) after every batch put before it."""
+        members = self._process_sets.get(batch.process_set_id)
+        backend = members[1] if members else None
+        startable = not self._timeline.active and _startable_here(batch, works, backend)
         with self._count_lock:
             self._outstanding += 1
             self._held[id(works)] = works
+            start_here = startable and self._queued == 0 and self._aborted is None
+            if not start_here:
+                self._queued += 1
+        if start_here:
+            self._start_allreduce(batch, works, backend)
+            return
         if self._timeline.active:
             self._timeline.begin([e.name for e in batch.entries], batch.kind.label, "QUEUE")
         self._queue.put((batch, works))
@@ -92,6 +122,8 @@ class Executor:
     def retune(self, params) -> None:
         """Apply autotune's ``TunedParams`` after the batches put so far: the hierarchical switches, and
         the stamp ``tuned_at`` gives every later collective (every rank stamps the same collectives alike)."""
+        with self._count_lock:
+            self._queued += 1
         self._queue.put(params)
 
     def abort(self, error: RoundelInternalError) -> None:
@@ -110,11 +142,14 @@ class Executor:
         """True when no batch is queued or running."""
         return self._outstanding == 0
 
-    def _finished_one(self, works: list) -> None:
+    def _finished_one(self, works: list, queued: bool) -> None:
         with self._count_lock:
             self._outstanding -= 1
+            self._queued -= queued
             self._held.pop(id(works), None)
             idle = self._outstanding == 0
+            if idle:
+                self._all_done.notify_all()
         if idle:
             self._on_idle()
 
@@ -124,9 +159,13 @@ class Executor:
         return self.wait_stopped(timeout)
 
     def wait_stopped(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for the thread to end (after ``stop``); True once it has."""
+        """Wait up to ``timeout`` s for the thread to end (after ``stop``) and every allreduce it did not
+        start to finish; True once they have."""
+        deadline = time.monotonic() + timeout
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        with self._count_lock:
+            self._all_done.wait_for(lambda: self._outstanding == 0, max(0.0, deadline - time.monotonic()))
+            return not self._thread.is_alive() and self._outstanding == 0
 
     def _loop(self) -> None:
         while True:
@@ -138,18 +177,49 @@ class Executor:
                 if isinstance(job, HierarchicalBackend):
                     job.use(item.hierarchical_allreduce, item.hierarchical_allgather)
                 self._tuned = (self._tuned[0] + 1, item)
+                with self._count_lock:
+                    self._queued -= 1
                 continue
             batch, works = item
-            if self._tuned[1] is not None:
-                for entry in batch.entries:
-                    self.tuned_at[(batch.process_set_id, entry.name)] = self._tuned
+            self._stamp(batch)
             try:
                 if self._aborted is not None:
                     self._fail(works, self._aborted)
                 else:
                     self._execute(batch, works)
             finally:
-                self._finished_one(works)
+                self._finished_one(works, queued=True)
+
+    def _stamp(self, batch: Batch) -> None:
+        if self._tuned[1] is not None:
+            for entry in batch.entries:
+                self.tuned_at[(batch.process_set_id, entry.name)] = self._tuned
+
+    def _start_allreduce(self, batch: Batch, works: list, backend) -> None:
+        """Start a single-tensor allreduce on the backend's own threads; its handle completes there."""
+        self._stamp(batch)
+        try:
+            buffer, outputs, post = self._allreduce_buffer(batch, works, backend.size)
+            future = backend.allreduce_async(buffer, ReduceOp(batch.entries[0].request.reduce_op))
+        except Exception as exc:
+            self._fail_batch(batch, works, backend, exc)
+            self._finished_one(works, queued=False)
+            return
+
+        def finish(done) -> None:
+            try:
+                done.value()
+                self._allreduce_results(buffer, outputs, post)
+            except Exception as exc:
+                self._fail_batch(batch, works, backend, exc)
+            else:
+                for work, result in zip(works, outputs):
+                    if work is not None:
+                        work.handle.set_result(result)
+            finally:
+                self._finished_one(works, queued=False)
+
+        future.add_done_callback(finish)
 
     def _execute(self, batch: Batch, works: list) -> None:
         self._names = [e.name for e in batch.entries] if self._timeline.active else None
@@ -172,20 +242,30 @@ class Executor:
         if batch.error:
             self._fail(works, _ERROR_TYPES.get(batch.error_type, CollectiveMismatchError)(batch.error))
             return None
+        ranks, backend = self._process_sets[batch.process_set_id]
         try:
-            results = self._run(batch, works)
-        except RoundelInternalError as exc:
-            self._fail(works, exc)
-            self._on_transport_failure(exc)
-            return None
-        except Exception as exc:  # a bug or an input the checks missed: fail these handles only
-            log.debug("batch failed", exc_info=True)
-            self._fail(works, exc)
+            results = self._run(batch, works, ranks, backend)
+        except Exception as exc:
+            self._fail_batch(batch, works, backend, exc)
             return None
         for work, result in zip(works, results):
             if work is not None:
                 work.handle.set_result(result)
         return results
+
+    def _fail_batch(self, batch: Batch, works: list, backend, exc: Exception) -> None:
+        """Fail the batch's handles with ``exc``; a transport failure (``RuntimeError``) also breaks the job."""
+        if isinstance(exc, RuntimeError) and not isinstance(exc, RoundelInternalError):
+            names = ", ".join(f"'{e.name}'" for e in batch.entries[:4])
+            cause, exc = exc, RoundelInternalError(
+                f"{batch.kind.label} of {names} failed in the {backend.name} transport: {exc}. "
+                "A peer process has probably died or stopped; see the other ranks' output.")
+            exc.__cause__ = cause
+        if not isinstance(exc, RoundelInternalError):  # a bug or an input the checks missed: these handles only
+            log.debug("batch failed", exc_info=exc)
+        self._fail(works, exc)
+        if isinstance(exc, RoundelInternalError):
+            self._on_transport_failure(exc)
 
     @staticmethod
     def _fail(works, exc) -> None:
@@ -194,8 +274,7 @@ class Executor:
                 work.handle.set_error(exc)
 
     # --------------------------------------------------------------- dispatch
-    def _run(self, batch: Batch, works: list) -> list:
-        ranks, backend = self._process_sets[batch.process_set_id]
+    def _run(self, batch: Batch, works: list, ranks: tuple, backend) -> list:
         kind = batch.kind
         if kind == OpKind.BARRIER:
             return [None] * len(works)
@@ -208,16 +287,7 @@ class Executor:
             OpKind.ALLTOALL: self._alltoall,
             OpKind.REDUCESCATTER: self._reducescatter,
         }[kind]
-        try:
-            return call(batch, works, backend, ranks)
-        except RuntimeError as exc:
-            if isinstance(exc, RoundelInternalError):
-                raise
-            names = ", ".join(f"'{e.name}'" for e in batch.entries[:4])
-            raise RoundelInternalError(
-                f"{kind.label} of {names} failed in the {backend.name} transport: {exc}. "
-                "A peer process has probably died or stopped; see the other ranks' output."
-            ) from exc
+        return call(batch, works, backend, ranks)
 
     def _buffer(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
         """A reusable fusion buffer (kept per dtype and device, grown on demand)."""
@@ -255,8 +325,8 @@ class Executor:
                 torch.cat([t.reshape(-1) for t in tensors], out=buffer)
         return buffer
 
-    def _unpack(self, buffer: torch.Tensor, outputs: list) -> None:
-        self._phase("MEMCPY_OUT_FUSION_BUFFER")
+    @staticmethod
+    def _unpack(buffer: torch.Tensor, outputs: list) -> None:
         views = buffer.split([output.numel() for output in outputs])
         with torch.no_grad():
             torch._foreach_copy_(outputs, [view.view(output.shape) for view, output in zip(views, outputs)])
@@ -265,11 +335,24 @@ class Executor:
     def _allreduce(self, batch, works, backend, ranks):
         request = batch.entries[0].request
         op = ReduceOp(request.reduce_op)
-        post = request.postscale / (len(ranks) if op == ReduceOp.Average else 1)
+        if op == ReduceOp.Adasum:
+            inputs = self._inputs(batch, works)
+            return self._adasum(inputs, self._outputs_in_place(works, inputs), request, backend, len(ranks))
+        buffer, outputs, post = self._allreduce_buffer(batch, works, len(ranks))
+        self._phase(transport_activity(backend.name, "allreduce"))
+        backend.allreduce(buffer, op)
+        if buffer is not outputs[0]:
+            self._phase("MEMCPY_OUT_FUSION_BUFFER")
+        return self._allreduce_results(buffer, outputs, post)
+
+    def _allreduce_buffer(self, batch: Batch, works: list, size: int) -> tuple:
+        """(the buffer to reduce, holding the prescaled inputs; the outputs; the scale to apply after).
+
+        A single contiguous output is its own buffer; several are packed into the fusion buffer.
+        """
+        request = batch.entries[0].request
         inputs = self._inputs(batch, works)
         outputs = self._outputs_in_place(works, inputs)
-        if op == ReduceOp.Adasum:
-            return self._adasum(inputs, outputs, request, backend, len(ranks))
         if len(inputs) == 1 and outputs[0].is_contiguous():
             buffer = outputs[0]
             if buffer is not inputs[0]:
@@ -277,8 +360,10 @@ class Executor:
         else:
             buffer = self._pack(inputs, torch_dtype(request.dtype))
         _scale(buffer, request.prescale)
-        self._phase(transport_activity(backend.name, "allreduce"))
-        backend.allreduce(buffer, op)
+        post = request.postscale / (size if ReduceOp(request.reduce_op) == ReduceOp.Average else 1)
+        return buffer, outputs, post
+
+    def _allreduce_results(self, buffer: torch.Tensor, outputs: list, post: float) -> list:
         _scale(buffer, post)
         if buffer is not outputs[0]:
             self._unpack(buffer, outputs)
@@ -316,6 +401,7 @@ class Executor:
         self._phase(transport_activity(backend.name, "broadcast"))
         backend.broadcast(buffer, ranks.index(request.root_rank))  # root_rank is global, as in Horovod
         if buffer is not outputs[0]:
+            self._phase("MEMCPY_OUT_FUSION_BUFFER")
             self._unpack(buffer, outputs)
         return outputs
 

@@ -3,6 +3,8 @@
 The engine decides what runs and in which order; a backend only moves data.
 Every call is blocking, operates on contiguous ``torch.Tensor`` buffers, and
 raises ``RuntimeError`` when the transport fails (a peer died, a timeout).
+A backend that can also run an allreduce on its own threads offers
+``allreduce_async``; the executor then starts it without a thread hop.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def allreduce(self, tensor, op: ReduceOp) -> None:
         """Reduce ``tensor`` in place across members; ``op`` is Sum, Min, Max or Product."""
+
+    #: ``allreduce_async(tensor, op)``, where offered: start :meth:`allreduce` on the transport's own
+    #: threads and return a ``torch.futures.Future`` that completes once ``tensor`` holds the result
+    #: (or fails with the transport's ``RuntimeError``). Calls run in the order they are made.
+    allreduce_async = None
 
     @abc.abstractmethod
     def allgather(self, output, tensor) -> None:

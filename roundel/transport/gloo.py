@@ -90,6 +90,19 @@ class GlooBackend(Backend):
         self._pg.allreduce([sent], options).wait()
         _back(tensor, sent)
 
+    def allreduce_async(self, tensor, op):
+        sent = _wire(tensor)
+        options = dist.AllreduceOptions()
+        options.reduceOp = _TORCH_OPS[op]
+        future = self._pg.allreduce([sent], options).get_future()
+        if sent is tensor:
+            return future
+
+        def narrow(done) -> None:
+            done.value()  # raises the transport's error, if any
+            _back(tensor, sent)
+        return future.then(narrow)
+
     def allgather(self, output, tensor):
         sent_out, sent_in = _wire(output), _wire(tensor)
         self._pg._allgather_base(sent_out, sent_in).wait()
