@@ -5,13 +5,14 @@ the others' through shared memory and computes the collective by plain
 arithmetic, so the test checks what lands in which output tensor.
 """
 
+import concurrent.futures
 import threading
 
 import pytest
 import torch
 
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
-from roundel.common.executor import Executor, Work
+from roundel.common.executor import OWN_CALL_BYTES, Executor, Work
 from roundel.common.handles import Handle
 from roundel.ops import ReduceOp
 from roundel.common.requests import Batch, Entry, OpKind, Request
@@ -89,13 +90,40 @@ class MemoryBackend(Backend):
         pass
 
 
+class AsyncMemoryBackend(MemoryBackend):
+    """A MemoryBackend that also offers ``allreduce_async``: calls run in order on one thread of its own."""
+
+    name = "async memory"
+
+    def __init__(self, rank, size, exchange, fail=False):
+        super().__init__(rank, size, exchange, fail)
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memory-transport")
+
+    def allreduce_async(self, tensor, op):
+        future = torch.futures.Future()
+
+        def run():
+            try:
+                self.allreduce(tensor, op)
+                self.calls[-1] = "allreduce_async"
+            except RuntimeError as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+        self._thread.submit(run)
+        return future
+
+    def close(self):
+        self._thread.shutdown()
+
+
 class Group:
     """``size`` simulated ranks, each with an Executor over one process set 0."""
 
-    def __init__(self, size, fail=False, set_id=0, ranks=None):
+    def __init__(self, size, fail=False, set_id=0, ranks=None, backend=MemoryBackend):
         exchange = Exchange(size)
         self.size = size
-        self.backends = [MemoryBackend(r, size, exchange, fail) for r in range(size)]
+        self.backends = [backend(r, size, exchange, fail) for r in range(size)]
         self.transport_failures = []
         ranks = tuple(range(size)) if ranks is None else ranks
         self.executors = [Executor({set_id: (ranks, backend)}, self.transport_failures.append,
@@ -122,6 +150,8 @@ class Group:
     def stop(self):
         for executor in self.executors:
             assert executor.stop(TIMEOUT_S)
+        for backend in self.backends:
+            backend.close()
 
 
 def wait(handle):
@@ -278,6 +308,75 @@ def test_fused_adasum_combines_each_tensor_separately(group):
     for r in range(2):
         torch.testing.assert_close(outcomes[r][0], torch.tensor([1.0, 3.0]))  # orthogonal: added
         torch.testing.assert_close(outcomes[r][1], torch.tensor([2.0, 2.0]))  # equal: averaged
+
+
+def _big_and_small(ranks: int) -> tuple:
+    """Requests for two tensors of OWN_CALL_BYTES and one small one, each rank's inputs, their sums."""
+    big = OWN_CALL_BYTES // 4
+    shapes = {"big1": (big,), "small": (3, 5), "big2": (2, big // 2)}
+    requests = [Request(name, OpKind.ALLREDUCE, 0, "float32", shape, reduce_op=int(ReduceOp.Sum))
+                for name, shape in shapes.items()]
+    inputs = [{name: torch.full(shape, float(r + 1)) + torch.arange(torch.Size(shape).numel()).reshape(shape)
+               for name, shape in shapes.items()} for r in range(ranks)]
+    expected = {name: sum(inputs[r][name] for r in range(ranks)) for name in shapes}
+    return requests, inputs, expected
+
+
+def test_large_entries_of_a_fused_batch_are_reduced_in_their_own_memory(group):
+    """On a backend that runs calls side by side, each entry of OWN_CALL_BYTES or more is its own call
+    (no copy into the fusion buffer and back); the small ones are packed into one call."""
+    g = group(2, backend=AsyncMemoryBackend)
+    requests, inputs, expected = _big_and_small(2)
+    works = [[work(q, inputs[r][q.name].clone()) for q in requests] for r in range(2)]
+    outcomes = g.run(batch_of(OpKind.ALLREDUCE, requests), works)
+    for r in range(2):
+        for q, w, result in zip(requests, works[r], outcomes[r]):
+            assert result is w.tensor
+            torch.testing.assert_close(result, expected[q.name])
+        assert g.backends[r].calls == ["allreduce_async"] * 3
+
+
+def test_an_allreduce_of_large_entries_starts_without_the_executor_thread(group):
+    """Every entry in its own memory: the batch starts on the caller's thread and its handles complete
+    on the transport's thread."""
+    g = group(2, backend=AsyncMemoryBackend)
+    requests, inputs, expected = _big_and_small(2)
+    requests = [q for q in requests if q.name != "small"]
+    completed_on = []
+    works = []
+    for r in range(2):
+        rank_works = []
+        for q in requests:
+            w = work(q, inputs[r][q.name].clone())
+            w.handle._on_done = lambda: completed_on.append(threading.current_thread().name)
+            rank_works.append(w)
+        works.append(rank_works)
+    outcomes = g.run(batch_of(OpKind.ALLREDUCE, requests), works)
+    for r in range(2):
+        for q, result in zip(requests, outcomes[r]):
+            torch.testing.assert_close(result, expected[q.name])
+        assert g.backends[r].calls == ["allreduce_async"] * 2
+    assert len(completed_on) == 4 and all(name.startswith("memory-transport") for name in completed_on)
+
+
+def test_a_single_allreduce_started_without_the_executor_thread_scales_and_averages(group):
+    g = group(2, backend=AsyncMemoryBackend)
+    request = Request("avg", OpKind.ALLREDUCE, 0, "float64", (3,), reduce_op=int(ReduceOp.Average),
+                      prescale=2.0, postscale=10.0)
+    values = [torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), torch.tensor([5.0, 6.0, 7.0], dtype=torch.float64)]
+    outcomes = g.run(batch_of(OpKind.ALLREDUCE, [request]), [[work(request, values[r].clone())] for r in range(2)])
+    for r in range(2):
+        torch.testing.assert_close(outcomes[r][0], (values[0] + values[1]) * 2.0 / 2 * 10.0)
+        assert g.backends[r].calls == ["allreduce_async"]
+
+
+def test_a_transport_failure_of_an_allreduce_started_without_the_executor_thread_is_reported(group):
+    g = group(1, fail=True, backend=AsyncMemoryBackend)
+    request = Request("t", OpKind.ALLREDUCE, 0, "float32", (2,))
+    [[error]] = g.run(batch_of(OpKind.ALLREDUCE, [request]), [[work(request, torch.ones(2))]])
+    assert isinstance(error, RoundelInternalError)
+    assert "allreduce of 't' failed in the async memory transport: connection reset by peer" in str(error)
+    assert g.transport_failures == [error]
 
 
 # ----------------------------------------------------------------- broadcast

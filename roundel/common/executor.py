@@ -66,16 +66,29 @@ def _scale(buffer, factor: float) -> None:
         buffer.copy_(buffer.double().mul_(factor).trunc_())
 
 
+# An allreduce entry of at least this many bytes is reduced in its own memory by its own call when the
+# backend runs calls side by side (allreduce_async): copying it into the fusion buffer and back costs
+# more than the call (a 25 MiB gradient bucket, say).
+OWN_CALL_BYTES = 1 << 20
+
+
+def _runs_alone(request: Request, work: Work | None, entries: int, side_by_side: bool) -> bool:
+    """Whether an allreduce entry is reduced in its own output tensor rather than in the fusion buffer."""
+    if work is not None and work.output is not None and not work.output.is_contiguous():
+        return False
+    if entries == 1:
+        return True
+    return side_by_side and math.prod(request.shape) * torch_dtype(request.dtype).itemsize >= OWN_CALL_BYTES
+
+
 def _startable_here(batch: Batch, works: list, backend) -> bool:
-    """Whether ``batch`` is an allreduce the executor may start without its thread: one tensor, its own
-    buffer (no fusion buffer, which the next batch may reuse), not Adasum, on a backend with
-    ``allreduce_async``."""
-    if batch.kind != OpKind.ALLREDUCE or batch.error or len(batch.entries) != 1 or \
-            getattr(backend, "allreduce_async", None) is None or \
+    """Whether ``batch`` is an allreduce the executor may start without its thread: on a backend with
+    ``allreduce_async``, not Adasum, and every entry in its own memory (the fusion buffer is the
+    executor thread's, and the next batch may reuse it)."""
+    if batch.kind != OpKind.ALLREDUCE or batch.error or getattr(backend, "allreduce_async", None) is None or \
             batch.entries[0].request.reduce_op == ReduceOp.Adasum:
         return False
-    work = works[0]
-    return work is None or work.output is None or work.output.is_contiguous()
+    return all(_runs_alone(e.request, w, len(works), True) for e, w in zip(batch.entries, works))
 
 
 class Executor:
@@ -196,20 +209,22 @@ class Executor:
                 self.tuned_at[(batch.process_set_id, entry.name)] = self._tuned
 
     def _start_allreduce(self, batch: Batch, works: list, backend) -> None:
-        """Start a single-tensor allreduce on the backend's own threads; its handle completes there."""
+        """Start an allreduce on the backend's own threads; its handles complete there."""
         self._stamp(batch)
         try:
-            buffer, outputs, post = self._allreduce_buffer(batch, works, backend.size)
-            future = backend.allreduce_async(buffer, ReduceOp(batch.entries[0].request.reduce_op))
+            parts, outputs, post = self._allreduce_parts(batch, works, backend)
+            op = ReduceOp(batch.entries[0].request.reduce_op)
+            futures = [backend.allreduce_async(buffer, op) for buffer, _ in parts]
         except Exception as exc:
             self._fail_batch(batch, works, backend, exc)
             self._finished_one(works, queued=False)
             return
 
-        def finish(done) -> None:
+        def finish(_) -> None:
             try:
-                done.value()
-                self._allreduce_results(buffer, outputs, post)
+                for future in futures:
+                    future.value()  # raises the transport's error, if any
+                self._allreduce_results(parts, post)
             except Exception as exc:
                 self._fail_batch(batch, works, backend, exc)
             else:
@@ -219,7 +234,7 @@ class Executor:
             finally:
                 self._finished_one(works, queued=False)
 
-        future.add_done_callback(finish)
+        (futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)).add_done_callback(finish)
 
     def _execute(self, batch: Batch, works: list) -> None:
         self._names = [e.name for e in batch.entries] if self._timeline.active else None
@@ -338,36 +353,48 @@ class Executor:
         if op == ReduceOp.Adasum:
             inputs = self._inputs(batch, works)
             return self._adasum(inputs, self._outputs_in_place(works, inputs), request, backend, len(ranks))
-        buffer, outputs, post = self._allreduce_buffer(batch, works, len(ranks))
+        parts, outputs, post = self._allreduce_parts(batch, works, backend)
         self._phase(transport_activity(backend.name, "allreduce"))
-        backend.allreduce(buffer, op)
-        if buffer is not outputs[0]:
+        if len(parts) == 1:
+            backend.allreduce(parts[0][0], op)
+        else:  # side by side on the backend's threads
+            torch.futures.wait_all([backend.allreduce_async(buffer, op) for buffer, _ in parts])
+        if any(buffer is not part_outputs[0] for buffer, part_outputs in parts):
             self._phase("MEMCPY_OUT_FUSION_BUFFER")
-        return self._allreduce_results(buffer, outputs, post)
+        self._allreduce_results(parts, post)
+        return outputs
 
-    def _allreduce_buffer(self, batch: Batch, works: list, size: int) -> tuple:
-        """(the buffer to reduce, holding the prescaled inputs; the outputs; the scale to apply after).
+    def _allreduce_parts(self, batch: Batch, works: list, backend) -> tuple:
+        """([(buffer, its outputs)], every output in entry order, the scale to apply after the reduction).
 
-        A single contiguous output is its own buffer; several are packed into the fusion buffer.
+        Each buffer holds prescaled inputs and takes one backend call. An entry that runs alone (see
+        ``_runs_alone``) is its own output's buffer; the others are packed into the fusion buffer.
         """
         request = batch.entries[0].request
         inputs = self._inputs(batch, works)
         outputs = self._outputs_in_place(works, inputs)
-        if len(inputs) == 1 and outputs[0].is_contiguous():
-            buffer = outputs[0]
-            if buffer is not inputs[0]:
-                buffer.copy_(inputs[0])
-        else:
-            buffer = self._pack(inputs, torch_dtype(request.dtype))
-        _scale(buffer, request.prescale)
-        post = request.postscale / (size if ReduceOp(request.reduce_op) == ReduceOp.Average else 1)
-        return buffer, outputs, post
+        side_by_side = getattr(backend, "allreduce_async", None) is not None
+        parts, packed_inputs, packed_outputs = [], [], []
+        for entry, work, tensor, output in zip(batch.entries, works, inputs, outputs):
+            if _runs_alone(entry.request, work, len(works), side_by_side):
+                if output is not tensor:
+                    output.copy_(tensor)
+                parts.append((output, [output]))
+            else:
+                packed_inputs.append(tensor)
+                packed_outputs.append(output)
+        if packed_inputs:
+            parts.append((self._pack(packed_inputs, torch_dtype(request.dtype)), packed_outputs))
+        for buffer, _ in parts:
+            _scale(buffer, request.prescale)
+        post = request.postscale / (backend.size if ReduceOp(request.reduce_op) == ReduceOp.Average else 1)
+        return parts, outputs, post
 
-    def _allreduce_results(self, buffer: torch.Tensor, outputs: list, post: float) -> list:
-        _scale(buffer, post)
-        if buffer is not outputs[0]:
-            self._unpack(buffer, outputs)
-        return outputs
+    def _allreduce_results(self, parts: list, post: float) -> None:
+        for buffer, outputs in parts:
+            _scale(buffer, post)
+            if buffer is not outputs[0]:
+                self._unpack(buffer, outputs)
 
     def _adasum(self, inputs, outputs, request, backend, n):
         """Gather every rank's gradients, then combine each tensor with the Adasum tree."""
