@@ -336,47 +336,28 @@ def test_large_entries_of_a_fused_batch_are_reduced_in_their_own_memory(group):
         assert g.backends[r].calls == ["allreduce_async"] * 3
 
 
-def test_an_allreduce_of_large_entries_starts_without_the_executor_thread(group):
-    """Every entry in its own memory: the batch starts on the caller's thread and its handles complete
-    on the transport's thread."""
+def test_large_entries_reduced_side_by_side_are_prescaled_and_averaged(group):
     g = group(2, backend=AsyncMemoryBackend)
-    requests, inputs, expected = _big_and_small(2)
-    requests = [q for q in requests if q.name != "small"]
-    completed_on = []
-    works = []
-    for r in range(2):
-        rank_works = []
-        for q in requests:
-            w = work(q, inputs[r][q.name].clone())
-            w.handle._on_done = lambda: completed_on.append(threading.current_thread().name)
-            rank_works.append(w)
-        works.append(rank_works)
+    big = OWN_CALL_BYTES // 8
+    requests = [Request(name, OpKind.ALLREDUCE, 0, "float64", (big,), reduce_op=int(ReduceOp.Average),
+                        prescale=2.0, postscale=10.0) for name in ("g1", "g2")]
+    values = [[torch.full((big,), float(r + 1 + i), dtype=torch.float64) for i in range(2)] for r in range(2)]
+    works = [[work(q, values[r][i].clone()) for i, q in enumerate(requests)] for r in range(2)]
     outcomes = g.run(batch_of(OpKind.ALLREDUCE, requests), works)
     for r in range(2):
-        for q, result in zip(requests, outcomes[r]):
-            torch.testing.assert_close(result, expected[q.name])
+        for i in range(2):
+            torch.testing.assert_close(outcomes[r][i], (values[0][i] + values[1][i]) * 2.0 / 2 * 10.0)
         assert g.backends[r].calls == ["allreduce_async"] * 2
-    assert len(completed_on) == 4 and all(name.startswith("memory-transport") for name in completed_on)
 
 
-def test_a_single_allreduce_started_without_the_executor_thread_scales_and_averages(group):
-    g = group(2, backend=AsyncMemoryBackend)
-    request = Request("avg", OpKind.ALLREDUCE, 0, "float64", (3,), reduce_op=int(ReduceOp.Average),
-                      prescale=2.0, postscale=10.0)
-    values = [torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), torch.tensor([5.0, 6.0, 7.0], dtype=torch.float64)]
-    outcomes = g.run(batch_of(OpKind.ALLREDUCE, [request]), [[work(request, values[r].clone())] for r in range(2)])
-    for r in range(2):
-        torch.testing.assert_close(outcomes[r][0], (values[0] + values[1]) * 2.0 / 2 * 10.0)
-        assert g.backends[r].calls == ["allreduce_async"]
-
-
-def test_a_transport_failure_of_an_allreduce_started_without_the_executor_thread_is_reported(group):
+def test_a_transport_failure_of_calls_side_by_side_fails_the_handles_and_is_reported(group):
     g = group(1, fail=True, backend=AsyncMemoryBackend)
-    request = Request("t", OpKind.ALLREDUCE, 0, "float32", (2,))
-    [[error]] = g.run(batch_of(OpKind.ALLREDUCE, [request]), [[work(request, torch.ones(2))]])
-    assert isinstance(error, RoundelInternalError)
-    assert "allreduce of 't' failed in the async memory transport: connection reset by peer" in str(error)
-    assert g.transport_failures == [error]
+    requests, inputs, _ = _big_and_small(1)
+    outcomes = g.run(batch_of(OpKind.ALLREDUCE, requests), [[work(q, inputs[0][q.name]) for q in requests]])
+    assert all(isinstance(error, RoundelInternalError) for error in outcomes[0])
+    assert "allreduce of 'big1', 'small', 'big2' failed in the async memory transport: connection reset by peer" \
+        in str(outcomes[0][0])
+    assert g.transport_failures == [outcomes[0][0]]
 
 
 # ----------------------------------------------------------------- broadcast

@@ -4,10 +4,9 @@ Each rank's executor receives the same sequence of batches (those of its
 process sets), packs fused entries into a reusable buffer, makes one backend
 call, unpacks, and completes the handles.
 
-A single-tensor allreduce on a backend with ``allreduce_async`` skips the
-executor thread when nothing is queued there: the engine thread starts it and
-the transport's thread completes its handle (no timeline is recording then).
-Every backend call is still started in the order the batches came.
+On a backend that runs calls side by side (``allreduce_async``), the large
+entries of a fused allreduce are reduced in their own memory, each by its own
+call, and only the small ones go through the fusion buffer.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import logging
 import math
 import queue
 import threading
-import time
 from typing import Callable
 
 import torch
@@ -81,16 +79,6 @@ def _runs_alone(request: Request, work: Work | None, entries: int, side_by_side:
     return side_by_side and math.prod(request.shape) * torch_dtype(request.dtype).itemsize >= OWN_CALL_BYTES
 
 
-def _startable_here(batch: Batch, works: list, backend) -> bool:
-    """Whether ``batch`` is an allreduce the executor may start without its thread: on a backend with
-    ``allreduce_async``, not Adasum, and every entry in its own memory (the fusion buffer is the
-    executor thread's, and the next batch may reuse it)."""
-    if batch.kind != OpKind.ALLREDUCE or batch.error or getattr(backend, "allreduce_async", None) is None or \
-            batch.entries[0].request.reduce_op == ReduceOp.Adasum:
-        return False
-    return all(_runs_alone(e.request, w, len(works), True) for e, w in zip(batch.entries, works))
-
-
 class Executor:
     """A thread that executes batches on the backends of this rank's process sets."""
 
@@ -102,9 +90,7 @@ class Executor:
         self._on_transport_failure = on_transport_failure
         self._on_idle = on_idle
         self._outstanding = 0
-        self._queued = 0  # items put on the executor thread's queue and not yet done there
         self._count_lock = threading.Lock()
-        self._all_done = threading.Condition(self._count_lock)
         self._held: dict[int, list] = {}  # batches put and not yet finished: id -> works
         self._aborted: RoundelInternalError | None = None
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -116,18 +102,9 @@ class Executor:
 
     def put(self, batch: Batch, works: list) -> None:
         """Run ``batch`` (with this rank's ``works``, None for joined ranks) after every batch put before it."""
-        members = self._process_sets.get(batch.process_set_id)
-        backend = members[1] if members else None
-        startable = not self._timeline.active and _startable_here(batch, works, backend)
         with self._count_lock:
             self._outstanding += 1
             self._held[id(works)] = works
-            start_here = startable and self._queued == 0 and self._aborted is None
-            if not start_here:
-                self._queued += 1
-        if start_here:
-            self._start_allreduce(batch, works, backend)
-            return
         if self._timeline.active:
             self._timeline.begin([e.name for e in batch.entries], batch.kind.label, "QUEUE")
         self._queue.put((batch, works))
@@ -135,8 +112,6 @@ class Executor:
     def retune(self, params) -> None:
         """Apply autotune's ``TunedParams`` after the batches put so far: the hierarchical switches, and
         the stamp ``tuned_at`` gives every later collective (every rank stamps the same collectives alike)."""
-        with self._count_lock:
-            self._queued += 1
         self._queue.put(params)
 
     def abort(self, error: RoundelInternalError) -> None:
@@ -155,14 +130,11 @@ class Executor:
         """True when no batch is queued or running."""
         return self._outstanding == 0
 
-    def _finished_one(self, works: list, queued: bool) -> None:
+    def _finished_one(self, works: list) -> None:
         with self._count_lock:
             self._outstanding -= 1
-            self._queued -= queued
             self._held.pop(id(works), None)
             idle = self._outstanding == 0
-            if idle:
-                self._all_done.notify_all()
         if idle:
             self._on_idle()
 
@@ -172,13 +144,9 @@ class Executor:
         return self.wait_stopped(timeout)
 
     def wait_stopped(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for the thread to end (after ``stop``) and every allreduce it did not
-        start to finish; True once they have."""
-        deadline = time.monotonic() + timeout
+        """Wait up to ``timeout`` s for the thread to end (after ``stop``); True once it has."""
         self._thread.join(timeout)
-        with self._count_lock:
-            self._all_done.wait_for(lambda: self._outstanding == 0, max(0.0, deadline - time.monotonic()))
-            return not self._thread.is_alive() and self._outstanding == 0
+        return not self._thread.is_alive()
 
     def _loop(self) -> None:
         while True:
@@ -190,51 +158,18 @@ class Executor:
                 if isinstance(job, HierarchicalBackend):
                     job.use(item.hierarchical_allreduce, item.hierarchical_allgather)
                 self._tuned = (self._tuned[0] + 1, item)
-                with self._count_lock:
-                    self._queued -= 1
                 continue
             batch, works = item
-            self._stamp(batch)
+            if self._tuned[1] is not None:
+                for entry in batch.entries:
+                    self.tuned_at[(batch.process_set_id, entry.name)] = self._tuned
             try:
                 if self._aborted is not None:
                     self._fail(works, self._aborted)
                 else:
                     self._execute(batch, works)
             finally:
-                self._finished_one(works, queued=True)
-
-    def _stamp(self, batch: Batch) -> None:
-        if self._tuned[1] is not None:
-            for entry in batch.entries:
-                self.tuned_at[(batch.process_set_id, entry.name)] = self._tuned
-
-    def _start_allreduce(self, batch: Batch, works: list, backend) -> None:
-        """Start an allreduce on the backend's own threads; its handles complete there."""
-        self._stamp(batch)
-        try:
-            parts, outputs, post = self._allreduce_parts(batch, works, backend)
-            op = ReduceOp(batch.entries[0].request.reduce_op)
-            futures = [backend.allreduce_async(buffer, op) for buffer, _ in parts]
-        except Exception as exc:
-            self._fail_batch(batch, works, backend, exc)
-            self._finished_one(works, queued=False)
-            return
-
-        def finish(_) -> None:
-            try:
-                for future in futures:
-                    future.value()  # raises the transport's error, if any
-                self._allreduce_results(parts, post)
-            except Exception as exc:
-                self._fail_batch(batch, works, backend, exc)
-            else:
-                for work, result in zip(works, outputs):
-                    if work is not None:
-                        work.handle.set_result(result)
-            finally:
-                self._finished_one(works, queued=False)
-
-        (futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)).add_done_callback(finish)
+                self._finished_one(works)
 
     def _execute(self, batch: Batch, works: list) -> None:
         self._names = [e.name for e in batch.entries] if self._timeline.active else None
@@ -257,30 +192,20 @@ class Executor:
         if batch.error:
             self._fail(works, _ERROR_TYPES.get(batch.error_type, CollectiveMismatchError)(batch.error))
             return None
-        ranks, backend = self._process_sets[batch.process_set_id]
         try:
-            results = self._run(batch, works, ranks, backend)
-        except Exception as exc:
-            self._fail_batch(batch, works, backend, exc)
+            results = self._run(batch, works)
+        except RoundelInternalError as exc:
+            self._fail(works, exc)
+            self._on_transport_failure(exc)
+            return None
+        except Exception as exc:  # a bug or an input the checks missed: fail these handles only
+            log.debug("batch failed", exc_info=True)
+            self._fail(works, exc)
             return None
         for work, result in zip(works, results):
             if work is not None:
                 work.handle.set_result(result)
         return results
-
-    def _fail_batch(self, batch: Batch, works: list, backend, exc: Exception) -> None:
-        """Fail the batch's handles with ``exc``; a transport failure (``RuntimeError``) also breaks the job."""
-        if isinstance(exc, RuntimeError) and not isinstance(exc, RoundelInternalError):
-            names = ", ".join(f"'{e.name}'" for e in batch.entries[:4])
-            cause, exc = exc, RoundelInternalError(
-                f"{batch.kind.label} of {names} failed in the {backend.name} transport: {exc}. "
-                "A peer process has probably died or stopped; see the other ranks' output.")
-            exc.__cause__ = cause
-        if not isinstance(exc, RoundelInternalError):  # a bug or an input the checks missed: these handles only
-            log.debug("batch failed", exc_info=exc)
-        self._fail(works, exc)
-        if isinstance(exc, RoundelInternalError):
-            self._on_transport_failure(exc)
 
     @staticmethod
     def _fail(works, exc) -> None:
@@ -289,7 +214,8 @@ class Executor:
                 work.handle.set_error(exc)
 
     # --------------------------------------------------------------- dispatch
-    def _run(self, batch: Batch, works: list, ranks: tuple, backend) -> list:
+    def _run(self, batch: Batch, works: list) -> list:
+        ranks, backend = self._process_sets[batch.process_set_id]
         kind = batch.kind
         if kind == OpKind.BARRIER:
             return [None] * len(works)
@@ -302,7 +228,16 @@ class Executor:
             OpKind.ALLTOALL: self._alltoall,
             OpKind.REDUCESCATTER: self._reducescatter,
         }[kind]
-        return call(batch, works, backend, ranks)
+        try:
+            return call(batch, works, backend, ranks)
+        except RuntimeError as exc:
+            if isinstance(exc, RoundelInternalError):
+                raise
+            names = ", ".join(f"'{e.name}'" for e in batch.entries[:4])
+            raise RoundelInternalError(
+                f"{kind.label} of {names} failed in the {backend.name} transport: {exc}. "
+                "A peer process has probably died or stopped; see the other ranks' output."
+            ) from exc
 
     def _buffer(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
         """A reusable fusion buffer (kept per dtype and device, grown on demand)."""
@@ -340,8 +275,8 @@ class Executor:
                 torch.cat([t.reshape(-1) for t in tensors], out=buffer)
         return buffer
 
-    @staticmethod
-    def _unpack(buffer: torch.Tensor, outputs: list) -> None:
+    def _unpack(self, buffer: torch.Tensor, outputs: list) -> None:
+        self._phase("MEMCPY_OUT_FUSION_BUFFER")
         views = buffer.split([output.numel() for output in outputs])
         with torch.no_grad():
             torch._foreach_copy_(outputs, [view.view(output.shape) for view, output in zip(views, outputs)])
@@ -353,18 +288,16 @@ class Executor:
         if op == ReduceOp.Adasum:
             inputs = self._inputs(batch, works)
             return self._adasum(inputs, self._outputs_in_place(works, inputs), request, backend, len(ranks))
-        parts, outputs, post = self._allreduce_parts(batch, works, backend)
+        parts, outputs, post = self._allreduce_parts(batch, works, backend, ranks)
         self._phase(transport_activity(backend.name, "allreduce"))
         if len(parts) == 1:
             backend.allreduce(parts[0][0], op)
         else:  # side by side on the backend's threads
             torch.futures.wait_all([backend.allreduce_async(buffer, op) for buffer, _ in parts])
-        if any(buffer is not part_outputs[0] for buffer, part_outputs in parts):
-            self._phase("MEMCPY_OUT_FUSION_BUFFER")
         self._allreduce_results(parts, post)
         return outputs
 
-    def _allreduce_parts(self, batch: Batch, works: list, backend) -> tuple:
+    def _allreduce_parts(self, batch: Batch, works: list, backend, ranks: tuple) -> tuple:
         """([(buffer, its outputs)], every output in entry order, the scale to apply after the reduction).
 
         Each buffer holds prescaled inputs and takes one backend call. An entry that runs alone (see
@@ -387,7 +320,7 @@ class Executor:
             parts.append((self._pack(packed_inputs, torch_dtype(request.dtype)), packed_outputs))
         for buffer, _ in parts:
             _scale(buffer, request.prescale)
-        post = request.postscale / (backend.size if ReduceOp(request.reduce_op) == ReduceOp.Average else 1)
+        post = request.postscale / (len(ranks) if ReduceOp(request.reduce_op) == ReduceOp.Average else 1)
         return parts, outputs, post
 
     def _allreduce_results(self, parts: list, post: float) -> None:
@@ -428,7 +361,6 @@ class Executor:
         self._phase(transport_activity(backend.name, "broadcast"))
         backend.broadcast(buffer, ranks.index(request.root_rank))  # root_rank is global, as in Horovod
         if buffer is not outputs[0]:
-            self._phase("MEMCPY_OUT_FUSION_BUFFER")
             self._unpack(buffer, outputs)
         return outputs
 
