@@ -353,12 +353,42 @@ class Engine:
         writer.start()
         writer.join(_LOST_KEY_WRITE_S)
 
+    def _recorded_loss(self, rank: int) -> dict | None:
+        """What another rank wrote in ``<prefix>lost/<rank>`` (see ``_record_lost``), if any; never waits long."""
+        key = f"{self._key_prefix}lost/{rank}"
+        found = []
+
+        def read():
+            try:
+                if self._rendezvous.check([key]):
+                    found.append(json.loads(self._rendezvous.get(key, timeout=_LOST_KEY_WRITE_S)))
+            except Exception as exc:  # best effort: the store may be gone with the launcher
+                log.debug("roundel could not read the record of lost rank %d: %s", rank, exc)
+
+        reader = threading.Thread(target=read, name="roundel-lost-key", daemon=True)
+        reader.start()
+        reader.join(_LOST_KEY_WRITE_S)
+        return found[0] if found and isinstance(found[0], dict) and "reason" in found[0] else None
+
+    def _coordinator_gone(self, what: str) -> None:
+        """Break the job after the connection to rank 0 failed (``what``, the default explanation).
+
+        When another rank already found rank 0 stopped responding (the launcher then ends it, which
+        closes this connection), that is the error here too.
+        """
+        recorded = self._recorded_loss(0)
+        if recorded is None:
+            self._break(what)
+            return
+        self._break(f"rank 0 (host {recorded.get('host', self._coordinator_host)}), the coordinator, "
+                    f"{recorded['reason']} (found by another rank); the job's communication is broken")
+
     def _send(self, message) -> None:
         try:
             control_channel.send(self._to_coordinator, message)
         except OSError as exc:
-            self._break(f"lost the connection to the coordinator on rank 0 ({exc}); "
-                        "rank 0 has shut down or died")
+            self._coordinator_gone(f"lost the connection to the coordinator on rank 0 ({exc}); "
+                                   "rank 0 has shut down or died")
 
     def _rank_receive(self) -> None:
         try:
@@ -368,8 +398,8 @@ class Engine:
         if not data:
             self._selector.unregister(self._to_coordinator)
             self._coordinator_lost = True
-            self._break("lost the connection to the coordinator on rank 0: rank 0 has shut down "
-                        "or died (see its output)")
+            self._coordinator_gone("lost the connection to the coordinator on rank 0: rank 0 has shut down "
+                                   "or died (see its output)")
             return
         self._heard_coordinator = time.monotonic()
         for message in self._coordinator_reader.feed(data):

@@ -92,7 +92,7 @@ def _expect_lost(stopped: int, run) -> float:
     return took
 
 
-def scenario_stopped(stopped: str):
+def scenario_stopped(stopped: str, name: str = "stopped"):
     """Rank ``stopped`` SIGSTOPs itself; the others wait in an allreduce it never joins."""
     stopped = int(stopped)
     allreduce_works("warm")
@@ -100,8 +100,14 @@ def scenario_stopped(stopped: str):
         os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(3600)
     took = _expect_lost(stopped, lambda: hvd.allreduce(torch.ones(4), name="stopped.ar"))
-    passed("stopped", took)
+    passed(name, took)
     sys.exit(SURVIVOR_EXIT)
+
+
+def scenario_stopped_coordinator_seen_by_one():
+    """Rank 0 SIGSTOPs itself; only rank 1 can find it stopped (rank 2's heartbeat timeout is 60 s,
+    set before init), so rank 2 learns of it when the launcher ends rank 0; it must report the same."""
+    scenario_stopped("0", "stopped_coordinator_seen_by_one")
 
 
 def scenario_stopped_caught():
@@ -217,6 +223,7 @@ SCENARIOS = {
     "diverged": scenario_diverged,
     "busy": scenario_busy,
     "stopped": scenario_stopped,
+    "stopped_coordinator_seen_by_one": scenario_stopped_coordinator_seen_by_one,
     "stopped_in_transfer": scenario_stopped_in_transfer,
     "link_down": scenario_link_down,
     "unnamed_reinit": scenario_unnamed_reinit,
@@ -227,6 +234,8 @@ SCENARIOS = {
 
 if __name__ == "__main__":
     print(f"PID {os.getpid()}", flush=True)
+    if sys.argv[1] == "stopped_coordinator_seen_by_one" and os.environ.get("HOROVOD_RANK") == "2":
+        os.environ["ROUNDEL_HEARTBEAT_TIMEOUT_SECONDS"] = "60"
     hvd.init()
     for scenario in sys.argv[1].split(","):
         SCENARIOS[scenario](*sys.argv[2:])
