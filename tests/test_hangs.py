@@ -105,10 +105,10 @@ def test_stopped_rank_fails_the_others_within_the_heartbeat_timeout(stopped):
     _assert_lost(result, 3, stopped, "stopped")
 
 
-def test_a_rank_that_learns_of_a_stopped_coordinator_from_its_end_names_the_cause():
+def test_a_rank_that_learns_of_a_stopped_coordinator_from_its_end_names_the_cause(tmp_path):
     # only rank 1 can find rank 0 stopped; the launcher then ends rank 0, which closes rank 2's
     # connection to it: rank 2 must still say that rank 0 stopped responding, not just that it went away
-    result = _run(3, "stopped_coordinator_seen_by_one")
+    result = _run(3, "stopped_coordinator_seen_by_one", str(tmp_path))
     _assert_lost(result, 3, 0, "stopped_coordinator_seen_by_one")
     assert any("(found by another rank)" in line for line in _errors(result, 2)), describe(result)
 

@@ -92,7 +92,7 @@ def _expect_lost(stopped: int, run) -> float:
     return took
 
 
-def scenario_stopped(stopped: str, name: str = "stopped"):
+def scenario_stopped(stopped: str, name: str = "stopped", before_exit=None):
     """Rank ``stopped`` SIGSTOPs itself; the others wait in an allreduce it never joins."""
     stopped = int(stopped)
     allreduce_works("warm")
@@ -101,13 +101,23 @@ def scenario_stopped(stopped: str, name: str = "stopped"):
         time.sleep(3600)
     took = _expect_lost(stopped, lambda: hvd.allreduce(torch.ones(4), name="stopped.ar"))
     passed(name, took)
+    if before_exit is not None:
+        before_exit()
     sys.exit(SURVIVOR_EXIT)
 
 
-def scenario_stopped_coordinator_seen_by_one():
+def scenario_stopped_coordinator_seen_by_one(done_dir: str):
     """Rank 0 SIGSTOPs itself; only rank 1 can find it stopped (rank 2's heartbeat timeout is 60 s,
-    set before init), so rank 2 learns of it when the launcher ends rank 0; it must report the same."""
-    scenario_stopped("0", "stopped_coordinator_seen_by_one")
+    set before init), so rank 2 learns of it when the launcher ends rank 0; it must report the same.
+    Each survivor marks its checks done in ``done_dir`` and exits once both have (the launcher stops
+    the job at the first exit)."""
+    def both_done():
+        open(os.path.join(done_dir, str(hvd.rank())), "w").close()
+        deadline = time.monotonic() + 30
+        while not all(os.path.exists(os.path.join(done_dir, r)) for r in ("1", "2")):
+            assert time.monotonic() < deadline, "the other survivor did not finish its checks within 30 s"
+            time.sleep(0.05)
+    scenario_stopped("0", "stopped_coordinator_seen_by_one", both_done)
 
 
 def scenario_stopped_caught():
