@@ -62,6 +62,14 @@ _ABANDON_S = 1.0
 _LOST_KEY_WRITE_S = 2.0
 
 
+def _run_briefly(store_call) -> None:
+    """Run ``store_call`` on a helper thread and wait at most _LOST_KEY_WRITE_S for it (the rendezvous
+    store may be gone with the launcher; the engine thread must not hang on it)."""
+    helper = threading.Thread(target=store_call, name="roundel-lost-key", daemon=True)
+    helper.start()
+    helper.join(_LOST_KEY_WRITE_S)
+
+
 class Engine:
     """One rank's engine; create it after the global backend, stop it with ``shutdown()``."""
 
@@ -349,9 +357,7 @@ class Engine:
             except Exception as exc:  # best effort: the store may be gone with the launcher
                 log.debug("roundel could not record lost rank %d: %s", rank, exc)
 
-        writer = threading.Thread(target=write, name="roundel-lost-key", daemon=True)
-        writer.start()
-        writer.join(_LOST_KEY_WRITE_S)
+        _run_briefly(write)
 
     def _recorded_loss(self, rank: int) -> dict | None:
         """What another rank wrote in ``<prefix>lost/<rank>`` (see ``_record_lost``), if any; never waits long."""
@@ -365,9 +371,7 @@ class Engine:
             except Exception as exc:  # best effort: the store may be gone with the launcher
                 log.debug("roundel could not read the record of lost rank %d: %s", rank, exc)
 
-        reader = threading.Thread(target=read, name="roundel-lost-key", daemon=True)
-        reader.start()
-        reader.join(_LOST_KEY_WRITE_S)
+        _run_briefly(read)
         return found[0] if found and isinstance(found[0], dict) and "reason" in found[0] else None
 
     def _coordinator_gone(self, what: str) -> None:

@@ -288,7 +288,7 @@ class Executor:
         if op == ReduceOp.Adasum:
             inputs = self._inputs(batch, works)
             return self._adasum(inputs, self._outputs_in_place(works, inputs), request, backend, len(ranks))
-        parts, outputs, post = self._allreduce_parts(batch, works, backend, ranks)
+        parts, outputs, post = self._allreduce_parts(batch, works, backend, op, len(ranks))
         self._phase(transport_activity(backend.name, "allreduce"))
         if len(parts) == 1:
             backend.allreduce(parts[0][0], op)
@@ -297,7 +297,7 @@ class Executor:
         self._allreduce_results(parts, post)
         return outputs
 
-    def _allreduce_parts(self, batch: Batch, works: list, backend, ranks: tuple) -> tuple:
+    def _allreduce_parts(self, batch: Batch, works: list, backend, op: ReduceOp, size: int) -> tuple:
         """([(buffer, its outputs)], every output in entry order, the scale to apply after the reduction).
 
         Each buffer holds prescaled inputs and takes one backend call. An entry that runs alone (see
@@ -320,7 +320,7 @@ class Executor:
             parts.append((self._pack(packed_inputs, torch_dtype(request.dtype)), packed_outputs))
         for buffer, _ in parts:
             _scale(buffer, request.prescale)
-        post = request.postscale / (len(ranks) if ReduceOp(request.reduce_op) == ReduceOp.Average else 1)
+        post = request.postscale / (size if op == ReduceOp.Average else 1)
         return parts, outputs, post
 
     def _allreduce_results(self, parts: list, post: float) -> None:

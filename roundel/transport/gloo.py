@@ -83,18 +83,19 @@ class GlooBackend(Backend):
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
         self._pg = dist.ProcessGroupGloo(store, rank, size, options)
 
-    def allreduce(self, tensor, op):
-        sent = _wire(tensor)
+    def _allreduce_work(self, sent, op):
         options = dist.AllreduceOptions()
         options.reduceOp = _TORCH_OPS[op]
-        self._pg.allreduce([sent], options).wait()
+        return self._pg.allreduce([sent], options)
+
+    def allreduce(self, tensor, op):
+        sent = _wire(tensor)
+        self._allreduce_work(sent, op).wait()
         _back(tensor, sent)
 
     def allreduce_async(self, tensor, op):
         sent = _wire(tensor)
-        options = dist.AllreduceOptions()
-        options.reduceOp = _TORCH_OPS[op]
-        future = self._pg.allreduce([sent], options).get_future()
+        future = self._allreduce_work(sent, op).get_future()
         if sent is tensor:
             return future
 
@@ -151,9 +152,10 @@ class GlooBackend(Backend):
         self._pg.barrier().wait()
 
     def close(self):
-        """Shut the process group down and free it at once, which joins its native threads while the
-        interpreter still runs: a Gloo worker left to exit-time garbage collection aborts the process
-        when it releases a tensor after Python has begun to finalize."""
+        """Shut the process group down and drop it, its last reference: torch then destroys it at once
+        (GIL released), joining its native threads while the interpreter still runs. A Gloo worker left
+        to exit-time garbage collection aborts the process when it releases a tensor after Python has
+        begun to finalize."""
         pg, self._pg = self._pg, None
         if pg is None:
             return
@@ -161,4 +163,3 @@ class GlooBackend(Backend):
             pg.shutdown()
         except RuntimeError:
             pass
-        del pg  # the last reference: torch destroys the group with the GIL released
