@@ -117,6 +117,18 @@ class AsyncMemoryBackend(MemoryBackend):
         self._thread.shutdown()
 
 
+class HeldAsyncMemoryBackend(AsyncMemoryBackend):
+    """An AsyncMemoryBackend whose async calls wait for ``release`` before they exchange anything."""
+
+    def __init__(self, rank, size, exchange, fail=False):
+        super().__init__(rank, size, exchange, fail)
+        self.release = threading.Event()
+
+    def allreduce_async(self, tensor, op):
+        self._thread.submit(self.release.wait, TIMEOUT_S)
+        return super().allreduce_async(tensor, op)
+
+
 class Group:
     """``size`` simulated ranks, each with an Executor over one process set 0."""
 
@@ -358,6 +370,53 @@ def test_a_transport_failure_of_calls_side_by_side_fails_the_handles_and_is_repo
     assert "allreduce of 'big1', 'small', 'big2' failed in the async memory transport: connection reset by peer" \
         in str(outcomes[0][0])
     assert g.transport_failures == [outcomes[0][0]]
+
+
+def test_a_large_allreduce_runs_in_the_background_while_later_batches_run(group):
+    """An allreduce of OWN_CALL_BYTES or more does not hold back the next batch: while its call is still
+    on the transport, a later small allreduce runs and completes; the large one completes once its call has."""
+    g = group(2, backend=HeldAsyncMemoryBackend)
+    count = OWN_CALL_BYTES // 4
+    big = Request("big", OpKind.ALLREDUCE, 0, "float32", (count,), reduce_op=int(ReduceOp.Average),
+                  postscale=10.0)
+    small = Request("small", OpKind.ALLREDUCE, 0, "float32", (4,), reduce_op=int(ReduceOp.Sum))
+    bigs = [work(big, torch.full((count,), float(r + 1))) for r in range(2)]
+    for executor, w in zip(g.executors, bigs):
+        executor.put(batch_of(OpKind.ALLREDUCE, [big]), [w])
+    outcomes = g.run(batch_of(OpKind.ALLREDUCE, [small]), [[work(small, torch.ones(4))] for _ in range(2)])
+    assert [torch.equal(o[0], torch.full((4,), 2.0)) for o in outcomes] == [True, True]
+    assert not any(w.handle.done() for w in bigs)
+    assert not any(executor.idle() for executor in g.executors)  # the coordinator still waits for it
+    for backend in g.backends:
+        backend.release.set()
+    for r, w in enumerate(bigs):
+        result = wait(w.handle)
+        assert result is w.tensor
+        torch.testing.assert_close(result, torch.full((count,), 1.5 * 10.0))
+        assert g.backends[r].calls == ["allreduce", "allreduce_async"]
+    for executor in g.executors:
+        assert executor.stop(TIMEOUT_S) and executor.idle()
+
+
+def test_stopping_finishes_allreduces_still_in_the_background(group):
+    g = group(1, backend=HeldAsyncMemoryBackend)
+    request = Request("big", OpKind.ALLREDUCE, 0, "float32", (OWN_CALL_BYTES // 4,), postscale=3.0)
+    w = work(request, torch.ones(OWN_CALL_BYTES // 4))
+    g.executors[0].put(batch_of(OpKind.ALLREDUCE, [request]), [w])
+    g.backends[0].release.set()
+    assert g.executors[0].stop(TIMEOUT_S)
+    assert w.handle.done()
+    torch.testing.assert_close(w.handle.wait(), torch.full((OWN_CALL_BYTES // 4,), 3.0))
+
+
+def test_a_transport_failure_in_the_background_fails_the_handle_and_is_reported(group):
+    g = group(1, fail=True, backend=AsyncMemoryBackend)
+    request = Request("big", OpKind.ALLREDUCE, 0, "float32", (OWN_CALL_BYTES // 4,))
+    [[error]] = g.run(batch_of(OpKind.ALLREDUCE, [request]), [[work(request, torch.ones(OWN_CALL_BYTES // 4))]])
+    assert isinstance(error, RoundelInternalError)
+    assert "allreduce of 'big' failed in the async memory transport: connection reset by peer" in str(error)
+    assert g.transport_failures == [error]
+    assert g.executors[0].idle()
 
 
 # ----------------------------------------------------------------- broadcast

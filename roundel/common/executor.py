@@ -6,7 +6,11 @@ call, unpacks, and completes the handles.
 
 On a backend that runs calls side by side (``allreduce_async``), the large
 entries of a fused allreduce are reduced in their own memory, each by its own
-call, and only the small ones go through the fusion buffer.
+call, and only the small ones go through the fusion buffer. An allreduce batch
+of at least ``OWN_CALL_BYTES`` runs there in the background: the executor
+starts it and goes on to the next batch (a gradient bucket that becomes ready
+while the previous one is on the wire starts at once, as in DDP), and finishes
+it (scaling, unpacking, handles) once the transport reports it done.
 """
 
 from __future__ import annotations
@@ -79,6 +83,19 @@ def _runs_alone(request: Request, work: Work | None, entries: int, side_by_side:
     return side_by_side and math.prod(request.shape) * torch_dtype(request.dtype).itemsize >= OWN_CALL_BYTES
 
 
+class _InFlight:
+    """An allreduce batch running on the backend's threads (see ``Executor._start_in_background``)."""
+
+    __slots__ = ("batch", "works", "backend", "parts", "outputs", "post", "futures", "names")
+
+    def __init__(self, batch: Batch, works: list, backend, parts: list, outputs: list, post: float,
+                 futures: list, names: list | None):
+        self.batch, self.works, self.backend = batch, works, backend
+        self.parts, self.outputs, self.post = parts, outputs, post
+        self.futures = futures
+        self.names = names  # for the timeline, while it records
+
+
 class Executor:
     """A thread that executes batches on the backends of this rank's process sets."""
 
@@ -94,6 +111,7 @@ class Executor:
         self._held: dict[int, list] = {}  # batches put and not yet finished: id -> works
         self._aborted: RoundelInternalError | None = None
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._in_flight: list[_InFlight] = []  # started in the background, not yet finished
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._tuned: tuple[int, TunedParams | None] = (0, None)  # autotune's changes so far, the latest
         self.tuned_at: dict[tuple, tuple[int, TunedParams]] = {}  # (set id, name) -> self._tuned when it last ran
@@ -152,7 +170,12 @@ class Executor:
         while True:
             item = self._queue.get()
             if item is None:
+                for flight in list(self._in_flight):
+                    self._land(flight)
                 return
+            if isinstance(item, _InFlight):  # its transport calls are done
+                self._land(item)
+                continue
             if isinstance(item, TunedParams):
                 job = self._process_sets[0][1]
                 if isinstance(job, HierarchicalBackend):
@@ -163,6 +186,9 @@ class Executor:
             if self._tuned[1] is not None:
                 for entry in batch.entries:
                     self.tuned_at[(batch.process_set_id, entry.name)] = self._tuned
+            if self._aborted is None and self._runs_in_background(batch):
+                self._start_in_background(batch, works)
+                continue
             try:
                 if self._aborted is not None:
                     self._fail(works, self._aborted)
@@ -192,8 +218,13 @@ class Executor:
         if batch.error:
             self._fail(works, _ERROR_TYPES.get(batch.error_type, CollectiveMismatchError)(batch.error))
             return None
+        return self._complete(works, lambda: self._run(batch, works))
+
+    def _complete(self, works: list, run: Callable[[], list]) -> list | None:
+        """Complete the handles of ``works`` with what ``run()`` returns, or with what it raises (a
+        transport failure breaks the job); returns the results, None when it failed."""
         try:
-            results = self._run(batch, works)
+            results = run()
         except RoundelInternalError as exc:
             self._fail(works, exc)
             self._on_transport_failure(exc)
@@ -206,6 +237,63 @@ class Executor:
             if work is not None:
                 work.handle.set_result(result)
         return results
+
+    # ------------------------------------------------------------- background
+    def _runs_in_background(self, batch: Batch) -> bool:
+        """Whether ``batch`` is an allreduce of at least OWN_CALL_BYTES on a backend with ``allreduce_async``."""
+        if batch.kind != OpKind.ALLREDUCE or batch.error:
+            return False
+        request = batch.entries[0].request
+        if ReduceOp(request.reduce_op) == ReduceOp.Adasum:
+            return False
+        if getattr(self._process_sets[batch.process_set_id][1], "allreduce_async", None) is None:
+            return False
+        itemsize = torch_dtype(request.dtype).itemsize
+        return sum(math.prod(e.request.shape) for e in batch.entries) * itemsize >= OWN_CALL_BYTES
+
+    def _start_in_background(self, batch: Batch, works: list) -> None:
+        """Start ``batch``'s transport calls; ``_land`` finishes it once they are done."""
+        ranks, backend = self._process_sets[batch.process_set_id]
+        names = self._names = [e.name for e in batch.entries] if self._timeline.active else None
+        self._phase("")  # out of QUEUE
+        try:
+            op = ReduceOp(batch.entries[0].request.reduce_op)
+            parts, outputs, post = self._allreduce_parts(batch, works, backend, op, len(ranks))
+            self._phase(transport_activity(backend.name, "allreduce"))
+            futures = [backend.allreduce_async(buffer, op) for buffer, _ in parts]
+        except Exception as exc:
+            self._names = None
+            self._complete(works, lambda: self._raise_from_transport(batch, backend, exc))
+            if names is not None:
+                self._timeline.end(names, None)
+            self._finished_one(works)
+            return
+        self._names = None
+        flight = _InFlight(batch, works, backend, parts, outputs, post, futures, names)
+        self._in_flight.append(flight)
+        done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+        done.add_done_callback(lambda _: self._queue.put(flight))  # on the transport's thread
+
+    def _land(self, flight: _InFlight) -> None:
+        """Finish a batch started in the background (waiting for its calls first, when stopping)."""
+        self._in_flight.remove(flight)
+
+        def results() -> list:
+            try:
+                torch.futures.wait_all(flight.futures)
+            except RuntimeError as exc:
+                self._raise_from_transport(flight.batch, flight.backend, exc)
+            self._names = flight.names
+            self._allreduce_results(flight.parts, flight.post)
+            return flight.outputs
+
+        try:
+            finished = self._complete(flight.works, results)
+            if flight.names is not None:
+                self._timeline.end(flight.names, finished)
+        finally:
+            self._names = None
+            self._finished_one(flight.works)
 
     @staticmethod
     def _fail(works, exc) -> None:
@@ -231,13 +319,18 @@ class Executor:
         try:
             return call(batch, works, backend, ranks)
         except RuntimeError as exc:
-            if isinstance(exc, RoundelInternalError):
-                raise
-            names = ", ".join(f"'{e.name}'" for e in batch.entries[:4])
-            raise RoundelInternalError(
-                f"{kind.label} of {names} failed in the {backend.name} transport: {exc}. "
-                "A peer process has probably died or stopped; see the other ranks' output."
-            ) from exc
+            self._raise_from_transport(batch, backend, exc)
+
+    @staticmethod
+    def _raise_from_transport(batch: Batch, backend, exc: Exception):
+        """Raise ``exc``, a transport's RuntimeError as a RoundelInternalError naming the batch."""
+        if isinstance(exc, RoundelInternalError) or not isinstance(exc, RuntimeError):
+            raise exc
+        names = ", ".join(f"'{e.name}'" for e in batch.entries[:4])
+        raise RoundelInternalError(
+            f"{batch.kind.label} of {names} failed in the {backend.name} transport: {exc}. "
+            "A peer process has probably died or stopped; see the other ranks' output."
+        ) from exc
 
     def _buffer(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
         """A reusable fusion buffer (kept per dtype and device, grown on demand)."""
@@ -289,11 +382,9 @@ class Executor:
             inputs = self._inputs(batch, works)
             return self._adasum(inputs, self._outputs_in_place(works, inputs), request, backend, len(ranks))
         parts, outputs, post = self._allreduce_parts(batch, works, backend, op, len(ranks))
+        (buffer, _), = parts  # a batch that needs several calls runs in the background
         self._phase(transport_activity(backend.name, "allreduce"))
-        if len(parts) == 1:
-            backend.allreduce(parts[0][0], op)
-        else:  # side by side on the backend's threads
-            torch.futures.wait_all([backend.allreduce_async(buffer, op) for buffer, _ in parts])
+        backend.allreduce(buffer, op)
         self._allreduce_results(parts, post)
         return outputs
 

@@ -4,8 +4,9 @@ The engine decides what runs and in which order; a backend only moves data.
 Every call is blocking, operates on contiguous ``torch.Tensor`` buffers, and
 raises ``RuntimeError`` when the transport fails (a peer died, a timeout).
 A backend that can also run an allreduce on its own threads offers
-``allreduce_async``; the executor then reduces the large tensors of a fused
-batch side by side, each in its own memory.
+``allreduce_async``; the executor then runs large allreduces on them in the
+background, the large tensors of a fused batch side by side, each in its own
+memory.
 """
 
 from __future__ import annotations
