@@ -240,16 +240,16 @@ class Executor:
 
     # ------------------------------------------------------------- background
     def _runs_in_background(self, batch: Batch) -> bool:
-        """Whether ``batch`` is an allreduce of at least OWN_CALL_BYTES on a backend with ``allreduce_async``."""
+        """Whether ``batch`` is an allreduce of at least OWN_CALL_BYTES on a backend with ``allreduce_async``
+        (checked cheapest first: most batches of a busy job are small)."""
         if batch.kind != OpKind.ALLREDUCE or batch.error:
             return False
         request = batch.entries[0].request
-        if ReduceOp(request.reduce_op) == ReduceOp.Adasum:
+        elements = sum(math.prod(e.request.shape) for e in batch.entries)
+        if elements * torch_dtype(request.dtype).itemsize < OWN_CALL_BYTES:
             return False
-        if getattr(self._process_sets[batch.process_set_id][1], "allreduce_async", None) is None:
-            return False
-        itemsize = torch_dtype(request.dtype).itemsize
-        return sum(math.prod(e.request.shape) for e in batch.entries) * itemsize >= OWN_CALL_BYTES
+        return (request.reduce_op != ReduceOp.Adasum
+                and getattr(self._process_sets[batch.process_set_id][1], "allreduce_async", None) is not None)
 
     def _start_in_background(self, batch: Batch, works: list) -> None:
         """Start ``batch``'s transport calls; ``_land`` finishes it once they are done."""
