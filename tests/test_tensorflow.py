@@ -12,7 +12,7 @@ pytest.importorskip("tensorflow")
 
 WORKER = "tf_collectives.py"
 ALL = ("allreduce", "sparse", "grouped", "allgather", "broadcast", "alltoall", "reducescatter", "ordering",
-       "gradients", "tape", "misc")
+       "gradients", "tape", "tape_groups", "misc")
 
 
 def test_tensorflow_collectives_two_ranks():
@@ -21,6 +21,7 @@ def test_tensorflow_collectives_two_ranks():
 
 
 def test_tensorflow_collectives_three_ranks():
-    scenarios = ("allreduce", "allgather", "alltoall", "reducescatter", "ordering", "gradients", "tape", "misc")
+    scenarios = ("allreduce", "allgather", "alltoall", "reducescatter", "ordering", "gradients", "tape", "tape_groups",
+                 "misc")
     result = run_job(3, WORKER, ",".join(scenarios), timeout=240)
     assert_checks_passed(result, 3, *scenarios)

@@ -52,13 +52,33 @@ def reduce_gradients(grads, compression=Compression.none, op=ReduceOp.Average, g
         else:
             dense.append(i)
     for group_number, group in enumerate(group_indices(dense, int(num_groups or 0), groups)):
-        reduced = mpi_ops.grouped_allreduce(
-            [grads[i] for i in group], compression=compression, op=op, prescale_factor=prescale,
-            postscale_factor=postscale, process_set=process_set,
-            name=f"{name}.group{group_number}" if tf.executing_eagerly() else None)
-        for i, r in zip(group, reduced):
-            results[i] = r
+        compressed = [compression.compress(grads[i]) for i in group]
+        pieces = [c for c, _ in compressed]
+        group_name = f"{name}.group{group_number}" if tf.executing_eagerly() else None
+        if len(pieces) > 1 and op != ReduceOp.Adasum and len({p.dtype for p in pieces}) == 1:
+            reduced = _allreduce_concatenated(pieces, op, prescale, postscale, process_set, group_name)
+        else:
+            reduced = mpi_ops.grouped_allreduce(pieces, op=op, prescale_factor=prescale, postscale_factor=postscale,
+                                                process_set=process_set, name=group_name)
+        for i, r, (_, ctx) in zip(group, reduced, compressed):
+            results[i] = compression.decompress(r, ctx)
     return results
+
+
+@_do_not_convert
+def _allreduce_concatenated(tensors, op, prescale, postscale, process_set, name):
+    """Reduce ``tensors`` (one dtype) as one tensor: concatenated by TensorFlow, one allreduce, split back.
+
+    For an element-wise op this is the grouped allreduce's result, with one
+    request to the engine and one result to convert instead of one per tensor.
+    """
+    sizes = [t.shape.num_elements() for t in tensors]
+    if None in sizes:  # a shape known only when the step runs
+        sizes = tf.stack([tf.size(t) for t in tensors])
+    flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+    reduced = mpi_ops.allreduce(flat, op=op, prescale_factor=prescale, postscale_factor=postscale, name=name,
+                                process_set=process_set)
+    return [tf.reshape(part, tf.shape(t)) for part, t in zip(tf.split(reduced, sizes), tensors)]
 
 
 def variable_key(variable):

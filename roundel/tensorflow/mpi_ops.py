@@ -182,13 +182,15 @@ def _order(graph, submit_op, wait_op) -> None:
 def _collective(kind: str, inputs: list, name, submit, finish, out_dtypes: list, out_shapes: list):
     """Run one collective on ``inputs`` (tf tensors); returns the list of output tensors.
 
-    ``submit(arrays, name)`` hands NumPy arrays to the engine and returns a
-    roundel.common.collectives handle; ``finish(result)`` turns what ``synchronize``
+    ``submit(arrays, name, own)`` hands NumPy arrays to the engine and returns a
+    roundel.common.collectives handle; ``own`` says the arrays are private
+    copies the collective may overwrite (inside ``tf.function``), not views of
+    the caller's tensors. ``finish(result)`` turns what ``synchronize``
     returned into a list of NumPy arrays.
     """
     if tf.executing_eagerly():
         try:
-            handle = submit([_shared_numpy(t) for t in inputs], name)
+            handle = submit([_shared_numpy(t) for t in inputs], name, False)
             arrays = finish(collectives.synchronize(handle))
         except CollectiveMismatchError as error:
             raise tf_errors.translate(kind, error) from error
@@ -199,7 +201,7 @@ def _collective(kind: str, inputs: list, name, submit, finish, out_dtypes: list,
 
     def submit_np(*arrays):
         # Copies: the engine reads the inputs after this op has returned.
-        return np.int64(submit([np.array(a, copy=True) for a in arrays], op_name))
+        return np.int64(submit([np.array(a, copy=True) for a in arrays], op_name, True))
 
     def wait_np(handle):
         arrays = finish(collectives.synchronize(int(handle)))
@@ -247,9 +249,10 @@ def _list_np(result):
 def _dense_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set):
     @tf.custom_gradient
     def run(x):
-        def submit(arrays, nm):
+        def submit(arrays, nm, own):
             return collectives.allreduce_async(to_buffer(arrays[0]), name=nm, op=op, prescale_factor=prescale_factor,
-                                        postscale_factor=postscale_factor, process_set=process_set)
+                                               postscale_factor=postscale_factor, process_set=process_set,
+                                               in_place=own)
 
         (out,) = _collective("allreduce", [x], name, submit, _first_np, [x.dtype], [x.shape])
 
@@ -276,10 +279,11 @@ def _allreduce(tensor, name=None, op=ReduceOp.Sum, prescale_factor=1.0, postscal
 def _dense_grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor, process_set):
     @tf.custom_gradient
     def run(*xs):
-        def submit(arrays, nm):
+        def submit(arrays, nm, own):
             return collectives.grouped_allreduce_async([to_buffer(a) for a in arrays], name=nm, op=op,
-                                                prescale_factor=prescale_factor,
-                                                postscale_factor=postscale_factor, process_set=process_set)
+                                                       prescale_factor=prescale_factor,
+                                                       postscale_factor=postscale_factor, process_set=process_set,
+                                                       in_place=own)
 
         outs = _collective("grouped_allreduce", list(xs), name, submit, _list_np, [x.dtype for x in xs],
                            [x.shape for x in xs])
@@ -382,7 +386,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
     @tf.custom_gradient
     def run(x):
-        def submit(arrays, nm):
+        def submit(arrays, nm, own):
             return collectives.allgather_async(to_buffer(arrays[0]), name=nm, process_set=process_set)
 
         (out,) = _collective("allgather", [x], name, submit, _first_np, [x.dtype], [_gather_shape(x.shape)])
@@ -409,7 +413,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
     for t in tensors:
         _check_dtype(t, "grouped_allgather")
 
-    def submit(arrays, nm):
+    def submit(arrays, nm, own):
         return collectives.grouped_allgather_async([to_buffer(a) for a in arrays], name=nm, process_set=process_set)
 
     return _collective("grouped_allgather", tensors, name, submit, _list_np, [t.dtype for t in tensors],
@@ -426,8 +430,9 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
 
     @tf.custom_gradient
     def run(x):
-        def submit(arrays, nm):
-            return collectives.broadcast_async(to_buffer(arrays[0]), root_rank, name=nm, process_set=process_set)
+        def submit(arrays, nm, own):
+            return collectives.broadcast_async(to_buffer(arrays[0]), root_rank, name=nm, process_set=process_set,
+                                               in_place=own)
 
         (out,) = _collective("broadcast", [x], name, submit, _first_np, [x.dtype], [x.shape])
 
@@ -458,7 +463,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 
     @tf.custom_gradient
     def run(x):
-        def submit(arrays, nm):
+        def submit(arrays, nm, own):
             return collectives.alltoall_async(to_buffer(arrays[0]), None if even else arrays[1].tolist(), name=nm,
                                        process_set=process_set)
 
@@ -499,7 +504,7 @@ def reducescatter(tensor, device_dense="", compression=None, op=ReduceOp.Average
 
     @tf.custom_gradient
     def run(x):
-        def submit(arrays, nm):
+        def submit(arrays, nm, own):
             return collectives.reducescatter_async(to_buffer(arrays[0]), name=nm, op=op, prescale_factor=pre,
                                             postscale_factor=post, process_set=process_set)
 
@@ -523,7 +528,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=None, op=ReduceO
     compression = compression or Compression.none
     compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
 
-    def submit(arrays, nm):
+    def submit(arrays, nm, own):
         return collectives.grouped_reducescatter_async([to_buffer(a) for a in arrays], name=nm, op=op,
                                                 prescale_factor=float(prescale_factor),
                                                 postscale_factor=float(postscale_factor), process_set=process_set)

@@ -187,19 +187,23 @@ def scenario_accumulation():
 
 def scenario_groups():
     """groups= and num_groups: the gradients go in the allreduce groups asked for; training as one group."""
-    if BACKEND == "tensorflow":
-        import roundel.tensorflow.mpi_ops as module
-        function = "grouped_allreduce"
+    if BACKEND == "tensorflow":  # a group of several gradients is concatenated and reduced as one tensor
+        import roundel.tensorflow.gradient_tape as tape_module
+        import roundel.tensorflow.mpi_ops as ops_module
+        spied = [(ops_module, "grouped_allreduce"), (tape_module, "_allreduce_concatenated")]
     else:  # the torch backend's gradients are the engine's buffers: they go to the engine directly
-        import roundel.common.collectives as module
-        function = "grouped_allreduce_async"
-    sizes, original = [], getattr(module, function)
+        import roundel.common.collectives as ops_module
+        spied = [(ops_module, "grouped_allreduce_async")]
+    sizes, originals = [], [getattr(module, function) for module, function in spied]
 
-    def spy(tensors, *args, **kwargs):
-        sizes.append(len(tensors))
-        return original(tensors, *args, **kwargs)
+    def spy_on(original):
+        def spy(tensors, *args, **kwargs):
+            sizes.append(len(tensors))
+            return original(tensors, *args, **kwargs)
+        return spy
 
-    setattr(module, function, spy)
+    for (module, function), original in zip(spied, originals):
+        setattr(module, function, spy_on(original))
     reference = make_model()
     reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", run_eagerly=True)
     reference.fit(*global_data(), batch_size=PER_RANK * SIZE, epochs=1, shuffle=False, verbose=0)
@@ -217,7 +221,8 @@ def scenario_groups():
             for got, want in zip(model.get_weights(), reference.get_weights()):
                 assert np.allclose(got, want, rtol=TOL, atol=TOL), f"{label}: weights differ from the reference"
     finally:
-        setattr(module, function, original)
+        for (module, function), original in zip(spied, originals):
+            setattr(module, function, original)
     model, other = make_model(), make_model()
     kernel = model.layers[0].kernel
     for kwargs, needle in (({"groups": [[kernel], [kernel]]}, "more than one group"),

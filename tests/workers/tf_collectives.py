@@ -423,6 +423,36 @@ def scenario_tape():
                 f"{what} grad emb: {tf.convert_to_tensor(gemb).numpy()} vs {ref[2]}"
 
 
+def scenario_tape_groups():
+    # DistributedGradientTape in a tf.function whose input shape is known only when it runs: a group of one
+    # dtype goes as one concatenated tensor (num_groups=2: x and w, its split sizes computed in the graph),
+    # a group of mixed dtypes as a grouped allreduce (one group: x, w and the float64 v).
+    w = tf.Variable(tf.fill((3, 2), 0.5))
+    v = tf.Variable(tf.constant([[1.0], [2.0]], tf.float64))
+    local = []
+    for r in range(SIZE):
+        xr = make(r, "groups.x", (4, 3))
+        yr = xr @ np.full((3, 2), 0.5)
+        dy = 0.02 * yr + np.array([1.0, 2.0])
+        local.append((dy @ np.full((2, 3), 0.5), xr.T @ dy, yr.sum(0).reshape(2, 1)))
+    for kwargs in ({"num_groups": 2}, {}):
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32)])
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = tf.matmul(x, w)
+                loss = tf.reduce_sum(y * y) * 0.01 + tf.cast(tf.reduce_sum(tf.matmul(tf.cast(y, tf.float64), v)),
+                                                              tf.float32)
+            tape = hvd.DistributedGradientTape(tape, **kwargs)
+            return tape.gradient(loss, [x, w, v])
+
+        grads = step(tf.constant(make(RANK, "groups.x", (4, 3)), tf.float32))
+        for got, k, nm in zip(grads, range(3), "xwv"):
+            exp = sum(lg[k] for lg in local) / SIZE
+            assert np.allclose(got.numpy(), exp, rtol=1e-4, atol=1e-4), \
+                f"tape groups {kwargs} grad {nm}: {got.numpy()} vs {exp}"
+
+
 SCENARIOS = {
     "allreduce": scenario_allreduce,
     "sparse": scenario_sparse,
@@ -434,6 +464,7 @@ SCENARIOS = {
     "ordering": scenario_ordering,
     "gradients": scenario_gradients,
     "tape": scenario_tape,
+    "tape_groups": scenario_tape_groups,
     "misc": scenario_misc,  # last: join makes ranks call different numbers of collectives
 }
 
