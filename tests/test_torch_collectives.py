@@ -13,7 +13,7 @@ from launch_util import assert_checks_passed, run_job
 WORKER = "torch_collectives.py"
 
 GROUPS = {
-    "allreduce": ("allreduce", "grouped"),
+    "allreduce": ("allreduce", "allreduce_sizes", "grouped"),
     "gather_bcast": ("allgather", "broadcast"),
     "a2a_rs": ("alltoall", "reducescatter"),
     "async": ("ordering", "barrier"),

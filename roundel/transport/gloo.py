@@ -33,6 +33,23 @@ _TORCH_OPS = {
 
 log = logging.getLogger("roundel")
 
+# A small allreduce runs as one allgather and a local reduction: Gloo's ring allreduce exchanges twice per
+# peer where the allgather exchanges once, which on loopback made allreduces of 16 B to 128 KiB (2 ranks) two
+# to three times faster. It applies while every member's copies together come to at most _GATHER_ELEMENTS
+# (the gathered data stays small) and the tensor is under torch's intra-op parallel grain (32,768 elements:
+# the local reduction then stays on the calling thread; pool threads would contend with the transport's); a
+# tensor with fewer elements than members (ring chunks left empty) is as fast on the ring.
+_GATHER_ELEMENTS = 65536
+_SERIAL_ELEMENTS = 32768
+
+_COMBINE = {  # the local reduction, applied to rank 0's row with each next rank's in turn
+    ReduceOp.Sum: torch.Tensor.add_,
+    ReduceOp.Average: torch.Tensor.add_,  # the executor divides afterwards
+    ReduceOp.Min: lambda into, row: torch.minimum(into, row, out=into),
+    ReduceOp.Max: lambda into, row: torch.maximum(into, row, out=into),
+    ReduceOp.Product: torch.Tensor.mul_,
+}
+
 # Gloo has no kernels for these; they travel widened and come back narrowed.
 _WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
 
@@ -90,8 +107,22 @@ class GlooBackend(Backend):
 
     def allreduce(self, tensor, op):
         sent = _wire(tensor)
-        self._allreduce_work(sent, op).wait()
+        if self.size <= sent.numel() < _SERIAL_ELEMENTS and sent.numel() * self.size <= _GATHER_ELEMENTS:
+            self._allreduce_by_allgather(sent, op)
+        else:
+            self._allreduce_work(sent, op).wait()
         _back(tensor, sent)
+
+    def _allreduce_by_allgather(self, tensor, op) -> None:
+        """Reduce a small ``tensor`` in place by gathering every member's copy (the same result, combined in
+        rank order, on every member)."""
+        flat = tensor.view(-1)
+        rows = torch.empty((self.size, flat.numel()), dtype=flat.dtype)
+        self._pg._allgather_base(rows.view(-1), flat).wait()
+        combine = _COMBINE[op]
+        flat.copy_(rows[0])
+        for row in rows[1:]:
+            combine(flat, row)
 
     def allreduce_async(self, tensor, op):
         sent = _wire(tensor)

@@ -189,6 +189,22 @@ def scenario_allreduce():
 
 
 # ------------------------------------------------------------ grouped allreduce
+def scenario_allreduce_sizes():
+    # One tensor per call (no fusion) around the sizes where the Gloo backend switches between its ring
+    # allreduce and an allgather with a local reduction: fewer elements than ranks, as many, the largest
+    # gathered size, one more. Every op and dtype must give the same results on both sides.
+    largest = min(32767, 65536 // SIZE)
+    for count in (SIZE - 1, SIZE, largest, largest + 1):
+        for op_name, op in OPS.items():
+            for dtype in ALL_DTYPES:
+                if dtype == torch.bool and op_name == "Average":
+                    continue
+                tag = f"ar.sizes.{count}.{op_name}.{dtype_name(dtype)}"
+                tensor = ar_input(RANK, tag, (count,), dtype, op_name)
+                ref = reduce_ref(op_name, all_inputs(tag, (count,), dtype, op_name), dtype)
+                check(hvd.allreduce(tensor, name=tag, op=op), ref, tag, dtype)
+
+
 def scenario_grouped():
     specs = [((3,), torch.float32), ((2, 2), torch.float64), ((), torch.int32), ((0,), torch.float32),
              ((5,), torch.int8)]
@@ -698,6 +714,7 @@ def scenario_autograd():
 
 SCENARIOS = {
     "allreduce": scenario_allreduce,
+    "allreduce_sizes": scenario_allreduce_sizes,
     "grouped": scenario_grouped,
     "allgather": scenario_allgather,
     "broadcast": scenario_broadcast,
