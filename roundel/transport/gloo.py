@@ -33,13 +33,14 @@ _TORCH_OPS = {
 
 log = logging.getLogger("roundel")
 
-# A small allreduce runs as one allgather and a local reduction: Gloo's ring allreduce exchanges twice per
-# peer where the allgather exchanges once, which on loopback made allreduces of 16 B to 128 KiB (2 ranks) two
-# to three times faster. It applies while every member's copies together come to at most _GATHER_ELEMENTS
-# (the gathered data stays small) and the tensor is under torch's intra-op parallel grain (32,768 elements:
-# the local reduction then stays on the calling thread; pool threads would contend with the transport's); a
-# tensor with fewer elements than members (ring chunks left empty) is as fast on the ring.
-_GATHER_ELEMENTS = 65536
+# A small allreduce runs as one allgather and a local reduction. Gloo's ring allreduce takes 2 (n - 1) steps
+# and receives 2 (n - 1) / n of the tensor per member; the allgather takes n - 1 steps and receives n - 1
+# tensors. So with 2 ranks the allgather moves the same bytes in half the steps (on loopback allreduces of
+# 16 B to 256 KiB ran up to twice as fast); with more, it is used while what each member receives stays
+# small, at most _GATHER_BYTES. A tensor with fewer elements than members (ring chunks left empty) is as
+# fast on the ring. The local reduction goes in slices under torch's intra-op parallel grain (32,768
+# elements), so it stays on the calling thread: pool threads would contend with the transport's.
+_GATHER_BYTES = 256 * 1024
 _SERIAL_ELEMENTS = 32768
 
 _COMBINE = {  # the local reduction, applied to rank 0's row with each next rank's in turn
@@ -107,7 +108,7 @@ class GlooBackend(Backend):
 
     def allreduce(self, tensor, op):
         sent = _wire(tensor)
-        if self.size <= sent.numel() < _SERIAL_ELEMENTS and sent.numel() * self.size <= _GATHER_ELEMENTS:
+        if self.size <= sent.numel() and (self.size - 1) * sent.numel() * sent.element_size() <= _GATHER_BYTES:
             self._allreduce_by_allgather(sent, op)
         else:
             self._allreduce_work(sent, op).wait()
@@ -120,9 +121,11 @@ class GlooBackend(Backend):
         rows = torch.empty((self.size, flat.numel()), dtype=flat.dtype)
         self._pg._allgather_base(rows.view(-1), flat).wait()
         combine = _COMBINE[op]
-        flat.copy_(rows[0])
-        for row in rows[1:]:
-            combine(flat, row)
+        for start in range(0, flat.numel(), _SERIAL_ELEMENTS):
+            into = flat[start:start + _SERIAL_ELEMENTS]
+            into.copy_(rows[0, start:start + _SERIAL_ELEMENTS])
+            for row in rows[1:]:
+                combine(into, row[start:start + _SERIAL_ELEMENTS])
 
     def allreduce_async(self, tensor, op):
         sent = _wire(tensor)

@@ -8,6 +8,7 @@ each scenario the rank prints ``CHECKS PASSED <scenario>``.
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import numpy as np
@@ -188,23 +189,23 @@ def scenario_allreduce():
     assert out.dim() == 0 and out.item() == SIZE * (SIZE + 1) / 2, out
 
 
-# ------------------------------------------------------------ grouped allreduce
 def scenario_allreduce_sizes():
     # One tensor per call (no fusion) around the sizes where the Gloo backend switches between its ring
-    # allreduce and an allgather with a local reduction: fewer elements than ranks, as many, the largest
-    # gathered size, one more. Every op and dtype must give the same results on both sides.
-    largest = min(32767, 65536 // SIZE)
-    for count in (SIZE - 1, SIZE, largest, largest + 1):
-        for op_name, op in OPS.items():
-            for dtype in ALL_DTYPES:
-                if dtype == torch.bool and op_name == "Average":
-                    continue
-                tag = f"ar.sizes.{count}.{op_name}.{dtype_name(dtype)}"
-                tensor = ar_input(RANK, tag, (count,), dtype, op_name)
-                ref = reduce_ref(op_name, all_inputs(tag, (count,), dtype, op_name), dtype)
-                check(hvd.allreduce(tensor, name=tag, op=op), ref, tag, dtype)
+    # allreduce and an allgather with a local reduction (each rank receiving at most 256 KiB): fewer elements
+    # than ranks, as many, the largest gathered size (reduced in several slices), one more. Every op and
+    # dtype must give the same results on both sides.
+    for dtype in ALL_DTYPES:
+        largest = 256 * 1024 // ((SIZE - 1) * torch.empty(0, dtype=dtype).element_size())
+        for count, (op_name, op) in itertools.product((SIZE - 1, SIZE, largest, largest + 1), OPS.items()):
+            if dtype == torch.bool and op_name == "Average":
+                continue
+            tag = f"ar.sizes.{count}.{op_name}.{dtype_name(dtype)}"
+            tensor = ar_input(RANK, tag, (count,), dtype, op_name)
+            ref = reduce_ref(op_name, all_inputs(tag, (count,), dtype, op_name), dtype)
+            check(hvd.allreduce(tensor, name=tag, op=op), ref, tag, dtype)
 
 
+# ------------------------------------------------------------ grouped allreduce
 def scenario_grouped():
     specs = [((3,), torch.float32), ((2, 2), torch.float64), ((), torch.int32), ((0,), torch.float32),
              ((5,), torch.int8)]
