@@ -38,10 +38,10 @@ log = logging.getLogger("roundel")
 # tensors. So with 2 ranks the allgather moves the same bytes in half the steps (on loopback allreduces of
 # 16 B to 256 KiB ran up to twice as fast); with more, it is used while what each member receives stays
 # small, at most _GATHER_BYTES. A tensor with fewer elements than members (ring chunks left empty) is as
-# fast on the ring. The local reduction goes in slices under torch's intra-op parallel grain (32,768
+# fast on the ring. The local reduction goes in slices of half torch's intra-op parallel grain (32,768
 # elements), so it stays on the calling thread: pool threads would contend with the transport's.
 _GATHER_BYTES = 256 * 1024
-_SERIAL_ELEMENTS = 32768
+_SERIAL_ELEMENTS = 16384
 
 _COMBINE = {  # the local reduction, applied to rank 0's row with each next rank's in turn
     ReduceOp.Sum: torch.Tensor.add_,
@@ -118,7 +118,7 @@ class GlooBackend(Backend):
         """Reduce a small ``tensor`` in place by gathering every member's copy (the same result, combined in
         rank order, on every member)."""
         flat = tensor.view(-1)
-        rows = torch.empty((self.size, flat.numel()), dtype=flat.dtype)
+        rows = torch.empty((self.size, flat.numel()), dtype=flat.dtype, device=flat.device)
         self._pg._allgather_base(rows.view(-1), flat).wait()
         combine = _COMBINE[op]
         for start in range(0, flat.numel(), _SERIAL_ELEMENTS):
