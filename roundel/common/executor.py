@@ -74,6 +74,11 @@ def _scale(buffer, factor: float) -> None:
 OWN_CALL_BYTES = 1 << 20
 
 
+def _runs_side_by_side(backend) -> bool:
+    """Whether ``backend`` can run allreduces on its own threads (``allreduce_async``)."""
+    return getattr(backend, "allreduce_async", None) is not None
+
+
 def _runs_alone(request: Request, work: Work | None, entries: int, side_by_side: bool) -> bool:
     """Whether an allreduce entry is reduced in its own output tensor rather than in the fusion buffer."""
     if work is not None and work.output is not None and not work.output.is_contiguous():
@@ -249,7 +254,7 @@ class Executor:
         if elements * torch_dtype(request.dtype).itemsize < OWN_CALL_BYTES:
             return False
         return (request.reduce_op != ReduceOp.Adasum
-                and getattr(self._process_sets[batch.process_set_id][1], "allreduce_async", None) is not None)
+                and _runs_side_by_side(self._process_sets[batch.process_set_id][1]))
 
     def _start_in_background(self, batch: Batch, works: list) -> None:
         """Start ``batch``'s transport calls; ``_land`` finishes it once they are done."""
@@ -397,7 +402,7 @@ class Executor:
         request = batch.entries[0].request
         inputs = self._inputs(batch, works)
         outputs = self._outputs_in_place(works, inputs)
-        side_by_side = getattr(backend, "allreduce_async", None) is not None
+        side_by_side = _runs_side_by_side(backend)
         parts, packed_inputs, packed_outputs = [], [], []
         for entry, work, tensor, output in zip(batch.entries, works, inputs, outputs):
             if _runs_alone(entry.request, work, len(works), side_by_side):
