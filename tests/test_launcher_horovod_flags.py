@@ -70,6 +70,7 @@ FLAG_TABLE = [
     (("--num-nccl-streams",), ["2"], "num_nccl_streams", 2),
     (("--thread-affinity",), ["1"], "thread_affinity", 1),
     (("--gloo-timeout-seconds",), ["40"], "gloo_timeout_seconds", 40.0),
+    (("--gpu-operations",), ["GLOO"], "gpu_operations", "gloo"),
     (("--log-level",), ["DEBUG"], "log_level", "DEBUG"),
     (("--log-with-timestamp",), [], "log_with_timestamp", True),
     (("--log-without-timestamp",), [], "log_with_timestamp", False),
@@ -116,7 +117,7 @@ def test_flags_become_worker_settings():
                         "--stall-check-shutdown-time-seconds", 9, "--no-stall-check", "--log-level", "INFO",
                         "--log-without-timestamp", "--elastic-timeout", 70, "--start-timeout", 8,
                         "--autotune", "--autotune-warmup-samples", 2, "--hierarchical-allreduce", "--tcp",
-                        sys.executable, "-c", DUMP + "; from roundel.common.settings import Settings; "
+                        "--gpu-operations", "MPI", sys.executable, "-c", DUMP + "; from roundel.common.settings import Settings; "
                         "print(repr(Settings.from_env()))")
     assert result.returncode == 0, describe(result)
     env = worker_env(result)
@@ -128,6 +129,7 @@ def test_flags_become_worker_settings():
     assert settings.elastic_timeout_s == 70.0 and settings.start_timeout_s == 8.0
     assert settings.autotune is True and settings.autotune_warmup_samples == 2
     assert settings.hierarchical_allreduce is True
+    assert settings.gpu_operations == "mpi"
     assert env["NCCL_IB_DISABLE"] == "1"
     notes = [line for line in result.stderr.splitlines() if line.startswith("roundelrun: note:")]
     assert notes == ["roundelrun: note: no effect here (hardware or libraries roundel does not drive): --tcp"], \

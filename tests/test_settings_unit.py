@@ -33,6 +33,7 @@ VARIABLES = [
     ("log_level", "LOG_LEVEL", "warning", ("DEBUG", "debug"), ["verbose"]),
     ("log_hide_time", "LOG_HIDE_TIME", False, ("1", True), ["hide"]),
     ("cpu_operations", "CPU_OPERATIONS", "gloo", ("MPI", "mpi"), ["ccl", "nccl"]),
+    ("gpu_operations", "GPU_OPERATIONS", "nccl", ("GLOO", "gloo"), ["ccl", "cuda"]),
     ("bucket_cap_mb", "BUCKET_CAP_MB", 25.0, ("0", 0.0), ["-1", "big"]),
 ]
 IDS = [row[1] for row in VARIABLES]

@@ -27,7 +27,7 @@ from roundel.errors import NotInitializedError, RoundelInternalError
 from roundel.rendezvous import bootstrap
 from roundel.rendezvous.identity import Identity, detect_launcher
 from roundel.rendezvous.store import RendezvousClient
-from roundel.transport import factory
+from roundel.transport import factory, nccl
 from roundel.transport.gloo import raise_open_file_limit
 from roundel.transport.store_adapter import RendezvousStore
 
@@ -176,7 +176,7 @@ def init(comm=None, process_sets=None) -> None:
             engine = Engine(ident.rank, ident.size, settings, secret, client, prefix, advertise, table, timeline)
         except BaseException:
             timeline.stop()
-            backend.close()
+            factory.close(backend)
             client.close()
             if server is not None:
                 server.stop()
@@ -208,7 +208,7 @@ def shutdown() -> None:
         else:
             for _, backend in runtime.process_sets.values():
                 if backend is not None:
-                    backend.close()
+                    factory.close(backend)
         # dropping the last reference closes the transport's sockets, which frees peers still
         # blocked in a transfer with this rank after a failure
         runtime.process_sets.clear()
@@ -229,7 +229,8 @@ def _shutdown_at_exit() -> None:
 
 def _transport(settings: Settings) -> factory.Choice:
     return factory.Choice(settings.cpu_operations, settings.collective_timeout_s,
-                          settings.hierarchical_allreduce, settings.hierarchical_allgather, settings.autotune)
+                          settings.hierarchical_allreduce, settings.hierarchical_allgather, settings.autotune,
+                          settings.gpu_operations)
 
 
 def runtime(what: str = "this operation") -> _Runtime:
@@ -309,8 +310,8 @@ def mpi_threads_supported() -> bool:
 
 
 def nccl_built() -> bool:
-    """Whether roundel can reduce CUDA tensors over NCCL: False (CUDA tensors are not supported yet)."""
-    return False
+    """Whether roundel can move CUDA tensors over NCCL (torch built with NCCL, and a GPU visible)."""
+    return nccl.usable()
 
 
 def cuda_built() -> bool:
@@ -386,7 +387,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         rt.engine.control(("remove_process_set", set_id))
         _, backend = rt.process_sets.pop(set_id)
         if backend is not None:
-            backend.close()
+            factory.close(backend)
         _process_set_barrier(rt, f"removed{set_id}", ())
     process_set._bind(None, None, None)
     return True

@@ -113,7 +113,7 @@ def _submit(what: str, kind: OpKind, buffer: torch.Tensor, output, name, process
     number = set_id(process_set)
     request = Request(
         name if name is not None else runtime.unnamed_name(kind.label, number), kind, number,
-        dtype=_dtype_name(buffer), shape=tuple(buffer.shape), device=str(buffer.device),
+        dtype=_dtype_name(buffer), shape=tuple(buffer.shape), device=buffer.device.type,
         cacheable=name is not None if cacheable is None else cacheable, **fields)
     return runtime.engine.submit(request, buffer, output)
 
@@ -291,11 +291,15 @@ def barrier(process_set=global_process_set) -> None:
     runtime.engine.submit(request, None, None).wait()
 
 
-def join() -> int:
+def join(device: int = -1) -> int:
     """Declare that this rank has no more data; returns the last rank to join.
 
     Until every rank has joined, the others' allreduces go on with this rank
-    contributing zeros (and empty rows to allgathers).
+    contributing zeros (and empty rows to allgathers). ``device`` is the GPU
+    on which those zeros are made for CUDA collectives (-1: the GPU of this
+    rank's last CUDA collective, else the current one).
     """
-    request = Request(JOIN_NAME, OpKind.JOIN, 0, cacheable=False)
-    return basics.runtime("join").engine.submit(request, None, None).wait()
+    engine = basics.runtime("join").engine
+    if device >= 0:
+        engine.executor.cuda_device = torch.device("cuda", device)
+    return engine.submit(Request(JOIN_NAME, OpKind.JOIN, 0, cacheable=False), None, None).wait()

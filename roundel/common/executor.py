@@ -11,6 +11,11 @@ of at least ``OWN_CALL_BYTES`` runs there in the background: the executor
 starts it and goes on to the next batch (a gradient bucket that becomes ready
 while the previous one is on the wire starts at once, as in DDP), and finishes
 it (scaling, unpacking, handles) once the transport reports it done.
+
+A batch of CUDA tensors runs on their GPU (made current for it) over the
+backend that ``Backend.for_device`` names, on that GPU's current stream; its
+handles complete once the device has finished, as in Horovod, so the results
+are ready on any stream.
 """
 
 from __future__ import annotations
@@ -118,6 +123,7 @@ class Executor:
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._in_flight: list[_InFlight] = []  # started in the background, not yet finished
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self.cuda_device: torch.device | None = None  # see _cuda_device; join(device=...) may set it
         self._tuned: tuple[int, TunedParams | None] = (0, None)  # autotune's changes so far, the latest
         self.tuned_at: dict[tuple, tuple[int, TunedParams]] = {}  # (set id, name) -> self._tuned when it last ran
         self._thread = threading.Thread(target=self._loop, name="roundel-executor", daemon=True)
@@ -254,11 +260,12 @@ class Executor:
         if elements * torch_dtype(request.dtype).itemsize < OWN_CALL_BYTES:
             return False
         return (request.reduce_op != ReduceOp.Adasum
-                and _runs_side_by_side(self._process_sets[batch.process_set_id][1]))
+                and _runs_side_by_side(self._process_sets[batch.process_set_id][1].for_device(request.device)))
 
     def _start_in_background(self, batch: Batch, works: list) -> None:
         """Start ``batch``'s transport calls; ``_land`` finishes it once they are done."""
         ranks, backend = self._process_sets[batch.process_set_id]
+        backend = backend.for_device(batch.entries[0].request.device)
         names = self._names = [e.name for e in batch.entries] if self._timeline.active else None
         self._phase("")  # out of QUEUE
         try:
@@ -321,10 +328,28 @@ class Executor:
             OpKind.ALLTOALL: self._alltoall,
             OpKind.REDUCESCATTER: self._reducescatter,
         }[kind]
+        device = batch.entries[0].request.device
+        backend = backend.for_device(device)
         try:
-            return call(batch, works, backend, ranks)
+            if device == "cpu":
+                return call(batch, works, backend, ranks)
+            with torch.cuda.device(self._cuda_device(works)):
+                results = call(batch, works, backend, ranks)
+                torch.cuda.current_stream().synchronize()
+                return results
         except RuntimeError as exc:
             self._raise_from_transport(batch, backend, exc)
+
+    def _cuda_device(self, works: list) -> torch.device:
+        """The GPU a CUDA batch runs on: its tensors' (for a batch this rank joined, the last one seen or
+        the one ``join(device=...)`` named)."""
+        for work in works:
+            if work is not None:
+                self.cuda_device = work.tensor.device
+                break
+        if self.cuda_device is None:
+            self.cuda_device = torch.device("cuda", torch.cuda.current_device())
+        return self.cuda_device
 
     @staticmethod
     def _raise_from_transport(batch: Batch, backend, exc: Exception):
@@ -350,7 +375,7 @@ class Executor:
     def _inputs(batch: Batch, works: list) -> list:
         """Each entry's local tensor; ranks that joined contribute zeros."""
         return [w.tensor if w is not None else
-                torch.zeros(e.request.shape, dtype=torch_dtype(e.request.dtype))
+                torch.zeros(e.request.shape, dtype=torch_dtype(e.request.dtype), device=e.request.device)
                 for w, e in zip(works, batch.entries)]
 
     @staticmethod
@@ -364,10 +389,11 @@ class Executor:
                 outputs.append(torch.empty_like(tensor, memory_format=torch.contiguous_format))
         return outputs
 
-    def _pack(self, tensors: list, dtype: torch.dtype) -> torch.Tensor:
+    def _pack(self, tensors: list, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+        """``tensors`` (none: an empty buffer on ``device``) flattened into the fusion buffer."""
         self._phase("MEMCPY_IN_FUSION_BUFFER")
         total = sum(t.numel() for t in tensors)
-        buffer = self._buffer(dtype, tensors[0].device if tensors else torch.device("cpu"), total)
+        buffer = self._buffer(dtype, tensors[0].device if tensors else torch.device(device), total)
         if tensors:  # one call, not one copy per tensor
             with torch.no_grad():
                 torch.cat([t.reshape(-1) for t in tensors], out=buffer)
@@ -468,7 +494,7 @@ class Executor:
         counts = [sum(e.first_dims[r] * row for e, row in zip(entries, rows)) for r in range(len(ranks))]
         width = max(counts) if counts else 0
         mine = [w.tensor.reshape(-1) for w in works if w is not None]
-        send = self._pack(mine, dtype) if len(mine) != 1 else mine[0]
+        send = self._pack(mine, dtype, entries[0].request.device) if len(mine) != 1 else mine[0]
         if send.numel() < width:
             padded = torch.zeros(width, dtype=dtype, device=send.device)
             padded[:send.numel()].copy_(send)
@@ -498,9 +524,9 @@ class Executor:
         tail = tuple(request.shape[1:])
         send_splits = list(entry.splits[me])
         recv_splits = [entry.splits[j][me] for j in range(len(ranks))]
-        dtype = torch_dtype(request.dtype)
-        tensor = work.tensor.contiguous() if work is not None else torch.empty((0,) + tail, dtype=dtype)
-        output = torch.empty((sum(recv_splits),) + tail, dtype=dtype)
+        dtype, device = torch_dtype(request.dtype), request.device
+        tensor = work.tensor.contiguous() if work is not None else torch.empty((0,) + tail, dtype=dtype, device=device)
+        output = torch.empty((sum(recv_splits),) + tail, dtype=dtype, device=device)
         self._phase(transport_activity(backend.name, "alltoall"))
         backend.alltoall(output, tensor, recv_splits, send_splits)
         return [(output, torch.tensor(recv_splits, dtype=torch.int32))]
@@ -517,13 +543,13 @@ class Executor:
         counts = [first // n + (1 if r < first % n else 0) for r in range(n)]
         chunk = max(counts)
         self._phase("MEMCPY_IN_FUSION_BUFFER")
-        padded = torch.zeros((chunk * n,) + tail, dtype=tensor.dtype)
+        padded = torch.zeros((chunk * n,) + tail, dtype=tensor.dtype, device=tensor.device)
         start = 0
         for r, count in enumerate(counts):
             padded[r * chunk:r * chunk + count].copy_(tensor[start:start + count])
             start += count
         _scale(padded, request.prescale)
-        output = torch.empty((chunk,) + tail, dtype=tensor.dtype)
+        output = torch.empty((chunk,) + tail, dtype=tensor.dtype, device=tensor.device)
         self._phase(transport_activity(backend.name, "reducescatter"))
         backend.reducescatter(output, padded, op)
         output = output[:counts[me]].clone() if counts[me] != chunk else output

@@ -50,6 +50,7 @@ class Settings:
     log_level: str = "warning"
     log_hide_time: bool = False
     cpu_operations: str = "gloo"
+    gpu_operations: str = "nccl"
     bucket_cap_mb: float = 25.0
 
     @classmethod
@@ -139,6 +140,14 @@ def _cpu_operations(var: str, raw: str) -> str:
     return lowered
 
 
+def _gpu_operations(var: str, raw: str) -> str:
+    lowered = raw.lower()
+    if lowered not in ("nccl", "gloo", "mpi"):
+        raise SettingsError(f"{var}={raw!r} is not a GPU transport roundel has; use nccl, or gloo or mpi "
+                            "to move CUDA tensors through host memory over the CPU transport")
+    return lowered
+
+
 def _text(var: str, raw: str) -> str:
     return raw
 
@@ -175,5 +184,6 @@ _SPECS = (
     _Spec("log_level", "LOG_LEVEL", _log_level),
     _Spec("log_hide_time", "LOG_HIDE_TIME", _bool),
     _Spec("cpu_operations", "CPU_OPERATIONS", _cpu_operations),
+    _Spec("gpu_operations", "GPU_OPERATIONS", _gpu_operations),
     _Spec("bucket_cap_mb", "BUCKET_CAP_MB", _float(0.0, "25 (MiB per gradient bucket; 0 reduces each gradient alone)")),
 )

@@ -29,7 +29,6 @@ NO_EFFECT = {
     "thread_affinity": "--thread-affinity",
     "use_jsrun": "--jsrun",
     "ccl_bgt_affinity": "--ccl-bgt-affinity",
-    "gpu_operations": "--gpu-operations",
 }
 """Flags for hardware or libraries roundel does not drive: accepted (their variables are still set), no effect."""
 
@@ -145,7 +144,8 @@ def parser() -> argparse.ArgumentParser:
     library.add_argument("--num-nccl-streams", type=int, help="no effect in roundel")
     library.add_argument("--thread-affinity", type=int, help="no effect in roundel")
     library.add_argument("--ccl-bgt-affinity", type=int, help="no effect in roundel")
-    library.add_argument("--gpu-operations", help="no effect in roundel")
+    library.add_argument("--gpu-operations", type=str.lower, choices=("nccl", "gloo", "mpi"),
+                         help="what moves CUDA tensors: nccl (the default), or gloo/mpi through host memory")
     library.add_argument("--gloo-timeout-seconds", type=float,
                          help="seconds a collective may wait for its peers (default 60)")
     logs = p.add_argument_group("logging")
@@ -221,6 +221,7 @@ _ENV_FLAGS = (
     ("num_nccl_streams", "--num-nccl-streams", "ROUNDEL_NUM_NCCL_STREAMS", str),
     ("thread_affinity", "--thread-affinity", "ROUNDEL_THREAD_AFFINITY", str),
     ("gloo_timeout_seconds", "--gloo-timeout-seconds", "ROUNDEL_GLOO_TIMEOUT_SECONDS", repr),
+    ("gpu_operations", "--gpu-operations", "ROUNDEL_GPU_OPERATIONS", str),
     ("start_timeout", "--start-timeout", "ROUNDEL_START_TIMEOUT", repr),
     ("elastic_timeout", "--elastic-timeout", "ROUNDEL_ELASTIC_TIMEOUT", repr),
     ("log_level", "--log-level", "ROUNDEL_LOG_LEVEL", str.lower),

@@ -7,13 +7,34 @@ A backend that can also run an allreduce on its own threads offers
 ``allreduce_async``; the executor then runs large allreduces on them in the
 background, the large tensors of a fused batch side by side, each in its own
 memory.
+
+CUDA tensors go to the backend of the same members that :meth:`Backend.for_device`
+names: NCCL where the factory attached one, else a :class:`HostStaged` view that
+copies them through host memory and moves them over this backend.
 """
 
 from __future__ import annotations
 
 import abc
 
+import torch
+
 from roundel.ops import ReduceOp
+
+# Neither Gloo nor NCCL has kernels for these; they travel widened and come back narrowed.
+_WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+def widened(tensor):
+    """``tensor``, or a copy in a wider integer type where the transports have no kernels for its own."""
+    wide = _WIDENED.get(tensor.dtype)
+    return tensor if wide is None else tensor.to(wide)
+
+
+def narrow_back(original, sent) -> None:
+    """Copy a result received in ``widened(original)`` back into ``original``."""
+    if sent is not original:
+        original.copy_(sent)
 
 
 class Backend(abc.ABC):
@@ -21,9 +42,25 @@ class Backend(abc.ABC):
 
     name: str = "backend"
 
+    #: The communicator of the same members for CUDA tensors (NCCL) once made; None: CUDA tensors are
+    #: staged through host memory and moved by this backend.
+    cuda: Backend | None = None
+    #: Makes ``cuda`` at the first CUDA collective (set by the factory; returns None where it cannot), so
+    #: that a job that never uses a GPU starts nothing of CUDA's.
+    make_cuda = None
+
     def __init__(self, rank: int, size: int):
         self.rank = rank
         self.size = size
+
+    def for_device(self, device_type: str) -> Backend:
+        """The backend that moves tensors on ``device_type`` ("cpu" or "cuda") among these members."""
+        if device_type == "cpu":
+            return self
+        if self.make_cuda is not None:
+            make, self.make_cuda = self.make_cuda, None
+            self.cuda = make()
+        return self.cuda if self.cuda is not None else HostStaged(self)
 
     @abc.abstractmethod
     def allreduce(self, tensor, op: ReduceOp) -> None:
@@ -57,3 +94,43 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the communicator; later calls are undefined."""
+
+
+class HostStaged(Backend):
+    """Device tensors copied to host memory, moved by a host backend, and copied back."""
+
+    def __init__(self, host: Backend):
+        super().__init__(host.rank, host.size)
+        self.host = host
+        self.name = host.name
+
+    def allreduce(self, tensor, op):
+        staged = tensor.cpu()
+        self.host.allreduce(staged, op)
+        tensor.copy_(staged)
+
+    def allgather(self, output, tensor):
+        staged = torch.empty(output.shape, dtype=output.dtype)
+        self.host.allgather(staged, tensor.cpu())
+        output.copy_(staged)
+
+    def broadcast(self, tensor, root):
+        staged = tensor.cpu()
+        self.host.broadcast(staged, root)
+        tensor.copy_(staged)
+
+    def alltoall(self, output, tensor, output_splits, input_splits):
+        staged = torch.empty(output.shape, dtype=output.dtype)
+        self.host.alltoall(staged, tensor.cpu(), output_splits, input_splits)
+        output.copy_(staged)
+
+    def reducescatter(self, output, tensor, op):
+        staged = torch.empty(output.shape, dtype=output.dtype)
+        self.host.reducescatter(staged, tensor.cpu(), op)
+        output.copy_(staged)
+
+    def barrier(self):
+        self.host.barrier()
+
+    def close(self):
+        """Nothing of its own to release: the host backend is closed by its owner."""

@@ -1,11 +1,16 @@
-"""Which transport moves CPU tensors: ``HOROVOD_CPU_OPERATIONS=gloo|mpi`` (default gloo).
+"""Which transports move tensors: ``HOROVOD_CPU_OPERATIONS=gloo|mpi`` (default gloo) for CPU tensors,
+``HOROVOD_GPU_OPERATIONS=nccl|gloo|mpi`` (default nccl) for CUDA tensors.
 
 :func:`check` runs first in ``init()`` so that a job that asked for MPI but
 cannot have it fails at once with a clear message; :func:`job_backend` and
 :func:`process_set_backend` then build the communicators. The caller passes
 what its settings ask for as a :class:`Choice`; the job's communicator
 (Gloo or MPI) is hierarchical when the choice asks for it and the job
-qualifies (see :mod:`roundel.transport.hierarchical`).
+qualifies (see :mod:`roundel.transport.hierarchical`). Where NCCL is usable and
+chosen for CUDA tensors, each communicator gets an NCCL one of the same
+members beside it (``Backend.cuda``, made at the first CUDA collective);
+otherwise CUDA tensors are staged through host memory and moved by the CPU
+transport.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import logging
 import torch.distributed as dist
 
 from roundel.errors import SettingsError
-from roundel.transport import hierarchical
+from roundel.transport import hierarchical, nccl
 from roundel.transport.backend import Backend
 from roundel.transport.gloo import GlooBackend
 
@@ -28,15 +33,17 @@ _MPI_LAUNCHERS = ("openmpi", "mpich")
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The transport the settings ask for: ``cpu_operations`` ("gloo" or "mpi"), Gloo's timeout in
-    seconds, whether allreduce and allgather should be hierarchical, and whether autotune may switch
-    them (then a job that qualifies gets a hierarchical communicator either way)."""
+    """The transport the settings ask for: ``cpu_operations`` ("gloo" or "mpi"), the collectives'
+    timeout in seconds, whether allreduce and allgather should be hierarchical, whether autotune may
+    switch them (then a job that qualifies gets a hierarchical communicator either way), and
+    ``gpu_operations`` ("nccl", or "gloo"/"mpi": CUDA tensors staged through the CPU transport)."""
 
     cpu_operations: str
     timeout_s: float
     hierarchical_allreduce: bool = False
     hierarchical_allgather: bool = False
     autotune: bool = False
+    gpu_operations: str = "nccl"
 
 
 def mpi_importable() -> bool:
@@ -92,19 +99,40 @@ def job_backend(choice: Choice, store, rank: int, size: int, hostname: str,
 
         def sub_communicator(label, members, rank):
             return GlooBackend(dist.PrefixStore(f"{label}/", store), rank, len(members), choice.timeout_s, hostname)
-    if not wants_hierarchical or placement is None:
-        return flat
-    try:
-        return hierarchical.build(flat, placement, sub_communicator, choice.hierarchical_allreduce,
-                                  choice.hierarchical_allgather)
-    except BaseException:
-        flat.close()
-        raise
+    backend = flat
+    if wants_hierarchical and placement is not None:
+        try:
+            backend = hierarchical.build(flat, placement, sub_communicator, choice.hierarchical_allreduce,
+                                         choice.hierarchical_allgather)
+        except BaseException:
+            flat.close()
+            raise
+    return _with_cuda(choice, backend, store)
 
 
 def process_set_backend(choice: Choice, job: Backend, store, ranks: tuple[int, ...],
                         hostname: str) -> Backend:
     """The communicator of a process set of job ranks ``ranks`` (built by its members only)."""
     if choice.cpu_operations == "mpi":
-        return job.subset(ranks)
-    return GlooBackend(store, ranks.index(job.rank), len(ranks), choice.timeout_s, hostname)
+        backend = job.subset(ranks)
+    else:
+        backend = GlooBackend(store, ranks.index(job.rank), len(ranks), choice.timeout_s, hostname)
+    return _with_cuda(choice, backend, store)
+
+
+def _with_cuda(choice: Choice, backend: Backend, store) -> Backend:
+    """``backend``, to get an NCCL communicator of its members for CUDA tensors where chosen and usable."""
+    if choice.gpu_operations == "nccl":
+        rank, size = backend.rank, backend.size  # not the backend itself: no reference cycle keeps it alive
+
+        def make_cuda():
+            return nccl.NcclBackend(store, rank, size, choice.timeout_s) if nccl.usable() else None
+        backend.make_cuda = make_cuda
+    return backend
+
+
+def close(backend: Backend) -> None:
+    """Close a communicator built here and the CUDA one beside it."""
+    if backend.cuda is not None:
+        backend.cuda.close()
+    backend.close()

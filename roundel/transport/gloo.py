@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from roundel.ops import ReduceOp
-from roundel.transport.backend import Backend
+from roundel.transport.backend import Backend, narrow_back, widened
 
 _TORCH_OPS = {
     ReduceOp.Sum: dist.ReduceOp.SUM,
@@ -50,19 +50,6 @@ _COMBINE = {  # the local reduction, applied to rank 0's row with each next rank
     ReduceOp.Max: lambda into, row: torch.maximum(into, row, out=into),
     ReduceOp.Product: torch.Tensor.mul_,
 }
-
-# Gloo has no kernels for these; they travel widened and come back narrowed.
-_WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
-
-
-def _wire(tensor):
-    wide = _WIDENED.get(tensor.dtype)
-    return tensor if wide is None else tensor.to(wide)
-
-
-def _back(original, sent) -> None:
-    if sent is not original:
-        original.copy_(sent)
 
 
 def raise_open_file_limit() -> None:
@@ -107,12 +94,12 @@ class GlooBackend(Backend):
         return self._pg.allreduce([sent], options)
 
     def allreduce(self, tensor, op):
-        sent = _wire(tensor)
+        sent = widened(tensor)
         if self.size <= sent.numel() and (self.size - 1) * sent.numel() * sent.element_size() <= _GATHER_BYTES:
             self._allreduce_by_allgather(sent, op)
         else:
             self._allreduce_work(sent, op).wait()
-        _back(tensor, sent)
+        narrow_back(tensor, sent)
 
     def _allreduce_by_allgather(self, tensor, op) -> None:
         """Reduce a small ``tensor`` in place by gathering every member's copy (the same result, combined in
@@ -128,59 +115,59 @@ class GlooBackend(Backend):
                 combine(into, row[start:start + _SERIAL_ELEMENTS])
 
     def allreduce_async(self, tensor, op):
-        sent = _wire(tensor)
+        sent = widened(tensor)
         future = self._allreduce_work(sent, op).get_future()
         if sent is tensor:
             return future
 
         def narrow(done) -> None:
             done.value()  # raises the transport's error, if any
-            _back(tensor, sent)
+            narrow_back(tensor, sent)
         return future.then(narrow)
 
     def allgather(self, output, tensor):
-        sent_out, sent_in = _wire(output), _wire(tensor)
+        sent_out, sent_in = widened(output), widened(tensor)
         self._pg._allgather_base(sent_out, sent_in).wait()
-        _back(output, sent_out)
+        narrow_back(output, sent_out)
 
     def broadcast(self, tensor, root):
-        sent = _wire(tensor)
+        sent = widened(tensor)
         options = dist.BroadcastOptions()
         options.rootRank = root
         self._pg.broadcast([sent], options).wait()
-        _back(tensor, sent)
+        narrow_back(tensor, sent)
 
     def reduce(self, tensor, root: int, op) -> None:
         """Reduce ``tensor`` into the root member's copy (the others' are left undefined)."""
-        sent = _wire(tensor)
+        sent = widened(tensor)
         options = dist.ReduceOptions()
         options.reduceOp = _TORCH_OPS[op]
         options.rootRank = root
         self._pg.reduce([sent], options).wait()
-        _back(tensor, sent)
+        narrow_back(tensor, sent)
 
     def gather(self, outputs: list, tensor, root: int) -> None:
         """Gather ``tensor`` from every member into the root's ``outputs`` (one tensor per member)."""
-        sent_in = _wire(tensor)
-        sent_out = [_wire(t) for t in outputs] if self.rank == root else []
+        sent_in = widened(tensor)
+        sent_out = [widened(t) for t in outputs] if self.rank == root else []
         options = dist.GatherOptions()
         options.rootRank = root
         self._pg.gather([sent_out] if self.rank == root else [], [sent_in], options).wait()
         for original, sent in zip(outputs if self.rank == root else [], sent_out):
-            _back(original, sent)
+            narrow_back(original, sent)
 
     def alltoall(self, output, tensor, output_splits, input_splits):
-        sent_out, sent_in = _wire(output), _wire(tensor)
+        sent_out, sent_in = widened(output), widened(tensor)
         self._pg.alltoall_base(sent_out, sent_in, list(output_splits), list(input_splits),
                                dist.AllToAllOptions()).wait()
-        _back(output, sent_out)
+        narrow_back(output, sent_out)
 
     def reducescatter(self, output, tensor, op):
-        sent_out, sent_in = _wire(output), _wire(tensor)
+        sent_out, sent_in = widened(output), widened(tensor)
         options = dist.ReduceScatterOptions()
         options.reduceOp = _TORCH_OPS[op]
         self._pg.reduce_scatter([sent_out], [list(sent_in.chunk(self.size))], options).wait()
-        _back(output, sent_out)
+        narrow_back(output, sent_out)
 
     def barrier(self):
         self._pg.barrier().wait()

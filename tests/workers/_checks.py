@@ -3,10 +3,14 @@
 Every rank can build every other rank's input (inputs are seeded by rank and a
 tag), so each rank computes the NumPy reference for a collective locally and
 compares. A mismatch raises AssertionError, which makes the rank exit non-zero.
+
+``ROUNDEL_TEST_DEVICE=cuda`` makes the inputs CUDA tensors on the current GPU
+(the workers select ``local_rank`` modulo the GPUs there are).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -18,6 +22,8 @@ import torch
 INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 ALL_DTYPES = INT_DTYPES + FLOAT_DTYPES + (torch.bool,)
+
+DEVICE = os.environ.get("ROUNDEL_TEST_DEVICE", "cpu")
 
 _TOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -36,20 +42,26 @@ def make(rank: int, tag: str, shape, dtype: torch.dtype, low: int = -5, high: in
     shape = tuple(shape)
     if dtype == torch.bool:
         values = r.randint(0, 2, size=shape).astype(bool)
-        return torch.from_numpy(np.array(values, dtype=bool))
+        return torch.from_numpy(np.array(values, dtype=bool)).to(DEVICE)
     if dtype == torch.uint8:
         low = max(low, 0)
     values = r.randint(low, high, size=shape).astype(np.float64)
-    return torch.from_numpy(np.array(values)).to(dtype)
+    return torch.from_numpy(np.array(values)).to(DEVICE, dtype)
 
 
 def make_float(rank: int, tag: str, shape, dtype=torch.float64) -> torch.Tensor:
     """A deterministic tensor of normal floats for ``rank``."""
-    return torch.from_numpy(np.array(rng(rank, tag).standard_normal(tuple(shape)))).to(dtype)
+    return torch.from_numpy(np.array(rng(rank, tag).standard_normal(tuple(shape)))).to(DEVICE, dtype)
+
+
+def use_test_device(local_rank: int) -> None:
+    """Make this rank's GPU current when the inputs are CUDA tensors."""
+    if DEVICE == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
 def to_np(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach()
+    tensor = tensor.detach().cpu()
     if tensor.dtype in (torch.bfloat16, torch.float16):
         tensor = tensor.double()
     return tensor.numpy()

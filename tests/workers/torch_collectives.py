@@ -15,11 +15,12 @@ import numpy as np
 import torch
 
 import roundel.torch as hvd
-from _checks import (ALL_DTYPES, check, dtype_name, expect_raises, make,
-                     make_float, rng, run_scenarios, to_np)
+from _checks import (ALL_DTYPES, DEVICE, check, dtype_name, expect_raises, make,
+                     make_float, rng, run_scenarios, to_np, use_test_device)
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
+use_test_device(hvd.local_rank())
 
 OPS = {"Sum": hvd.Sum, "Average": hvd.Average, "Min": hvd.Min, "Max": hvd.Max, "Product": hvd.Product}
 SHAPES = [(), (0,), (3, 0), (7,), (2, 3, 4)]
@@ -363,8 +364,8 @@ def a2a_splits(sender: int, receiver: int) -> int:
 def a2a_input(sender: int, tag: str, dtype) -> torch.Tensor:
     rows = [[100 * sender + 10 * j + k, -(100 * sender + 10 * j + k) % 50] for j in range(SIZE)
             for k in range(a2a_splits(sender, j))]
-    return torch.tensor(rows, dtype=torch.float64).reshape(-1, 2).to(dtype) if dtype != torch.bool else \
-        torch.tensor(rows).reshape(-1, 2).remainder(2).bool()
+    rows = torch.tensor(rows, dtype=torch.float64, device=DEVICE).reshape(-1, 2)
+    return rows.to(dtype) if dtype != torch.bool else rows.remainder(2).bool()
 
 
 def a2a_expected(receiver: int, tag: str, dtype) -> np.ndarray:

@@ -49,9 +49,11 @@ def scenario_api():
         "tensor", "name", "op", "process_set", "prescale_factor", "postscale_factor"]
     assert list(inspect.signature(hvd.broadcast_optimizer_state).parameters)[:3] == [
         "optimizer", "root_rank", "model"]
-    # this job moves data over Gloo: MPI is built when mpi4py is installed but not enabled; no NCCL path
+    # this job moves data over Gloo: MPI is built when mpi4py is installed but not enabled; NCCL moves
+    # CUDA tensors where torch has it and a GPU is visible
     assert hvd.mpi_built() == (importlib.util.find_spec("mpi4py") is not None)
-    assert (hvd.mpi_enabled(), hvd.mpi_threads_supported(), hvd.nccl_built()) == (False, False, False)
+    assert (hvd.mpi_enabled(), hvd.mpi_threads_supported()) == (False, False)
+    assert hvd.nccl_built() == (torch.distributed.is_nccl_available() and torch.cuda.is_available())
     assert hvd.gloo_built() and hvd.gloo_enabled()
     # alltoall: the tensor alone without splits, the pair with them; synchronize always gives the pair
     x = torch.arange(2 * SIZE, dtype=torch.float64) + 100 * RANK

@@ -1,0 +1,118 @@
+"""NCCL through ``torch.distributed``: CUDA tensors moved GPU to GPU.
+
+Like the Gloo backend, the process group is made for roundel alone over the
+job's rendezvous store. It binds no device when made: each call runs on the
+device of the tensors it is given, so a script may call
+``torch.cuda.set_device(hvd.local_rank())`` after ``hvd.init()``, as Horovod
+scripts do. NCCL allows one rank per GPU: two ranks of a job on one GPU fail
+at their first CUDA collective, with an error that says so.
+
+Calls return once the collective is queued on NCCL's stream and the calling
+thread's current stream waits for it; the executor synchronizes the device
+before it completes the handles (see ``roundel.common.executor``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from roundel.errors import RoundelInternalError
+from roundel.ops import ReduceOp
+from roundel.transport.backend import Backend, narrow_back, widened
+
+_TORCH_OPS = {
+    ReduceOp.Sum: dist.ReduceOp.SUM,
+    ReduceOp.Average: dist.ReduceOp.SUM,  # the executor divides afterwards
+    ReduceOp.Min: dist.ReduceOp.MIN,
+    ReduceOp.Max: dist.ReduceOp.MAX,
+    ReduceOp.Product: dist.ReduceOp.PRODUCT,
+}
+
+SHARED_GPU_HINT = ("two ranks of this job use the same GPU, and NCCL allows one rank per GPU: call "
+                   "torch.cuda.set_device(hvd.local_rank()) before making CUDA tensors, start at most one rank per "
+                   "GPU on each host, or set HOROVOD_GPU_OPERATIONS=gloo to move CUDA tensors through host memory")
+
+
+def usable() -> bool:
+    """Whether this process can move CUDA tensors over NCCL (torch built with it, and a GPU visible)."""
+    return dist.is_nccl_available() and torch.cuda.is_available()
+
+
+class NcclBackend(Backend):
+    """Collectives on CUDA tensors over a private ``ProcessGroupNCCL``."""
+
+    name = "nccl"
+
+    def __init__(self, store, rank: int, size: int, timeout_s: float):
+        """Members ``rank`` of ``size`` meet through ``store`` (shared with the CPU transport)."""
+        super().__init__(rank, size)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        # NCCL reads the store (under keys of its own) at each device's first collective, long after this:
+        # a store written in Python must stay alive on the Python side until then
+        self._stores = (store, dist.PrefixStore("nccl/", store))
+        self._pg = dist.ProcessGroupNCCL(self._stores[1], rank, size, options)
+
+    @staticmethod
+    def _wait(start) -> None:
+        """Start a collective (``start()`` returns its work) and make the current stream wait for it.
+
+        NCCL sets up its communicator at a device's first collective; ranks sharing a GPU fail there, and
+        that is raised as a RoundelInternalError that says what to change."""
+        try:
+            start().wait()
+        except RuntimeError as exc:
+            if "Duplicate GPU" in str(exc):
+                raise RoundelInternalError(f"{SHARED_GPU_HINT} ({exc})") from exc
+            raise
+
+    def allreduce(self, tensor, op):
+        sent = widened(tensor)
+        options = dist.AllreduceOptions()
+        options.reduceOp = _TORCH_OPS[op]
+        self._wait(lambda: self._pg.allreduce([sent], options))
+        narrow_back(tensor, sent)
+
+    def allgather(self, output, tensor):
+        sent_out, sent_in = widened(output), widened(tensor)
+        self._wait(lambda: self._pg._allgather_base(sent_out, sent_in))
+        narrow_back(output, sent_out)
+
+    def broadcast(self, tensor, root):
+        sent = widened(tensor)
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        self._wait(lambda: self._pg.broadcast([sent], options))
+        narrow_back(tensor, sent)
+
+    def alltoall(self, output, tensor, output_splits, input_splits):
+        sent_out, sent_in = widened(output), widened(tensor)
+        self._wait(lambda: self._pg.alltoall_base(sent_out, sent_in, list(output_splits), list(input_splits),
+                                                  dist.AllToAllOptions()))
+        narrow_back(output, sent_out)
+
+    def reducescatter(self, output, tensor, op):
+        sent_out, sent_in = widened(output), widened(tensor)
+        options = dist.ReduceScatterOptions()
+        options.reduceOp = _TORCH_OPS[op]
+        self._wait(lambda: self._pg._reduce_scatter_base(sent_out, sent_in, options))
+        narrow_back(output, sent_out)
+
+    def barrier(self):
+        """Reduce one element on the current CUDA device and wait for it."""
+        flag = torch.zeros(1, device="cuda")
+        self.allreduce(flag, ReduceOp.Sum)
+        torch.cuda.synchronize(flag.device)
+
+    def close(self):
+        """Shut the process group down (its NCCL communicators with it) and drop it."""
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        try:
+            pg.shutdown()
+        except RuntimeError:
+            pass

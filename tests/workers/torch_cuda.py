@@ -1,0 +1,114 @@
+"""CUDA tensor worker: ``torch_cuda.py SCENARIO[,SCENARIO...]`` under roundelrun, on a machine with a GPU.
+
+Each rank uses GPU ``local_rank`` modulo the GPUs there are, as a Horovod
+script does with ``torch.cuda.set_device(hvd.local_rank())``, except in
+``shared_gpu``, where every rank uses GPU 0.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+import roundel.torch as hvd
+from _checks import check, expect_raises, make, make_float, run_scenarios, to_np
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+
+
+def _own_gpu() -> torch.device:
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def scenario_devices():
+    """Every collective's result is on the GPU of its input, with the right values, sync and async."""
+    gpu = _own_gpu()
+    x = make(RANK, "dev.ar", (5, 3), torch.float32).to(gpu)
+    out = hvd.allreduce(x, name="dev.ar", op=hvd.Sum)
+    assert out.device == gpu, out.device
+    check(out, sum(to_np(make(r, "dev.ar", (5, 3), torch.float32)) for r in range(SIZE)), "allreduce")
+    handles = [hvd.allreduce_async(make_float(RANK, f"dev.as{i}", (1000 * (i + 1),)).to(gpu), name=f"dev.as{i}",
+                                   op=hvd.Average) for i in range(4)]
+    for i, handle in enumerate(handles):
+        out = hvd.synchronize(handle)
+        assert out.device == gpu
+        check(out, np.mean([to_np(make_float(r, f"dev.as{i}", (1000 * (i + 1),))) for r in range(SIZE)], axis=0),
+              f"allreduce_async {i}")
+    big = torch.full((3 << 20,), float(RANK + 1), device=gpu)  # 12 MiB: the large-allreduce path
+    check(hvd.allreduce(big, name="dev.big", op=hvd.Sum)[:4], np.full(4, SIZE * (SIZE + 1) / 2), "large allreduce")
+    rows = torch.full((RANK + 1, 2), float(RANK), device=gpu)
+    gathered = hvd.allgather(rows, name="dev.ag")
+    assert gathered.device == gpu
+    check(gathered, np.concatenate([np.full((r + 1, 2), float(r)) for r in range(SIZE)]).astype(np.float32),
+          "allgather")
+    value = torch.arange(4, device=gpu, dtype=torch.int64) * (RANK + 1)
+    check(hvd.broadcast(value, 0, name="dev.bc"), np.arange(4), "broadcast")
+    out, received = hvd.alltoall(torch.arange(2 * SIZE, device=gpu, dtype=torch.int32) + 100 * RANK,
+                                 splits=torch.full((SIZE,), 2, dtype=torch.int32), name="dev.a2a")
+    assert out.device == gpu
+    check(out, np.concatenate([np.arange(2 * RANK, 2 * RANK + 2) + 100 * j for j in range(SIZE)]), "alltoall")
+    check(received, np.full(SIZE, 2), "alltoall received splits")
+    scattered = hvd.reducescatter(torch.ones((2 * SIZE, 3), device=gpu), name="dev.rs", op=hvd.Sum)
+    assert scattered.device == gpu
+    check(scattered, np.full((2, 3), float(SIZE), dtype=np.float32), "reducescatter")
+    grouped = hvd.grouped_allreduce([torch.ones(3, device=gpu), torch.ones(2, dtype=torch.int16, device=gpu)],
+                                    name="dev.grouped", op=hvd.Sum)
+    check(grouped[0], np.full(3, float(SIZE), dtype=np.float32), "grouped float32")
+    check(grouped[1], np.full(2, SIZE, dtype=np.int16), "grouped int16 (widened on the wire)")
+    # a CPU tensor on one rank and a CUDA tensor on another: refused on every rank, and the job goes on
+    mixed = torch.ones(2) if RANK == 0 else torch.ones(2, device=gpu)
+    if SIZE > 1:
+        expect_raises(hvd.CollectiveMismatchError, lambda: hvd.allreduce(mixed, name="dev.mixed"), "devices",
+                      what="CPU on rank 0, CUDA elsewhere")
+    check(hvd.allreduce(torch.ones(2, device=gpu), name="dev.after", op=hvd.Sum), np.full(2, float(SIZE)),
+          "allreduce after the refused one")
+
+
+def _model(gpu) -> torch.nn.Module:
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double().to(gpu)
+
+
+def _batch(rank: int, gpu):
+    inputs = make_float(rank, "train.x", (8, 6)).to(gpu)
+    targets = make_float(rank, "train.y", (8, 3)).to(gpu)
+    return inputs, targets
+
+
+def scenario_training():
+    """DistributedOptimizer on a CUDA model gives the parameters of one process training on every batch."""
+    gpu = _own_gpu()
+    model = _model(gpu)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    reference = _model(gpu)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    everyone = [_batch(r, gpu) for r in range(SIZE)]
+    for _ in range(3):
+        optimizer.zero_grad()
+        inputs, targets = everyone[RANK]
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        loss = sum(torch.nn.functional.mse_loss(reference(x), y) for x, y in everyone) / SIZE
+        loss.backward()
+        reference_optimizer.step()
+    for (name, mine), expected in zip(model.named_parameters(), reference.parameters()):
+        assert mine.device == gpu
+        check(mine, to_np(expected), f"parameter {name} after 3 steps")
+
+
+def scenario_shared_gpu():
+    """Two ranks on one GPU over NCCL: every rank gets an error that says what to do, and no hang."""
+    torch.cuda.set_device(0)
+    expect_raises(hvd.HorovodInternalError, lambda: hvd.allreduce(torch.ones(4, device="cuda"), name="shared"),
+                  "one rank per GPU", "HOROVOD_GPU_OPERATIONS=gloo", what="two ranks on GPU 0")
+
+
+run_scenarios({"devices": scenario_devices, "training": scenario_training, "shared_gpu": scenario_shared_gpu},
+              sys.argv, RANK)
