@@ -1,4 +1,4 @@
-"""Training throughput: roundel's DistributedOptimizer against PyTorch DDP (Gloo), and scaling efficiency.
+"""Training throughput: roundel's DistributedOptimizer against PyTorch DDP (Gloo; NCCL on GPUs), and scaling efficiency.
 
 Run it with plain ``python``; it starts every job itself, on this machine only::
 
@@ -7,6 +7,8 @@ Run it with plain ``python``; it starts every job itself, on this machine only::
     python benchmarks/torch_training.py --model smallcnn --batch-size 32 --image-size 32 --rounds 5
     python benchmarks/torch_training.py --model mlp --interleaved  # communication-bound: 3 x 2048-wide Linear
     python benchmarks/torch_training.py --interleaved ...       # all of them in the same processes (below)
+    python benchmarks/torch_training.py --device cuda --np 1 --model resnet50 --image-size 224
+                                                                # on GPUs: roundel over NCCL, DDP over NCCL
 
 Four runs of the same training:
 
@@ -62,6 +64,13 @@ throughput), for both. The same figures go into a PNG, ``--plot PATH``
 (default ``torch_training.png`` in the current directory): samples/sec of each
 run with its range, and the scaling efficiencies; its path is printed last.
 
+With ``--device cuda`` each rank trains on GPU ``local_rank`` (one rank per
+GPU, ``--np`` at most the GPUs there are, 1 allowed: then there is no
+ceiling run), roundel moves its gradients over NCCL and DDP runs on its NCCL
+backend; spans end once the GPU has finished (``torch.cuda.synchronize``),
+and the forward/backward/step split then only times the launching of GPU
+work. Separate jobs only.
+
 Exit status: 0 on success, 1 if a job failed (its output is shown).
 """
 
@@ -81,7 +90,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # models.py
 
 IMPLEMENTATIONS = ("roundel", "ddp", "single", "ceiling")
-RUN_LABELS = {"roundel": "roundel DistributedOptimizer", "ddp": "PyTorch DDP (Gloo)",
+RUN_LABELS = {"roundel": "roundel DistributedOptimizer", "ddp": "PyTorch DDP",
               "single": "1 process, no communication",
               "ceiling": "independent processes at once, no communication"}
 MLP_WIDTH = 2048
@@ -104,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=64, help="height and width of the random images")
     p.add_argument("--num-classes", type=int, default=1000)
     p.add_argument("--np", type=int, default=2, help="ranks of the distributed jobs")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="train on the CPU, or each rank on its own GPU (see above)")
     p.add_argument("--threads", type=int, default=None,
                    help="PyTorch threads per process (default: usable cores / np, at least 1)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of (roundel, ddp, single, ceiling) jobs")
@@ -131,8 +142,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.only) - set(IMPLEMENTATIONS)
     if unknown:
         p.error(f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(IMPLEMENTATIONS)}")
-    if args.np < 2:
-        p.error("--np must be >= 2")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            p.error("--device cuda: torch sees no CUDA GPU on this machine")
+        if args.interleaved:
+            p.error("--device cuda runs separate jobs only; leave out --interleaved")
+        if args.np == 1:
+            args.only = [kind for kind in args.only if kind != "ceiling"]  # one process: the ceiling is single
+    if args.np < (1 if args.device == "cuda" else 2):
+        p.error("--np must be >= 2 (>= 1 with --device cuda)")
     return args
 
 
@@ -155,15 +174,16 @@ def build(model_name: str, num_classes: int):
 class Trainer:
     """One model, its optimizer and its fixed batch; ``step()`` trains once and times the phases."""
 
-    def __init__(self, kind: str, args, rank: int, size: int):
+    def __init__(self, kind: str, args, rank: int, size: int, device="cpu"):
         import torch
 
         from models import count_parameters
 
-        self.kind, self.size = kind, size
+        self.kind, self.size, self.device = kind, size, torch.device(device)
         torch.manual_seed(0)
         model, sample_shape = build(args.model, args.num_classes)
         self.params = count_parameters(model)
+        model.to(self.device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size, momentum=0.9)
         if kind == "roundel":
             import roundel.torch as hvd
@@ -172,12 +192,13 @@ class Trainer:
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         elif kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
-            model = DistributedDataParallel(model)  # broadcasts rank 0's parameters and buffers
+            gpu = [self.device.index] if self.device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=gpu)  # broadcasts rank 0's parameters and buffers
         self.model, self.optimizer = model, optimizer
         generator = torch.Generator().manual_seed(1 + rank)
         sample_shape = tuple(args.image_size if d is None else d for d in sample_shape)
-        self.data = torch.randn(args.batch_size, *sample_shape, generator=generator)
-        self.target = torch.randint(0, args.num_classes, (args.batch_size,), generator=generator)
+        self.data = torch.randn(args.batch_size, *sample_shape, generator=generator).to(self.device)
+        self.target = torch.randint(0, args.num_classes, (args.batch_size,), generator=generator).to(self.device)
         self.phases = {"forward": [], "backward": [], "step": []}
         self.rates: list[float] = []
         self.cpu_ms: list[float] = []       # CPU time of the whole process per step (every thread)
@@ -200,10 +221,12 @@ class Trainer:
 
     def span(self, args, barrier) -> float:
         """Samples/sec over ``args.steps`` steps, between two barriers of the ranks taking part."""
+        self._finish_device_work()
         barrier()
         start, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
         for _ in range(args.steps):
             self.step(True)
+        self._finish_device_work()
         main, cpu = time.thread_time() - main, time.process_time() - cpu
         barrier()
         rate = self.size * args.batch_size * args.steps / (time.perf_counter() - start)
@@ -212,10 +235,16 @@ class Trainer:
         self.main_cpu_ms.append(1000 * main / args.steps)
         return rate
 
+    def _finish_device_work(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize(self.device)
+
     def result(self) -> dict:
         import torch
         return {"kind": self.kind, "size": self.size, "rates": self.rates, "params": self.params,
                 "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU",
                 "phases_ms": {k: 1000 * statistics.median(v) for k, v in self.phases.items()},
                 "cpu_ms": statistics.median(self.cpu_ms), "main_cpu_ms": statistics.median(self.main_cpu_ms)}
 
@@ -228,16 +257,22 @@ def worker(args) -> None:
     """One job of the separate-jobs mode: one implementation, its own processes."""
     import torch
     torch.set_num_threads(args.threads)
-    rank, size, barrier = 0, 1, (lambda: None)
+    rank, size, local_rank, barrier = 0, 1, 0, (lambda: None)
     if args.worker in ("roundel", "ceiling"):
         import roundel.torch as hvd
         hvd.init()
-        rank, size, barrier = hvd.rank(), hvd.size(), hvd.barrier
+        rank, size, local_rank, barrier = hvd.rank(), hvd.size(), hvd.local_rank(), hvd.barrier
     elif args.worker == "ddp":
         import torch.distributed as dist
-        dist.init_process_group("gloo")  # torchrun's environment: rank, world size, store address
+        # torchrun's environment: rank, world size, store address
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         rank, size, barrier = dist.get_rank(), dist.get_world_size(), dist.barrier
-    trainer = Trainer(args.worker, args, rank, size)
+        local_rank = int(os.environ["LOCAL_RANK"])
+    device = "cpu"
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    trainer = Trainer(args.worker, args, rank, size, device)
     for _ in range(args.warmup):
         trainer.step(False)
     for _ in range(args.measurements):
@@ -307,7 +342,7 @@ def worker_args(args) -> list[str]:
     return ["--model", args.model, "--batch-size", str(args.batch_size), "--image-size", str(args.image_size),
             "--num-classes", str(args.num_classes), "--threads", str(args.threads), "--warmup", str(args.warmup),
             "--steps", str(args.steps), "--measurements", str(args.measurements), "--rounds", str(args.rounds),
-            "--only", ",".join(args.only)]
+            "--only", ",".join(args.only), "--device", args.device]
 
 
 def command(kind: str, args) -> list[str]:
@@ -361,7 +396,8 @@ def report(args, results: dict, pairs: list[float], pair_label: str) -> str:
            if args.interleaved else f"separate jobs, {args.rounds} round(s) x {args.measurements} span(s)")
     lines = [f"Model {args.model} ({any_result['params']:,} parameters), batch {args.batch_size} per rank, "
              f"{args.image_size}x{args.image_size} images, {args.threads} thread(s) per process, "
-             f"{usable_cores()} usable core(s), torch {any_result['torch']}; {how} of {args.steps} steps", ""]
+             f"{usable_cores()} usable core(s), torch {any_result['torch']}, {any_result['device']}; {how} of "
+             f"{args.steps} steps", ""]
     lines += ["| run | ranks | samples/sec (median) | range | ms/step | forward / backward / step ms "
               "| CPU ms/step: process / training thread |",
               "| --- | --- | --- | --- | --- | --- | --- |"]

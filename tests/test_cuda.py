@@ -34,8 +34,9 @@ def test_collectives_through_host_memory():
 
 @needs_gpu
 def test_devices_and_training_through_host_memory():
-    result = run_job(2, "torch_cuda.py", "devices,training", env={"HOROVOD_GPU_OPERATIONS": "gloo"}, timeout=180)
-    assert_checks_passed(result, 2, "devices", "training")
+    result = run_job(2, "torch_cuda.py", "devices,side_stream,training", env={"HOROVOD_GPU_OPERATIONS": "gloo"},
+                     timeout=180)
+    assert_checks_passed(result, 2, "devices", "side_stream", "training")
 
 
 @needs_nccl
@@ -43,16 +44,16 @@ def test_collectives_over_nccl_in_a_job_of_one():
     alone = [name for name in COLLECTIVES if name not in ("allreduce_sizes", "join")]  # these need peers
     result = run_job(1, "torch_collectives.py", ",".join(alone), env=ON_CUDA, timeout=300)
     assert_checks_passed(result, 1, *alone)
-    result = run_job(1, "torch_cuda.py", "devices,training", timeout=180)
-    assert_checks_passed(result, 1, "devices", "training")
+    result = run_job(1, "torch_cuda.py", "devices,side_stream,training", timeout=180)
+    assert_checks_passed(result, 1, "devices", "side_stream", "training")
 
 
 @needs_two_gpus
 def test_collectives_over_nccl():
     result = run_job(2, "torch_collectives.py", ",".join(COLLECTIVES), env=ON_CUDA, timeout=300)
     assert_checks_passed(result, 2, *COLLECTIVES)
-    result = run_job(2, "torch_cuda.py", "devices,training", timeout=180)
-    assert_checks_passed(result, 2, "devices", "training")
+    result = run_job(2, "torch_cuda.py", "devices,side_stream,training", timeout=180)
+    assert_checks_passed(result, 2, "devices", "side_stream", "training")
 
 
 @needs_nccl

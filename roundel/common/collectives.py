@@ -115,7 +115,18 @@ def _submit(what: str, kind: OpKind, buffer: torch.Tensor, output, name, process
         name if name is not None else runtime.unnamed_name(kind.label, number), kind, number,
         dtype=_dtype_name(buffer), shape=tuple(buffer.shape), device=buffer.device.type,
         cacheable=name is not None if cacheable is None else cacheable, **fields)
+    if buffer.is_cuda:
+        _order_after_current_stream(buffer.device)
     return runtime.engine.submit(request, buffer, output)
+
+
+def _order_after_current_stream(device: torch.device) -> None:
+    """Make ``device``'s default stream, on which the engine works, wait for what the caller's current stream
+    has queued so far (the tensor's producers), as Horovod's ready events do; a GPU-side wait."""
+    current = torch.cuda.current_stream(device)
+    default = torch.cuda.default_stream(device)
+    if current != default:
+        default.wait_stream(current)
 
 
 def _checked(what: str, buffer) -> torch.Tensor:

@@ -68,6 +68,19 @@ def scenario_devices():
           "allreduce after the refused one")
 
 
+def scenario_side_stream():
+    """A tensor written on a side stream, still being written when submitted, is reduced as written."""
+    gpu = _own_gpu()
+    side = torch.cuda.Stream(gpu)
+    x = torch.zeros(1 << 16, device=gpu)
+    torch.cuda.current_stream(gpu).synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the tensor gets its values
+        x.fill_(float(RANK + 1))
+        handle = hvd.allreduce_async(x, name="side.ar", op=hvd.Sum)
+    check(hvd.synchronize(handle)[:8], np.full(8, SIZE * (SIZE + 1) / 2, dtype=np.float32), "side-stream input")
+
+
 def _model(gpu) -> torch.nn.Module:
     torch.manual_seed(7)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double().to(gpu)
@@ -110,5 +123,5 @@ def scenario_shared_gpu():
                   "one rank per GPU", "HOROVOD_GPU_OPERATIONS=gloo", what="two ranks on GPU 0")
 
 
-run_scenarios({"devices": scenario_devices, "training": scenario_training, "shared_gpu": scenario_shared_gpu},
-              sys.argv, RANK)
+run_scenarios({"devices": scenario_devices, "side_stream": scenario_side_stream, "training": scenario_training,
+               "shared_gpu": scenario_shared_gpu}, sys.argv, RANK)
