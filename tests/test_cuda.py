@@ -39,21 +39,21 @@ def test_devices_and_training_through_host_memory():
     assert_checks_passed(result, 2, "devices", "side_stream", "training")
 
 
+def _over_nccl(np: int, collectives) -> None:
+    result = run_job(np, "torch_collectives.py", ",".join(collectives), env=ON_CUDA, timeout=300)
+    assert_checks_passed(result, np, *collectives)
+    result = run_job(np, "torch_cuda.py", "devices,side_stream,training", timeout=180)
+    assert_checks_passed(result, np, "devices", "side_stream", "training")
+
+
 @needs_nccl
 def test_collectives_over_nccl_in_a_job_of_one():
-    alone = [name for name in COLLECTIVES if name not in ("allreduce_sizes", "join")]  # these need peers
-    result = run_job(1, "torch_collectives.py", ",".join(alone), env=ON_CUDA, timeout=300)
-    assert_checks_passed(result, 1, *alone)
-    result = run_job(1, "torch_cuda.py", "devices,side_stream,training", timeout=180)
-    assert_checks_passed(result, 1, "devices", "side_stream", "training")
+    _over_nccl(1, [name for name in COLLECTIVES if name not in ("allreduce_sizes", "join")])  # these need peers
 
 
 @needs_two_gpus
 def test_collectives_over_nccl():
-    result = run_job(2, "torch_collectives.py", ",".join(COLLECTIVES), env=ON_CUDA, timeout=300)
-    assert_checks_passed(result, 2, *COLLECTIVES)
-    result = run_job(2, "torch_cuda.py", "devices,side_stream,training", timeout=180)
-    assert_checks_passed(result, 2, "devices", "side_stream", "training")
+    _over_nccl(2, COLLECTIVES)
 
 
 @needs_nccl

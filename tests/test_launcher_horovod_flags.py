@@ -117,7 +117,8 @@ def test_flags_become_worker_settings():
                         "--stall-check-shutdown-time-seconds", 9, "--no-stall-check", "--log-level", "INFO",
                         "--log-without-timestamp", "--elastic-timeout", 70, "--start-timeout", 8,
                         "--autotune", "--autotune-warmup-samples", 2, "--hierarchical-allreduce", "--tcp",
-                        "--gpu-operations", "MPI", sys.executable, "-c", DUMP + "; from roundel.common.settings import Settings; "
+                        "--gpu-operations", "MPI",
+                        sys.executable, "-c", DUMP + "; from roundel.common.settings import Settings; "
                         "print(repr(Settings.from_env()))")
     assert result.returncode == 0, describe(result)
     env = worker_env(result)

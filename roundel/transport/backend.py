@@ -37,6 +37,16 @@ def narrow_back(original, sent) -> None:
         original.copy_(sent)
 
 
+def shut_down(process_group) -> None:
+    """Shut a ``torch.distributed`` process group down (None: nothing to do); one already broken is left be."""
+    if process_group is None:
+        return
+    try:
+        process_group.shutdown()
+    except RuntimeError:
+        pass
+
+
 class Backend(abc.ABC):
     """One communicator over the members of a process set."""
 

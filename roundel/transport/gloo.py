@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from roundel.ops import ReduceOp
-from roundel.transport.backend import Backend, narrow_back, widened
+from roundel.transport.backend import Backend, narrow_back, shut_down, widened
 
 _TORCH_OPS = {
     ReduceOp.Sum: dist.ReduceOp.SUM,
@@ -178,9 +178,4 @@ class GlooBackend(Backend):
         to exit-time garbage collection aborts the process when it releases a tensor after Python has
         begun to finalize."""
         pg, self._pg = self._pg, None
-        if pg is None:
-            return
-        try:
-            pg.shutdown()
-        except RuntimeError:
-            pass
+        shut_down(pg)

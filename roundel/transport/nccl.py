@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from roundel.errors import RoundelInternalError
 from roundel.ops import ReduceOp
-from roundel.transport.backend import Backend, narrow_back, widened
+from roundel.transport.backend import Backend, narrow_back, shut_down, widened
 
 _TORCH_OPS = {
     ReduceOp.Sum: dist.ReduceOp.SUM,
@@ -110,9 +110,4 @@ class NcclBackend(Backend):
     def close(self):
         """Shut the process group down (its NCCL communicators with it) and drop it."""
         pg, self._pg = self._pg, None
-        if pg is None:
-            return
-        try:
-            pg.shutdown()
-        except RuntimeError:
-            pass
+        shut_down(pg)
