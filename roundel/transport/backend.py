@@ -18,8 +18,18 @@ from __future__ import annotations
 import abc
 
 import torch
+import torch.distributed as dist
 
 from roundel.ops import ReduceOp
+
+#: ``torch.distributed``'s reduction for each op a backend reduces (Average is summed; the executor divides).
+TORCH_REDUCE_OPS = {
+    ReduceOp.Sum: dist.ReduceOp.SUM,
+    ReduceOp.Average: dist.ReduceOp.SUM,
+    ReduceOp.Min: dist.ReduceOp.MIN,
+    ReduceOp.Max: dist.ReduceOp.MAX,
+    ReduceOp.Product: dist.ReduceOp.PRODUCT,
+}
 
 # Neither Gloo nor NCCL has kernels for these; they travel widened and come back narrowed.
 _WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}

@@ -21,15 +21,7 @@ import torch
 import torch.distributed as dist
 
 from roundel.ops import ReduceOp
-from roundel.transport.backend import Backend, narrow_back, shut_down, widened
-
-_TORCH_OPS = {
-    ReduceOp.Sum: dist.ReduceOp.SUM,
-    ReduceOp.Average: dist.ReduceOp.SUM,
-    ReduceOp.Min: dist.ReduceOp.MIN,
-    ReduceOp.Max: dist.ReduceOp.MAX,
-    ReduceOp.Product: dist.ReduceOp.PRODUCT,
-}
+from roundel.transport.backend import TORCH_REDUCE_OPS, Backend, narrow_back, shut_down, widened
 
 log = logging.getLogger("roundel")
 
@@ -90,7 +82,7 @@ class GlooBackend(Backend):
 
     def _allreduce_work(self, sent, op):
         options = dist.AllreduceOptions()
-        options.reduceOp = _TORCH_OPS[op]
+        options.reduceOp = TORCH_REDUCE_OPS[op]
         return self._pg.allreduce([sent], options)
 
     def allreduce(self, tensor, op):
@@ -141,7 +133,7 @@ class GlooBackend(Backend):
         """Reduce ``tensor`` into the root member's copy (the others' are left undefined)."""
         sent = widened(tensor)
         options = dist.ReduceOptions()
-        options.reduceOp = _TORCH_OPS[op]
+        options.reduceOp = TORCH_REDUCE_OPS[op]
         options.rootRank = root
         self._pg.reduce([sent], options).wait()
         narrow_back(tensor, sent)
@@ -165,7 +157,7 @@ class GlooBackend(Backend):
     def reducescatter(self, output, tensor, op):
         sent_out, sent_in = widened(output), widened(tensor)
         options = dist.ReduceScatterOptions()
-        options.reduceOp = _TORCH_OPS[op]
+        options.reduceOp = TORCH_REDUCE_OPS[op]
         self._pg.reduce_scatter([sent_out], [list(sent_in.chunk(self.size))], options).wait()
         narrow_back(output, sent_out)
 

@@ -8,7 +8,7 @@ scripts do. NCCL allows one rank per GPU: two ranks of a job on one GPU fail
 at their first CUDA collective, with an error that says so.
 
 Calls return once the collective is queued on NCCL's stream and the calling
-thread's current stream waits for it; the executor synchronizes the device
+thread's current stream waits for it; the executor synchronizes that stream
 before it completes the handles (see ``roundel.common.executor``).
 """
 
@@ -21,15 +21,7 @@ import torch.distributed as dist
 
 from roundel.errors import RoundelInternalError
 from roundel.ops import ReduceOp
-from roundel.transport.backend import Backend, narrow_back, shut_down, widened
-
-_TORCH_OPS = {
-    ReduceOp.Sum: dist.ReduceOp.SUM,
-    ReduceOp.Average: dist.ReduceOp.SUM,  # the executor divides afterwards
-    ReduceOp.Min: dist.ReduceOp.MIN,
-    ReduceOp.Max: dist.ReduceOp.MAX,
-    ReduceOp.Product: dist.ReduceOp.PRODUCT,
-}
+from roundel.transport.backend import TORCH_REDUCE_OPS, Backend, narrow_back, shut_down, widened
 
 SHARED_GPU_HINT = ("two ranks of this job use the same GPU, and NCCL allows one rank per GPU: call "
                    "torch.cuda.set_device(hvd.local_rank()) before making CUDA tensors, start at most one rank per "
@@ -72,7 +64,7 @@ class NcclBackend(Backend):
     def allreduce(self, tensor, op):
         sent = widened(tensor)
         options = dist.AllreduceOptions()
-        options.reduceOp = _TORCH_OPS[op]
+        options.reduceOp = TORCH_REDUCE_OPS[op]
         self._wait(lambda: self._pg.allreduce([sent], options))
         narrow_back(tensor, sent)
 
@@ -97,7 +89,7 @@ class NcclBackend(Backend):
     def reducescatter(self, output, tensor, op):
         sent_out, sent_in = widened(output), widened(tensor)
         options = dist.ReduceScatterOptions()
-        options.reduceOp = _TORCH_OPS[op]
+        options.reduceOp = TORCH_REDUCE_OPS[op]
         self._wait(lambda: self._pg._reduce_scatter_base(sent_out, sent_in, options))
         narrow_back(output, sent_out)
 
