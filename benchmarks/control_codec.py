@@ -33,8 +33,8 @@ def work(n: int) -> Dispatch:
 
 
 CASES = [
-    ("submit: 161 cache bits", lambda: Submit(7, (1 << 161) - 1, [])),
-    ("submit: 1 new request", lambda: Submit(7, 0, [REQUESTS[0]._replace(name="fresh")])),
+    ("submit: 161 cache bits", lambda: Submit(7, (1 << 161) - 1, [], {}, [])),
+    ("submit: 1 new request", lambda: Submit(7, 0, [REQUESTS[0]._replace(name="fresh")], {}, [None])),
     ("work: 1 entry", lambda: work(1)),
     ("work: 10 entries", lambda: work(10)),
     ("work: 161 entries", lambda: work(161)),

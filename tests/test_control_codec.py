@@ -29,8 +29,9 @@ ALLTOALL = Request("a2a", OpKind.ALLTOALL, 3, dtype="int64", shape=(6, 2), split
 FAILED = Request("bad", OpKind.BROADCAST, 1, dtype="uint8", shape=(), root_rank=2, error="rank 2 has no data")
 
 ENGINE_MESSAGES = [
-    Submit(4, (1 << 700) | (1 << 63) | 5, [REQUEST, ALLTOALL, FAILED]),
-    Submit(0, 0, []),
+    Submit(4, (1 << 700) | (1 << 63) | 5, [REQUEST, ALLTOALL, FAILED], {63: b"\x00\x00\x80?", 0: b""},
+           [b"\x01\x02", None, None]),
+    Submit(0, 0, [], {}, []),
     Dispatch(9, [
         Batch(OpKind.ALLREDUCE, 0, (Entry(REQUEST.name, REQUEST, cache_bit=12),
                                     Entry("g2", REQUEST._replace(name="g2")))),
@@ -39,6 +40,8 @@ ENGINE_MESSAGES = [
         Batch(OpKind.ALLTOALL, 3, (Entry("a2a", ALLTOALL, splits=((1, 5), (2, 4))),)),
         Batch(OpKind.BROADCAST, 1, (Entry("bad", FAILED),), error="root ranks differ", error_type="internal"),
         CachedBatch(OpKind.ALLREDUCE, 0, (1 << 900) | (1 << 12) | 1),
+        CachedBatch(OpKind.ALLREDUCE, 0, 1 << 3, b"\x00\x00\x80?\x00\x00\x00@"),
+        Batch(OpKind.ALLREDUCE, 0, (Entry("loss", REQUEST._replace(name="loss", shape=())),), reduced=b"\x00\x00\x80?"),
     ], [3, 4, 1 << 40], [(9, 0), (8, 1 << 70)]),
     Abort("rank 2 died or lost its connection to the coordinator"),
     Bye(),
@@ -114,8 +117,8 @@ def _malformed() -> list[tuple[str, bytes]]:
              ("Entry holding a dict as request", control_codec.encode(Entry("x", {"a": 1}))),
              ("Batch entries holding a Request", control_codec.encode(Batch(OpKind.ALLREDUCE, 0, (REQUEST,)))),
              ("Dispatch batches holding a Request", control_codec.encode(Dispatch(1, [REQUEST], [], []))),
-             ("Submit with a tuple of requests", control_codec.encode(Submit(1, 0, (REQUEST,)))),
-             ("Submit holding a Batch", control_codec.encode(Submit(1, 0, [Batch(OpKind.ALLREDUCE, 0, ())]))),
+             ("Submit with a tuple of requests", control_codec.encode(Submit(1, 0, (REQUEST,), {}, [None]))),
+             ("Submit holding a Batch", control_codec.encode(Submit(1, 0, [Batch(OpKind.ALLREDUCE, 0, ())], {}, [None]))),
              ("Heartbeat with an int host", control_codec.encode(Heartbeat(3))),
              ("Request with one field too few", b"R" + struct.pack("!I", len(request) - 5)
               + bytes([len(Request._fields) - 1]) + request[6:])]

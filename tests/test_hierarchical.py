@@ -83,7 +83,8 @@ def test_uneven_hosts_stay_flat(hosts):
 def test_one_host_stays_flat_and_correct():
     result = run_command([*LAUNCHER, "-np", "2", *FLAGS, sys.executable, WORKER, SCENARIOS], timeout=300)
     assert_checks_passed(result, 2, *SCENARIOS.split(","))
-    assert backends(result, 2) == [["BACKEND GlooBackend False False"]] * 2, describe(result)
+    # flat, and on one host through shared memory
+    assert backends(result, 2) == [["BACKEND SharedMemoryBackend False False"]] * 2, describe(result)
     for rank in range(2):
         assert any(line.endswith("the job stays flat: the job runs on one host")
                    for line in rank_lines(result.stderr, rank, "stderr")), describe(result)

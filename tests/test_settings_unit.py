@@ -35,6 +35,8 @@ VARIABLES = [
     ("cpu_operations", "CPU_OPERATIONS", "gloo", ("MPI", "mpi"), ["ccl", "nccl"]),
     ("gpu_operations", "GPU_OPERATIONS", "nccl", ("GLOO", "gloo"), ["ccl", "cuda"]),
     ("bucket_cap_mb", "BUCKET_CAP_MB", 25.0, ("0", 0.0), ["-1", "big"]),
+    ("shared_memory", "SHARED_MEMORY", True, ("0", False), ["maybe"]),
+    ("coordinator_reduce_bytes", "COORDINATOR_REDUCE_BYTES", 4096, ("0", 0), ["-1", "65537", "4k"]),
 ]
 IDS = [row[1] for row in VARIABLES]
 

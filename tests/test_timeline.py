@@ -81,7 +81,9 @@ def test_timeline_file_has_a_row_per_name_and_horovods_phases_in_order(steps_tim
                 "allreduce.noname.3"}
     assert expected <= set(rows), sorted(rows)
     for name in ("grad.a", "grad.b", "grad.late", *KINDS):
-        negotiate_op, op, transport = KINDS.get(name, ("NEGOTIATE_ALLREDUCE", "ALLREDUCE", "GLOO_ALLREDUCE"))
+        # grad.a goes over Gloo; the small grad.b and grad.late are reduced by the coordinator
+        reduced_by = "GLOO_ALLREDUCE" if name == "grad.a" else "COORDINATOR_ALLREDUCE"
+        negotiate_op, op, transport = KINDS.get(name, ("NEGOTIATE_ALLREDUCE", "ALLREDUCE", reduced_by))
         negotiations, executions = _spans(rows[name], 1), _spans(rows[name], 2)
         assert len(negotiations) == len(executions) == STEPS, (name, negotiations, executions)
         for negotiation, execution in zip(negotiations, executions):

@@ -13,7 +13,7 @@ from launch_util import assert_checks_passed, run_job
 WORKER = "torch_collectives.py"
 
 GROUPS = {
-    "allreduce": ("allreduce", "allreduce_sizes", "grouped"),
+    "allreduce": ("allreduce", "allreduce_sizes", "grouped", "coordinator_reduce"),
     "gather_bcast": ("allgather", "broadcast"),
     "a2a_rs": ("alltoall", "reducescatter"),
     "async": ("ordering", "barrier"),
@@ -39,6 +39,7 @@ SETTINGS = {
     "cache_off": {"ROUNDEL_CACHE_CAPACITY": "0"},
     "cache_tiny": {"ROUNDEL_CACHE_CAPACITY": "2"},
     "horovod_cache_tiny_fusion_small": {"HOROVOD_CACHE_CAPACITY": "3", "HOROVOD_FUSION_THRESHOLD": "64"},
+    "coordinator_reduce_largest": {"ROUNDEL_COORDINATOR_REDUCE_BYTES": "65536"},
 }
 
 
@@ -46,6 +47,14 @@ SETTINGS = {
 def test_settings_do_not_change_results(setting):
     scenarios = ("steady", "allreduce", "ordering")
     result = run_job(3, WORKER, ",".join(scenarios), env=SETTINGS[setting])
+    assert_checks_passed(result, 3, *scenarios)
+
+
+def test_small_allreduces_on_the_transport():
+    """With the coordinator's reduction off, small allreduces (every op and dtype, around the sizes where
+    the Gloo backend changes algorithm) go over the transport and give the same results."""
+    scenarios = ("allreduce_sizes", "coordinator_reduce", "steady")
+    result = run_job(3, WORKER, ",".join(scenarios), env={"ROUNDEL_COORDINATOR_REDUCE_BYTES": "0"})
     assert_checks_passed(result, 3, *scenarios)
 
 

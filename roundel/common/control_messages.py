@@ -16,11 +16,17 @@ from roundel.common.autotune import TunedParams
 
 
 class Submit(NamedTuple):
-    """Requests a rank queued: ``bits`` (a mask of cache bits, at cache ``version``) and ``full`` Requests."""
+    """Requests a rank queued: ``bits`` (a mask of cache bits, at cache ``version``) and ``full`` Requests.
+
+    Small allreduces carry their tensor's bytes (:mod:`roundel.common.small_allreduce`): ``bit_data``
+    maps a cache bit to them, ``full_data`` holds them (or None) for each of ``full`` in turn.
+    """
 
     version: int
     bits: int
     full: list
+    bit_data: dict
+    full_data: list
 
 
 class Waits(NamedTuple):

@@ -46,7 +46,7 @@ class Coordinator:
 
     def __init__(self, engine, size: int, settings: Settings, secret: bytes, advertise_host: str):
         self._engine = engine
-        self._negotiator = Negotiator(size, settings.cache_capacity)
+        self._negotiator = Negotiator(size, settings.cache_capacity, settings.coordinator_reduce_bytes)
         self._autotuner = autotune.Autotuner(settings, isinstance(engine.job_backend, HierarchicalBackend),
                                              lambda: engine.bucketed) if settings.autotune else None
         self._peers: dict[int, control_channel.Connection] = {}
@@ -163,7 +163,7 @@ class Coordinator:
                 self._engine._register(item)
                 if self._engine.timeline.active:
                     self._engine.timeline.rank_ready(item.request.name, item.request.kind.label, 0)
-                self._negotiator.submit(0, item.request, now)
+                self._negotiator.submit(0, item.request, now, data=item.data)
 
     def _receive(self, rank: int) -> None:
         sock = self._peers[rank]
@@ -194,14 +194,15 @@ class Coordinator:
                     if bits & 1:
                         if self._engine.timeline.active:
                             self._timeline_cached_arrival(rank, bit, version)
-                        if not negotiator.submit_bit(rank, bit, version, now):
+                        if not negotiator.submit_bit(rank, bit, version, now, message.bit_data.get(bit)):
                             stale.append((version, bit))
                     bits >>= 1
                     bit += 1
-                for request in message.full:
+                full_data = message.full_data if len(message.full_data) == len(message.full) else ()
+                for index, request in enumerate(message.full):
                     if self._engine.timeline.active:
                         self._engine.timeline.rank_ready(request.name, request.kind.label, rank)
-                    negotiator.submit(rank, request, now)
+                    negotiator.submit(rank, request, now, data=full_data[index] if full_data else None)
                 if stale:
                     self._resends.setdefault(rank, []).extend(stale)
             elif kind is Bye:

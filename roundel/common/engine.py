@@ -44,7 +44,7 @@ import socket
 import threading
 import time
 
-from roundel.common import autotune, control_channel
+from roundel.common import autotune, control_channel, small_allreduce
 from roundel.common.control_messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
 from roundel.common.coordinator import BYE_GRACE_S, HEARTBEAT_S, TICK_S, Coordinator, describe_silence
 from roundel.common.executor import Executor, Work
@@ -159,8 +159,11 @@ class Engine:
             self._names_in_flight.add(key)
         handle = Handle(request.name, self._waits, (request.process_set_id, request.name, request.kind.label),
                         on_done=lambda: self._name_done(key))
+        data = None
+        if small_allreduce.eligible(request, self.settings.coordinator_reduce_bytes):
+            data = small_allreduce.snapshot(tensor)
         try:
-            self._enqueue(Work(request, tensor, output, handle))
+            self._enqueue(Work(request, tensor, output, handle, data))
         except BaseException:
             self._name_done(key)
             raise
@@ -296,7 +299,7 @@ class Engine:
         items = self._drain()
         if self._broken is not None:
             self._fail_inflight(self._broken)
-        bits, full = 0, []
+        bits, full, bit_data, full_data = 0, [], {}, []
         for item in items:
             if isinstance(item, tuple):  # a process-set change: only the coordinator on rank 0 needs it
                 continue
@@ -311,10 +314,13 @@ class Engine:
                 item.sent_bit = (self._cache.version, bit)
                 self._sent_bits[item.sent_bit] = key
                 bits |= 1 << bit
+                if item.data is not None:
+                    bit_data[bit] = item.data
             else:
                 full.append(request)
+                full_data.append(item.data)
         if self._broken is None and (bits or full):
-            self._send(Submit(self._cache.version, bits, full))
+            self._send(Submit(self._cache.version, bits, full, bit_data, full_data))
         if self._stopping:
             if self._broken is None:
                 self._send(Bye())
@@ -430,12 +436,13 @@ class Engine:
 
     def _resend(self, stale) -> None:
         """Send in full the requests whose (cache version, bit) the coordinator found stale."""
-        full = []
+        full, full_data = [], []
         for sent in stale:
             key = self._sent_bits.pop(sent, None)
             work = self._inflight.get(key) if key else None
             if work is not None:
                 work.sent_bit = None
                 full.append(work.request)
+                full_data.append(work.data)
         if full:
-            self._send(Submit(self._cache.version, 0, full))
+            self._send(Submit(self._cache.version, 0, full, {}, full_data))

@@ -12,6 +12,11 @@ starts it and goes on to the next batch (a gradient bucket that becomes ready
 while the previous one is on the wire starts at once, as in DDP), and finishes
 it (scaling, unpacking, handles) once the transport reports it done.
 
+A small allreduce the coordinator has already reduced (``Batch.reduced``, see
+:mod:`roundel.common.small_allreduce`) only has its result copied out; when
+nothing is queued ahead of it, that happens on the engine thread that received
+it, without a hop to the executor's.
+
 A batch of CUDA tensors runs on their GPU (made current for it) over the
 backend that ``Backend.for_device`` names, on that GPU's current stream; its
 handles complete once the device has finished, as in Horovod, so the results
@@ -28,11 +33,13 @@ from typing import Callable
 
 import torch
 
+from roundel.common import small_allreduce
 from roundel.common.adasum import adasum_tree
 from roundel.common.autotune import TunedParams
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
 from roundel.common.handles import Handle
 from roundel.ops import ReduceOp
+from roundel.transport.backend import scale
 from roundel.transport.hierarchical import HierarchicalBackend
 from roundel.common.requests import Batch, OpKind, Request
 from roundel.common.timeline import Timeline, transport_activity
@@ -50,27 +57,19 @@ class Work:
     None lets the executor allocate it (allgather, alltoall, reducescatter).
     """
 
-    __slots__ = ("request", "tensor", "output", "handle", "sent_bit")
+    __slots__ = ("request", "tensor", "output", "handle", "sent_bit", "data")
 
-    def __init__(self, request: Request, tensor, output, handle: Handle):
+    def __init__(self, request: Request, tensor, output, handle: Handle, data: bytes | None = None):
         self.request = request
         self.tensor = tensor
         self.output = output
         self.handle = handle
         self.sent_bit = None  # (cache version, bit) when submitted as a cache bit
+        self.data = data  # the tensor's bytes, sent with the request for the coordinator to reduce
 
 
 def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
-
-
-def _scale(buffer, factor: float) -> None:
-    if factor == 1.0:
-        return
-    if buffer.dtype.is_floating_point or buffer.dtype.is_complex:
-        buffer.mul_(factor)
-    elif buffer.dtype != torch.bool:
-        buffer.copy_(buffer.double().mul_(factor).trunc_())
 
 
 # An allreduce entry of at least this many bytes is reduced in its own memory by its own call when the
@@ -130,17 +129,27 @@ class Executor:
         self._thread.start()
 
     def put(self, batch: Batch, works: list) -> None:
-        """Run ``batch`` (with this rank's ``works``, None for joined ranks) after every batch put before it."""
+        """Run ``batch`` (with this rank's ``works``, None for joined ranks) after every batch put before it.
+
+        A batch the coordinator already reduced needs no transport: when nothing is queued or running, it
+        completes here, on the calling thread, without waking the executor's.
+        """
         with self._count_lock:
+            here = batch.reduced is not None and self._outstanding == 0
             self._outstanding += 1
             self._held[id(works)] = works
         if self._timeline.active:
             self._timeline.begin([e.name for e in batch.entries], batch.kind.label, "QUEUE")
-        self._queue.put((batch, works))
+        if here:
+            self._run_batch(batch, works)
+        else:
+            self._queue.put((batch, works))
 
     def retune(self, params) -> None:
         """Apply autotune's ``TunedParams`` after the batches put so far: the hierarchical switches, and
         the stamp ``tuned_at`` gives every later collective (every rank stamps the same collectives alike)."""
+        with self._count_lock:  # pending until applied, so that no later batch runs in put() before it
+            self._outstanding += 1
         self._queue.put(params)
 
     def abort(self, error: RoundelInternalError) -> None:
@@ -159,10 +168,11 @@ class Executor:
         """True when no batch is queued or running."""
         return self._outstanding == 0
 
-    def _finished_one(self, works: list) -> None:
+    def _finished_one(self, works: list | None) -> None:
         with self._count_lock:
             self._outstanding -= 1
-            self._held.pop(id(works), None)
+            if works is not None:
+                self._held.pop(id(works), None)
             idle = self._outstanding == 0
         if idle:
             self._on_idle()
@@ -192,21 +202,25 @@ class Executor:
                 if isinstance(job, HierarchicalBackend):
                     job.use(item.hierarchical_allreduce, item.hierarchical_allgather)
                 self._tuned = (self._tuned[0] + 1, item)
+                self._finished_one(None)
                 continue
-            batch, works = item
-            if self._tuned[1] is not None:
-                for entry in batch.entries:
-                    self.tuned_at[(batch.process_set_id, entry.name)] = self._tuned
-            if self._aborted is None and self._runs_in_background(batch):
-                self._start_in_background(batch, works)
-                continue
-            try:
-                if self._aborted is not None:
-                    self._fail(works, self._aborted)
-                else:
-                    self._execute(batch, works)
-            finally:
-                self._finished_one(works)
+            self._run_batch(*item)
+
+    def _run_batch(self, batch: Batch, works: list) -> None:
+        """Run (or start in the background) one batch that ``put`` counted."""
+        if self._tuned[1] is not None:
+            for entry in batch.entries:
+                self.tuned_at[(batch.process_set_id, entry.name)] = self._tuned
+        if self._aborted is None and self._runs_in_background(batch):
+            self._start_in_background(batch, works)
+            return
+        try:
+            if self._aborted is not None:
+                self._fail(works, self._aborted)
+            else:
+                self._execute(batch, works)
+        finally:
+            self._finished_one(works)
 
     def _execute(self, batch: Batch, works: list) -> None:
         self._names = [e.name for e in batch.entries] if self._timeline.active else None
@@ -253,7 +267,7 @@ class Executor:
     def _runs_in_background(self, batch: Batch) -> bool:
         """Whether ``batch`` is an allreduce of at least OWN_CALL_BYTES on a backend with ``allreduce_async``
         (checked cheapest first: most batches of a busy job are small)."""
-        if batch.kind != OpKind.ALLREDUCE or batch.error:
+        if batch.kind != OpKind.ALLREDUCE or batch.error or batch.reduced is not None:
             return False
         request = batch.entries[0].request
         elements = sum(math.prod(e.request.shape) for e in batch.entries)
@@ -321,6 +335,8 @@ class Executor:
             return [None] * len(works)
         if kind == OpKind.JOIN:
             return [batch.last_joined] * len(works)
+        if batch.reduced is not None:
+            return self._reduced_by_coordinator(batch, works, len(ranks))
         call = {
             OpKind.ALLREDUCE: self._allreduce,
             OpKind.ALLGATHER: self._allgather,
@@ -419,6 +435,15 @@ class Executor:
         self._allreduce_results(parts, post)
         return outputs
 
+    def _reduced_by_coordinator(self, batch: Batch, works: list, size: int) -> list:
+        """The results of an allreduce batch the coordinator reduced (``batch.reduced``), in its outputs."""
+        request = batch.entries[0].request
+        outputs = self._outputs_in_place(works, self._inputs(batch, works))
+        self._phase("COORDINATOR_ALLREDUCE")
+        post = request.postscale / (size if request.reduce_op == ReduceOp.Average else 1)
+        small_allreduce.unpack(batch.reduced, torch_dtype(request.dtype), outputs, post)
+        return outputs
+
     def _allreduce_parts(self, batch: Batch, works: list, backend, op: ReduceOp, size: int) -> tuple:
         """([(buffer, its outputs)], every output in entry order, the scale to apply after the reduction).
 
@@ -441,20 +466,20 @@ class Executor:
         if packed_inputs:
             parts.append((self._pack(packed_inputs, torch_dtype(request.dtype)), packed_outputs))
         for buffer, _ in parts:
-            _scale(buffer, request.prescale)
+            scale(buffer, request.prescale)
         post = request.postscale / (size if op == ReduceOp.Average else 1)
         return parts, outputs, post
 
     def _allreduce_results(self, parts: list, post: float) -> None:
         for buffer, outputs in parts:
-            _scale(buffer, post)
+            scale(buffer, post)
             if buffer is not outputs[0]:
                 self._unpack(buffer, outputs)
 
     def _adasum(self, inputs, outputs, request, backend, n):
         """Gather every rank's gradients, then combine each tensor with the Adasum tree."""
         buffer = self._pack(inputs, torch_dtype(request.dtype))
-        _scale(buffer, request.prescale)
+        scale(buffer, request.prescale)
         gathered = torch.empty(n * buffer.numel(), dtype=buffer.dtype, device=buffer.device)
         self._phase(transport_activity(backend.name, "allgather"))
         backend.allgather(gathered, buffer)
@@ -464,7 +489,7 @@ class Executor:
         for output in outputs:
             count = output.numel()
             combined = adasum_tree([per_rank[r, offset:offset + count] for r in range(n)])
-            _scale(combined, request.postscale)
+            scale(combined, request.postscale)
             output.copy_(combined.view(output.shape))
             offset += count
         return outputs
@@ -548,11 +573,11 @@ class Executor:
         for r, count in enumerate(counts):
             padded[r * chunk:r * chunk + count].copy_(tensor[start:start + count])
             start += count
-        _scale(padded, request.prescale)
+        scale(padded, request.prescale)
         output = torch.empty((chunk,) + tail, dtype=tensor.dtype, device=tensor.device)
         self._phase(transport_activity(backend.name, "reducescatter"))
         backend.reducescatter(output, padded, op)
         output = output[:counts[me]].clone() if counts[me] != chunk else output
-        _scale(output, request.postscale / (n if op == ReduceOp.Average else 1))
+        scale(output, request.postscale / (n if op == ReduceOp.Average else 1))
         return [output]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from roundel.common import small_allreduce
 from roundel.common.requests import Batch, CachedBatch, Entry, OpKind, Request
 from roundel.common.response_cache import CoordinatorCache
 from roundel.ops import ReduceOp
@@ -31,13 +32,14 @@ _COMPACT = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER)
 
 
 class _Pending:
-    __slots__ = ("requests", "since", "warned", "by_bit")
+    __slots__ = ("requests", "since", "warned", "by_bit", "data")
 
     def __init__(self, since: float):
         self.requests: dict[int, Request] = {}
         self.since = since
         self.warned = False
         self.by_bit: set[int] = set()  # ranks that submitted their cache bit
+        self.data: dict[int, bytes] = {}  # rank -> its tensor's bytes (a small allreduce)
 
 
 def describe_ranks(values_by_rank: dict) -> str:
@@ -55,7 +57,7 @@ def describe_ranks(values_by_rank: dict) -> str:
 class Negotiator:
     """Matches requests across ranks by name and plans the batches to execute."""
 
-    def __init__(self, size: int, cache_capacity: int):
+    def __init__(self, size: int, cache_capacity: int, reduce_bytes: int = 0):
         self.size = size
         self.process_sets: dict[int, tuple] = {0: tuple(range(size))}
         self.cache = CoordinatorCache(cache_capacity)
@@ -68,6 +70,8 @@ class Negotiator:
         self._agreed_requests: dict[tuple, dict] = {}  # every rank's request, for the cache
         self._from_cache: dict[tuple, int] = {}  # ready names every other rank sent as this unchanged bit
         self._compact: dict[int, CachedBatch] = {}  # id(batch) -> its compact form, from the last take()
+        self._reduce_bytes = reduce_bytes  # small allreduces up to this size are reduced here
+        self._reduced: dict[tuple, bytes] = {}  # ready names reduced here -> their result
 
     # ----------------------------------------------------------------- input
     def add_process_set(self, process_set_id: int, ranks: Iterable[int]) -> None:
@@ -84,8 +88,10 @@ class Negotiator:
                               "it was pending (submit it on every member before remove_process_set())",
                               "mismatch")
 
-    def submit(self, rank: int, request: Request, now: float, by_bit: bool = False) -> None:
-        """Record ``rank``'s request (``by_bit``: sent as its cache bit); the name may become ready."""
+    def submit(self, rank: int, request: Request, now: float, by_bit: bool = False,
+               data: bytes | None = None) -> None:
+        """Record ``rank``'s request (``by_bit``: sent as its cache bit; ``data``: its tensor's bytes, for a
+        small allreduce); the name may become ready."""
         key = (request.process_set_id, request.name)
         members = self.process_sets.get(request.process_set_id)
         problem = self._submission_problem(rank, request, members)
@@ -101,14 +107,16 @@ class Negotiator:
         pending.requests[rank] = request  # a rank never has one name in flight twice (Engine.submit)
         if by_bit:
             pending.by_bit.add(rank)
+        if data is not None:
+            pending.data[rank] = data
         self._check_ready(key)
 
-    def submit_bit(self, rank: int, bit: int, sender_version: int, now: float) -> bool:
+    def submit_bit(self, rank: int, bit: int, sender_version: int, now: float, data: bytes | None = None) -> bool:
         """Record a cached submission; False if the bit is stale and the rank must resend."""
         entry = self.cache.lookup(bit, sender_version)
         if entry is None or rank not in entry[1]:
             return False
-        self.submit(rank, entry[1][rank], now, by_bit=True)
+        self.submit(rank, entry[1][rank], now, by_bit=True, data=data)
         return True
 
     def rank_left(self, rank: int, reason: str) -> None:
@@ -168,7 +176,8 @@ class Negotiator:
             request = entry.request
             members = self.process_sets[request.process_set_id]
             nbytes = entry_bytes(entry)
-            group_key = (request.fusion_key(), extra)
+            # entries reduced here fuse only with each other: their batch needs no transport
+            group_key = (request.fusion_key(), extra, (request.process_set_id, entry.name) in self._reduced)
             slot = open_batches.get(group_key)
             if (slot is not None and request.kind in _FUSABLE
                     and slot[2] + nbytes <= fusion_threshold):
@@ -193,13 +202,18 @@ class Negotiator:
         self._compact = {}
         evicted = {bit for bit, _ in self._evictions}
         for index, (members, batch) in enumerate(batches):
-            if batch.kind in _COMPACT and batch.error is None and all(
-                    self._from_cache.get((batch.process_set_id, e.name), -1) == e.cache_bit >= 0
-                    and e.cache_bit not in evicted for e in batch.entries):
+            compact = batch.kind in _COMPACT and batch.error is None and all(
+                self._from_cache.get((batch.process_set_id, e.name), -1) == e.cache_bit >= 0
+                and e.cache_bit not in evicted for e in batch.entries)
+            if compact:
                 batch = batch._replace(entries=tuple(sorted(batch.entries, key=lambda e: e.cache_bit)))
-                batches[index] = (members, batch)
+            if batch.error is None and (batch.process_set_id, batch.entries[0].name) in self._reduced:
+                batch = batch._replace(reduced=b"".join(self._reduced.pop((batch.process_set_id, e.name))
+                                                        for e in batch.entries))
+            batches[index] = (members, batch)
+            if compact:
                 self._compact[id(batch)] = CachedBatch(batch.kind, batch.process_set_id,
-                                                       sum(1 << e.cache_bit for e in batch.entries))
+                                                       sum(1 << e.cache_bit for e in batch.entries), batch.reduced)
         self._from_cache.clear()
         return self.take_direct() + batches
 
@@ -300,15 +314,20 @@ class Negotiator:
             # the very requests agreed and cached before: nothing to check again, and every
             # other member can rebuild the batch from its own cache
             self._from_cache[key] = self.cache.get_bit(key)
-            self._ready.append((self._agreed_entry(key, pending.requests, members, joined), joined))
-            return
-        problem = _disagreement(key[1], pending, members, joined)
-        if problem:
-            request = next(iter(pending.requests.values()))
-            self._ready.append((None, Batch(request.kind, key[0], (Entry(key[1], request),),
-                                            error=problem)))
-            return
-        self._ready.append((self._agreed_entry(key, pending.requests, members, joined), joined))
+        else:
+            problem = _disagreement(key[1], pending, members, joined)
+            if problem:
+                request = next(iter(pending.requests.values()))
+                self._ready.append((None, Batch(request.kind, key[0], (Entry(key[1], request),),
+                                                error=problem)))
+                return
+        entry = self._agreed_entry(key, pending.requests, members, joined)
+        if not joined and len(pending.data) == len(members) and \
+                small_allreduce.eligible(entry.request, self._reduce_bytes):
+            reduced = small_allreduce.reduce(entry.request, [pending.data[r] for r in members])
+            if reduced is not None:
+                self._reduced[key] = reduced
+        self._ready.append((entry, joined))
 
     def _agreed_entry(self, key, requests: dict, members: tuple, joined: tuple) -> Entry:
         request = requests[min(requests)]

@@ -73,12 +73,14 @@ class CachedBatch(NamedTuple):
 
     Its entries are the names cached under the bits set in ``bits``, in
     ascending bit order (the coordinator orders the batch so), with each
-    rank's own cached request; see ``RankCache.expand``.
+    rank's own cached request; see ``RankCache.expand``. ``reduced`` is as in
+    ``Batch``.
     """
 
     kind: OpKind
     process_set_id: int
     bits: int
+    reduced: bytes | None = None
 
 
 class Batch(NamedTuple):
@@ -89,6 +91,10 @@ class Batch(NamedTuple):
 
     ``joined`` lists the global ranks that have called join() and so
     contribute neutral data instead of a tensor of their own.
+
+    ``reduced`` holds the entries' results, one after another, when the
+    coordinator reduced them from the data the ranks sent with their requests
+    (:mod:`roundel.common.small_allreduce`); the batch then needs no transport.
     """
 
     kind: OpKind
@@ -98,3 +104,4 @@ class Batch(NamedTuple):
     error_type: str = "mismatch"
     joined: tuple = ()
     last_joined: int = -1
+    reduced: bytes | None = None

@@ -132,7 +132,7 @@ class RankCache:
                 entries.append(Entry(key[1], self._by_key[key][1], cache_bit=bit))
             bits >>= 1
             bit += 1
-        return Batch(cached.kind, cached.process_set_id, tuple(entries))
+        return Batch(cached.kind, cached.process_set_id, tuple(entries), reduced=cached.reduced)
 
     def evict(self, bits) -> None:
         """Forget the entries under ``bits``."""

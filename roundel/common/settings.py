@@ -52,6 +52,8 @@ class Settings:
     cpu_operations: str = "gloo"
     gpu_operations: str = "nccl"
     bucket_cap_mb: float = 25.0
+    coordinator_reduce_bytes: int = 4096
+    shared_memory: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -148,6 +150,17 @@ def _gpu_operations(var: str, raw: str) -> str:
     return lowered
 
 
+def _coordinator_reduce_bytes(var: str, raw: str) -> int:
+    value = _int(0, "4096 (0 sends every allreduce over the transport)")(var, raw)
+    if value > _COORDINATOR_REDUCE_MAX:
+        raise SettingsError(f"{var}={raw!r} is over {_COORDINATOR_REDUCE_MAX} bytes: every rank's data goes "
+                            f"through rank 0; use at most {_COORDINATOR_REDUCE_MAX}, such as 4096")
+    return value
+
+
+_COORDINATOR_REDUCE_MAX = 65536
+
+
 def _text(var: str, raw: str) -> str:
     return raw
 
@@ -186,4 +199,6 @@ _SPECS = (
     _Spec("cpu_operations", "CPU_OPERATIONS", _cpu_operations),
     _Spec("gpu_operations", "GPU_OPERATIONS", _gpu_operations),
     _Spec("bucket_cap_mb", "BUCKET_CAP_MB", _float(0.0, "25 (MiB per gradient bucket; 0 reduces each gradient alone)")),
+    _Spec("coordinator_reduce_bytes", "COORDINATOR_REDUCE_BYTES", _coordinator_reduce_bytes),
+    _Spec("shared_memory", "SHARED_MEMORY", _bool),
 )

@@ -31,6 +31,16 @@ TORCH_REDUCE_OPS = {
     ReduceOp.Product: dist.ReduceOp.PRODUCT,
 }
 
+#: The local reduction for each op, applied to an accumulator with each next member's data in turn
+#: (Average is summed; the executor divides).
+COMBINE = {
+    ReduceOp.Sum: torch.Tensor.add_,
+    ReduceOp.Average: torch.Tensor.add_,
+    ReduceOp.Min: lambda into, row: torch.minimum(into, row, out=into),
+    ReduceOp.Max: lambda into, row: torch.maximum(into, row, out=into),
+    ReduceOp.Product: torch.Tensor.mul_,
+}
+
 # Neither Gloo nor NCCL has kernels for these; they travel widened and come back narrowed.
 _WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
 
@@ -45,6 +55,16 @@ def narrow_back(original, sent) -> None:
     """Copy a result received in ``widened(original)`` back into ``original``."""
     if sent is not original:
         original.copy_(sent)
+
+
+def scale(buffer, factor: float) -> None:
+    """Multiply ``buffer`` by ``factor`` in place (integers in float64, truncated back; bools never)."""
+    if factor == 1.0:
+        return
+    if buffer.dtype.is_floating_point or buffer.dtype.is_complex:
+        buffer.mul_(factor)
+    elif buffer.dtype != torch.bool:
+        buffer.copy_(buffer.double().mul_(factor).trunc_())
 
 
 def shut_down(process_group) -> None:

@@ -10,7 +10,9 @@ qualifies (see :mod:`roundel.transport.hierarchical`). Where NCCL is usable and
 chosen for CUDA tensors, each communicator gets an NCCL one of the same
 members beside it (``Backend.cuda``, made at the first CUDA collective);
 otherwise CUDA tensors are staged through host memory and moved by the CPU
-transport.
+transport. A Gloo communicator whose members all run on one host moves
+allreduce, allgather, broadcast and barrier through shared memory
+(:mod:`roundel.transport.shared_memory`) unless the choice turns it off.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 import torch.distributed as dist
 
 from roundel.errors import SettingsError
-from roundel.transport import hierarchical, nccl
+from roundel.transport import hierarchical, nccl, shared_memory
 from roundel.transport.backend import Backend
 from roundel.transport.gloo import GlooBackend
 
@@ -44,6 +46,7 @@ class Choice:
     hierarchical_allgather: bool = False
     autotune: bool = False
     gpu_operations: str = "nccl"
+    shared_memory: bool = True
 
 
 def mpi_importable() -> bool:
@@ -107,6 +110,8 @@ def job_backend(choice: Choice, store, rank: int, size: int, hostname: str,
         except BaseException:
             flat.close()
             raise
+    if backend is flat and placement is not None and placement.local_size == size:
+        backend = _on_this_host(choice, flat, store)
     return _with_cuda(choice, backend, store)
 
 
@@ -117,7 +122,21 @@ def process_set_backend(choice: Choice, job: Backend, store, ranks: tuple[int, .
         backend = job.subset(ranks)
     else:
         backend = GlooBackend(store, ranks.index(job.rank), len(ranks), choice.timeout_s, hostname)
+        if isinstance(job, shared_memory.SharedMemoryBackend):  # the whole job is on this host
+            backend = _on_this_host(choice, backend, store)
     return _with_cuda(choice, backend, store)
+
+
+def _on_this_host(choice: Choice, gloo: Backend, store) -> Backend:
+    """A Gloo communicator whose members all run on this host, through shared memory where chosen
+    and possible (see :mod:`roundel.transport.shared_memory`)."""
+    if not choice.shared_memory or choice.cpu_operations != "gloo":
+        return gloo
+    try:
+        return shared_memory.attach(gloo, dist.PrefixStore("shm/", store), choice.timeout_s)
+    except BaseException:
+        gloo.close()
+        raise
 
 
 def _with_cuda(choice: Choice, backend: Backend, store) -> Backend:

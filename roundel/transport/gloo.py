@@ -20,8 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from roundel.ops import ReduceOp
-from roundel.transport.backend import TORCH_REDUCE_OPS, Backend, narrow_back, shut_down, widened
+from roundel.transport.backend import COMBINE, TORCH_REDUCE_OPS, Backend, narrow_back, shut_down, widened
 
 log = logging.getLogger("roundel")
 
@@ -34,14 +33,6 @@ log = logging.getLogger("roundel")
 # elements), so it stays on the calling thread: pool threads would contend with the transport's.
 _GATHER_BYTES = 256 * 1024
 _SERIAL_ELEMENTS = 16384
-
-_COMBINE = {  # the local reduction, applied to rank 0's row with each next rank's in turn
-    ReduceOp.Sum: torch.Tensor.add_,
-    ReduceOp.Average: torch.Tensor.add_,  # the executor divides afterwards
-    ReduceOp.Min: lambda into, row: torch.minimum(into, row, out=into),
-    ReduceOp.Max: lambda into, row: torch.maximum(into, row, out=into),
-    ReduceOp.Product: torch.Tensor.mul_,
-}
 
 
 def raise_open_file_limit() -> None:
@@ -99,7 +90,7 @@ class GlooBackend(Backend):
         flat = tensor.view(-1)
         rows = torch.empty((self.size, flat.numel()), dtype=flat.dtype, device=flat.device)
         self._pg._allgather_base(rows.view(-1), flat).wait()
-        combine = _COMBINE[op]
+        combine = COMBINE[op]
         for start in range(0, flat.numel(), _SERIAL_ELEMENTS):
             into = flat[start:start + _SERIAL_ELEMENTS]
             into.copy_(rows[0, start:start + _SERIAL_ELEMENTS])

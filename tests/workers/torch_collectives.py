@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 import roundel.torch as hvd
+from roundel.common import basics
+from roundel.common.settings import Settings
 from _checks import (ALL_DTYPES, DEVICE, check, dtype_name, expect_raises, make,
                      make_float, rng, run_scenarios, to_np, use_test_device)
 
@@ -204,6 +206,53 @@ def scenario_allreduce_sizes():
             tensor = ar_input(RANK, tag, (count,), dtype, op_name)
             ref = reduce_ref(op_name, all_inputs(tag, (count,), dtype, op_name), dtype)
             check(hvd.allreduce(tensor, name=tag, op=op), ref, tag, dtype)
+
+
+def scenario_coordinator_reduce():
+    """Small CPU allreduces make no transport call when the coordinator reduces them (by default up to
+    ROUNDEL_COORDINATOR_REDUCE_BYTES), and each makes one when it is 0 or the tensor is larger; the
+    results are the same either way."""
+    limit = Settings.from_env().coordinator_reduce_bytes
+    backend = basics.runtime().engine.job_backend
+    calls = []
+
+    def counted(method):
+        original = getattr(backend, method)
+
+        def call(*args):
+            calls.append(method)
+            return original(*args)
+        return call
+
+    for method in ("allreduce", "allreduce_async", "allgather"):
+        setattr(backend, method, counted(method))
+    try:
+        for step in range(3):
+            handles = []
+            for (op_name, op), (dtype, pre, post) in itertools.product(
+                    OPS.items(), ((torch.float32, 2.0, 0.5), (torch.int32, 2.0, 0.5), (torch.bfloat16, 1.0, 1.0))):
+                tag = f"coord.{op_name}.{dtype_name(dtype)}.{step}"
+                tensor = ar_input(RANK, tag, (2, 3), dtype, op_name)
+                ref = reduce_ref(op_name, all_inputs(tag, (2, 3), dtype, op_name), dtype, pre, post)
+                if dtype == torch.int32:
+                    ref = np.trunc(ref)
+                handles.append((hvd.allreduce_async(tensor, name=f"coord.{op_name}.{dtype_name(dtype)}", op=op,
+                                                    prescale_factor=pre, postscale_factor=post), ref, tag, dtype))
+            for handle, ref, tag, dtype in handles:
+                check(hvd.synchronize(handle), ref, tag, dtype)
+        small = len(calls)
+        if limit > 0 and DEVICE == "cpu":
+            assert small == 0, f"{small} transport calls for allreduces the coordinator should have reduced"
+        else:
+            assert small > 0, "small allreduces made no transport call with the coordinator's reduction off"
+        count = limit // 4 + 1  # one float32 more than the coordinator takes
+        tag = "coord.large"
+        ref = reduce_ref("Sum", all_inputs(tag, (count,), torch.float32, "Sum"), torch.float32)
+        check(hvd.allreduce(ar_input(RANK, tag, (count,), torch.float32, "Sum"), name=tag, op=hvd.Sum), ref, tag)
+        assert len(calls) > small, "an allreduce over the coordinator's limit made no transport call"
+    finally:
+        for method in ("allreduce", "allreduce_async", "allgather"):
+            delattr(backend, method)
 
 
 # ------------------------------------------------------------ grouped allreduce
@@ -717,6 +766,7 @@ def scenario_autograd():
 SCENARIOS = {
     "allreduce": scenario_allreduce,
     "allreduce_sizes": scenario_allreduce_sizes,
+    "coordinator_reduce": scenario_coordinator_reduce,
     "grouped": scenario_grouped,
     "allgather": scenario_allgather,
     "broadcast": scenario_broadcast,

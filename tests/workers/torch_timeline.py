@@ -29,7 +29,7 @@ LATE_S = 0.05
 
 def step(n: int) -> None:
     rank, size = hvd.rank(), hvd.size()
-    a = torch.full((1000,), float(rank))
+    a = torch.full((2000,), float(rank))  # over the coordinator's 4 KiB: on the transport
     b = torch.ones(10, 10)
     handles = [hvd.allreduce_async(a, name="grad.a"), hvd.allreduce_async(b, name="grad.b")]
     if rank == 1:
@@ -37,7 +37,7 @@ def step(n: int) -> None:
     late = hvd.allreduce(torch.ones(4), name="grad.late", op=hvd.Sum)
     assert late.tolist() == [float(size)] * 4, late
     out_a, out_b = (hvd.synchronize(h) for h in handles)
-    assert torch.allclose(out_a, torch.full((1000,), (size - 1) / 2)), out_a[:4]
+    assert torch.allclose(out_a, torch.full((2000,), (size - 1) / 2)), out_a[:4]
     assert torch.equal(out_b, b)
     hvd.allreduce(torch.ones(3))  # unnamed
     gathered = hvd.allgather(torch.full((rank + 1, 2), rank), name="gather")

@@ -1,0 +1,74 @@
+"""Small CPU allreduces reduced by the coordinator, from data sent with the requests.
+
+A CPU allreduce (Sum, Average, Min, Max or Product) of at most
+``Settings.coordinator_reduce_bytes`` bytes carries its tensor's bytes with
+its request (or its cache bit) to the coordinator on rank 0. When every member
+of its process set has sent them, the coordinator reduces them in rank order
+and the batch it dispatches carries the result: the ranks then take it from
+there and make no transport call. One round trip to rank 0 replaces the
+negotiation round trip followed by the transport's own exchanges, which for a
+few bytes cost more than the data. In any other case (a rank that has joined,
+or one that sent no data) the batch runs on the transport as usual.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from roundel.common.requests import OpKind, Request
+from roundel.ops import ReduceOp
+from roundel.transport.backend import COMBINE, scale, widened
+
+#: Dtypes reduced at the coordinator (bool and complex tensors always go to the transport).
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32",
+          "uint32", "int64")
+_OPS = (ReduceOp.Sum, ReduceOp.Average, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
+
+
+def nbytes(request: Request) -> int:
+    """The size of ``request``'s tensor in bytes."""
+    return math.prod(request.shape) * getattr(torch, request.dtype).itemsize
+
+
+def eligible(request: Request, limit: int) -> bool:
+    """Whether ``request`` may be reduced at the coordinator when it is at most ``limit`` bytes."""
+    return (request.kind == OpKind.ALLREDUCE and request.device == "cpu" and request.dtype in DTYPES
+            and request.reduce_op in _OPS and request.error is None and 0 < nbytes(request) <= limit)
+
+
+def snapshot(tensor: torch.Tensor) -> bytes:
+    """The bytes a rank sends for ``tensor`` (its elements in row-major order)."""
+    return tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def reduce(request: Request, contributions: list) -> bytes | None:
+    """Every member's bytes (in rank order), prescaled and combined; None if any has the wrong size."""
+    size = nbytes(request)
+    if any(not isinstance(data, bytes) or len(data) != size for data in contributions):
+        return None
+    dtype = getattr(torch, request.dtype)
+    rows = [widened(torch.frombuffer(bytearray(data), dtype=dtype)) for data in contributions]
+    for row in rows:
+        scale(row, request.prescale)
+    combine = COMBINE[ReduceOp(request.reduce_op)]
+    result = rows[0]
+    for row in rows[1:]:
+        combine(result, row)
+    if result.dtype != dtype:
+        result = result.to(dtype)
+    return result.view(torch.uint8).numpy().tobytes()
+
+
+def unpack(reduced: bytes, dtype: torch.dtype, outputs: list, postscale: float) -> None:
+    """Copy a coordinator's result into ``outputs`` (in entry order), scaled by ``postscale``."""
+    result = torch.frombuffer(bytearray(reduced), dtype=dtype)
+    scale(result, postscale)
+    offset = 0
+    with torch.no_grad():
+        for output in outputs:
+            count = output.numel()
+            output.copy_(result[offset:offset + count].view(output.shape))
+            offset += count
+

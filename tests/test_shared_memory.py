@@ -1,0 +1,51 @@
+"""The shared-memory transport of a job on one host, under the real launcher.
+
+Each job runs ``tests/workers/torch_shared_memory.py``: collectives of several
+shared-memory pieces and of every dtype, checked against NumPy. The job's
+communicator must be the shared-memory one by default, Gloo when
+``ROUNDEL_SHARED_MEMORY=0`` or when shared memory cannot be set up (then on
+every rank alike), and no segment may be left in ``/dev/shm``.
+"""
+
+import glob
+
+from launch_util import assert_checks_passed, describe, rank_lines, run_job
+
+WORKER = "torch_shared_memory.py"
+SCENARIOS = ("allreduce", "allgather", "broadcast")
+
+
+def backends(result, np):
+    return [[line for line in rank_lines(result.stdout, rank, "stdout") if line.startswith("BACKEND")]
+            for rank in range(np)]
+
+
+def segments() -> set:
+    return set(glob.glob("/dev/shm/roundel-*"))
+
+
+def test_a_job_on_one_host_moves_collectives_through_shared_memory_and_leaves_no_segment():
+    before = segments()
+    result = run_job(3, WORKER, ",".join(SCENARIOS), timeout=300)
+    assert_checks_passed(result, 3, *SCENARIOS)
+    assert backends(result, 3) == [["BACKEND SharedMemoryBackend"]] * 3, describe(result)
+    assert segments() <= before, segments() - before
+
+
+def test_shared_memory_off_keeps_gloo():
+    result = run_job(2, WORKER, "allreduce", env={"ROUNDEL_SHARED_MEMORY": "0"}, timeout=300)
+    assert_checks_passed(result, 2, "allreduce")
+    assert backends(result, 2) == [["BACKEND GlooBackend"]] * 2, describe(result)
+
+
+def test_when_shared_memory_cannot_be_set_up_every_rank_stays_on_gloo(tmp_path):
+    # a temporary directory too long for a Unix socket's path (at most 107 bytes): no rank can listen
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    result = run_job(2, WORKER, "allreduce", env={"TMPDIR": str(deep), "ROUNDEL_LOG_LEVEL": "info"},
+                     timeout=300)
+    assert_checks_passed(result, 2, "allreduce")
+    assert backends(result, 2) == [["BACKEND GlooBackend"]] * 2, describe(result)
+    for rank in range(2):
+        assert any("no shared memory" in line and "cannot listen" in line
+                   for line in rank_lines(result.stderr, rank, "stderr")), describe(result)

@@ -1,0 +1,67 @@
+"""Shared-memory transport worker: ``torch_shared_memory.py SCENARIO[,SCENARIO...]``.
+
+Run under roundelrun on one host. Prints ``BACKEND <class of the job's
+communicator>``, then checks collectives larger than one shared-memory slot
+(so they go in several pieces) and of every dtype against NumPy references;
+``CHECKS PASSED <scenario>`` after each scenario.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import numpy as np
+import torch
+
+import roundel.torch as hvd
+from roundel.common import basics
+from roundel.transport.shared_memory import SLOT_BYTES
+from _checks import check, dtype_name, make, run_scenarios, to_np
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+print("BACKEND", type(basics.runtime().process_sets[0][1]).__name__, flush=True)
+
+OPS = {"Sum": (hvd.Sum, np.sum), "Min": (hvd.Min, np.min), "Max": (hvd.Max, np.max)}
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int16, torch.uint16, torch.int64, torch.uint8,
+          torch.bool)  # bool goes to Gloo
+PIECES = 2 * SLOT_BYTES // 4 + 12345  # float32 elements: three pieces, the last one short
+
+
+def scenario_allreduce():
+    for dtype, (op_name, (op, reference)) in itertools.product(DTYPES, OPS.items()):
+        tag = f"shm.ar.{op_name}.{dtype_name(dtype)}"
+        count = 1001 if dtype != torch.float32 else PIECES
+        low = 0 if dtype == torch.uint16 else -3
+        inputs = [to_np(make(r, tag, (count,), dtype, low, 4)) for r in range(SIZE)]
+        expected = reference(np.stack(inputs).astype(np.float64), 0)
+        if dtype == torch.bool:  # Sum and Max: any; Min: all
+            expected = expected.astype(bool)
+        check(hvd.allreduce(make(RANK, tag, (count,), dtype, low, 4), name=tag, op=op), expected, tag, dtype)
+    tag = "shm.ar.average"
+    values = make(RANK, tag, (PIECES,), torch.float64, -3, 4)
+    expected = np.mean(np.stack([to_np(make(r, tag, (PIECES,), torch.float64, -3, 4)) for r in range(SIZE)]), 0)
+    check(hvd.allreduce(values, name=tag, op=hvd.Average), expected, tag)
+
+
+def scenario_allgather():
+    for dtype in (torch.float32, torch.int64, torch.bool):
+        tag = f"shm.ag.{dtype_name(dtype)}"
+        rows = PIECES // 8
+        gathered = hvd.allgather(make(RANK, tag, (rows, 8), dtype, -3, 4), name=tag)
+        check(gathered, np.concatenate([to_np(make(r, tag, (rows, 8), dtype, -3, 4)) for r in range(SIZE)]), tag, dtype)
+
+
+def scenario_broadcast():
+    for root in range(SIZE):
+        tag = f"shm.bcast.{root}"
+        result = hvd.broadcast(make(RANK, tag, (PIECES,), torch.float32, -3, 4), root_rank=root, name=tag)
+        check(result, to_np(make(root, tag, (PIECES,), torch.float32, -3, 4)), tag)
+    hvd.barrier()
+
+
+if __name__ == "__main__":
+    run_scenarios({"allreduce": scenario_allreduce, "allgather": scenario_allgather,
+                   "broadcast": scenario_broadcast}, sys.argv, RANK)
+    hvd.shutdown()
