@@ -40,6 +40,12 @@ and "raw" is mpi4py's ``Allreduce`` (in place, on the tensor's own memory) on a
 duplicate of ``MPI.COMM_WORLD``, and ``Iallreduce`` for the many-tensors
 async case; the Gloo group then only times and checks.
 
+When every rank runs on this host, roundel's allreduces go through shared
+memory (or, up to 4 KiB, are reduced by its coordinator) while raw Gloo uses
+loopback TCP; the header names roundel's transport. With
+``ROUNDEL_SHARED_MEMORY=0`` roundel runs on Gloo too, which isolates what its
+engine costs over the same transport.
+
 Only rank 0 prints; the tables are Markdown, ready to paste into README.md.
 Rank 0 also draws bus bandwidth against message size (log-log, one line for
 roundel, one for the raw baseline) into a PNG, ``--plot PATH`` (default
@@ -64,6 +70,7 @@ import torch.distributed as dist
 
 import roundel
 import roundel.torch as hvd
+from roundel.common import basics
 from roundel.common.settings import Settings
 
 KIB = 1024
@@ -428,6 +435,7 @@ def main(argv=None) -> int:
     init_raw_gloo()
     world = hvd.size()
     settings = Settings.from_env()
+    transport = basics.runtime().process_sets[0][1].name  # "shm" where every rank is on this host
 
     rows, failed = bench_sizes(opts.sizes, opts, world)
     many = None if opts.skip_many else bench_many(opts)
@@ -436,13 +444,13 @@ def main(argv=None) -> int:
 
     if hvd.rank() == 0:
         header = (f"**roundel allreduce benchmark** — world size {world}, torch {torch.__version__}, "
-                  f"roundel {getattr(roundel, '__version__', '?')} on {opts.backend} vs {RAW.label}, fusion threshold "
+                  f"roundel {getattr(roundel, '__version__', '?')} on {transport} vs {RAW.label}, fusion threshold "
                   f"{human_bytes(settings.fusion_threshold) if settings.fusion_threshold else 'off'}, "
                   f"cycle time {settings.cycle_time_ms:g} ms, cache capacity {settings.cache_capacity}, "
                   f"{threads} torch thread(s)/rank, {os.cpu_count()} CPU cores, "
                   f"{opts.rounds} alternating rounds (median){', --quick' if opts.quick else ''}.")
         print_report(header, rows, many, idle, world)
-        plot = plot_bandwidth(opts.plot, rows, world, opts.backend)
+        plot = plot_bandwidth(opts.plot, rows, world, transport)
         verdict = "FAILED: some results were wrong" if failed else "all results correct"
         print(f"{verdict}; total {time.perf_counter() - started:.1f} s; plot: {plot}", flush=True)
 

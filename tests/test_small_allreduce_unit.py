@@ -145,3 +145,19 @@ def test_the_cache_bits_form_of_a_reduced_batch_carries_its_result_in_bit_order(
     compact = n.compact_form(batch)
     assert [e.name for e in batch.entries] == ["b", "a"] and compact.bits == 0b11
     assert compact.reduced == batch.reduced and len(batch.reduced) == 32
+
+
+@pytest.mark.parametrize("output", [torch.zeros(()), torch.zeros(2, 2, dtype=torch.int64),
+                                    torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)])
+def test_an_unscaled_result_is_copied_into_a_single_output_as_it_is(output):
+    result = torch.arange(output.numel(), dtype=output.dtype) + 1
+    small_allreduce.unpack(result.detach().view(torch.uint8).numpy().tobytes(), output.dtype, [output], 1.0)
+    assert torch.equal(output.detach().reshape(-1), result)
+
+
+def test_overflow_is_silent_as_in_torch(recwarn):
+    request = allreduce("x", shape=(2,), dtype="float16")
+    big = small_allreduce.snapshot(torch.full((2,), 60000.0, dtype=torch.float16))
+    reduced = small_allreduce.reduce(request, [big, big])
+    assert torch.frombuffer(bytearray(reduced), dtype=torch.float16).isinf().all()
+    assert not recwarn.list, [str(w.message) for w in recwarn.list]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from roundel.common.requests import OpKind, Request
@@ -25,6 +26,11 @@ from roundel.transport.backend import COMBINE, scale, widened
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32",
           "uint32", "int64")
 _OPS = (ReduceOp.Sum, ReduceOp.Average, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
+# NumPy reduces a few bytes several times faster than torch, with the same results: integers wrap
+# around alike, and float16 sums are rounded after each step in both.
+_NUMPY_TYPES = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
+_NUMPY_COMBINE = {ReduceOp.Sum: np.add, ReduceOp.Average: np.add, ReduceOp.Min: np.minimum,
+                  ReduceOp.Max: np.maximum, ReduceOp.Product: np.multiply}
 
 
 def nbytes(request: Request) -> int:
@@ -48,11 +54,21 @@ def reduce(request: Request, contributions: list) -> bytes | None:
     size = nbytes(request)
     if any(not isinstance(data, bytes) or len(data) != size for data in contributions):
         return None
+    op = ReduceOp(request.reduce_op)
+    array_type = _NUMPY_TYPES.get(request.dtype)
+    if array_type is not None and request.prescale == 1.0:  # NumPy: the same results, in less time
+        combine = _NUMPY_COMBINE[op]
+        rows = [np.frombuffer(data, array_type) for data in contributions]
+        with np.errstate(all="ignore"):  # overflow to inf or wrap-around, silently, as torch does
+            result = combine(rows[0], rows[1]) if len(rows) > 1 else rows[0]
+            for row in rows[2:]:
+                combine(result, row, out=result)
+        return result.tobytes()
     dtype = getattr(torch, request.dtype)
     rows = [widened(torch.frombuffer(bytearray(data), dtype=dtype)) for data in contributions]
     for row in rows:
         scale(row, request.prescale)
-    combine = COMBINE[ReduceOp(request.reduce_op)]
+    combine = COMBINE[op]
     result = rows[0]
     for row in rows[1:]:
         combine(result, row)
@@ -63,6 +79,9 @@ def reduce(request: Request, contributions: list) -> bytes | None:
 
 def unpack(reduced: bytes, dtype: torch.dtype, outputs: list, postscale: float) -> None:
     """Copy a coordinator's result into ``outputs`` (in entry order), scaled by ``postscale``."""
+    if postscale == 1.0 and len(outputs) == 1 and outputs[0].is_contiguous():  # the bytes, as they are
+        outputs[0].detach().reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(reduced, np.uint8)
+        return
     result = torch.frombuffer(bytearray(reduced), dtype=dtype)
     scale(result, postscale)
     offset = 0
