@@ -22,8 +22,9 @@ from launch_util import assert_checks_passed, describe, run_job
 from roundel.timeline import load
 
 ENV = {"HOROVOD_STALL_CHECK_DISABLE": "1"}
-KINDS = {"gather": ("NEGOTIATE_ALLGATHER", "ALLGATHER", "GLOO_ALLGATHER"),
-         "bcast": ("NEGOTIATE_BROADCAST", "BROADCAST", "GLOO_BCAST"),
+# the job runs on one host: allgather, broadcast and allreduce go through shared memory
+KINDS = {"gather": ("NEGOTIATE_ALLGATHER", "ALLGATHER", "SHM_ALLGATHER"),
+         "bcast": ("NEGOTIATE_BROADCAST", "BROADCAST", "SHM_BCAST"),
          "a2a": ("NEGOTIATE_ALLTOALL", "ALLTOALL", "GLOO_ALLTOALL"),
          "rs": ("NEGOTIATE_REDUCESCATTER", "REDUCESCATTER", "GLOO_REDUCESCATTER")}
 STEPS = 3
@@ -81,8 +82,8 @@ def test_timeline_file_has_a_row_per_name_and_horovods_phases_in_order(steps_tim
                 "allreduce.noname.3"}
     assert expected <= set(rows), sorted(rows)
     for name in ("grad.a", "grad.b", "grad.late", *KINDS):
-        # grad.a goes over Gloo; the small grad.b and grad.late are reduced by the coordinator
-        reduced_by = "GLOO_ALLREDUCE" if name == "grad.a" else "COORDINATOR_ALLREDUCE"
+        # grad.a goes through shared memory; the small grad.b and grad.late are reduced by the coordinator
+        reduced_by = "SHM_ALLREDUCE" if name == "grad.a" else "COORDINATOR_ALLREDUCE"
         negotiate_op, op, transport = KINDS.get(name, ("NEGOTIATE_ALLREDUCE", "ALLREDUCE", reduced_by))
         negotiations, executions = _spans(rows[name], 1), _spans(rows[name], 2)
         assert len(negotiations) == len(executions) == STEPS, (name, negotiations, executions)
@@ -112,7 +113,7 @@ def test_summarize_prints_phases_and_slowest_ranks_and_writes_a_png(steps_timeli
                              "--png", str(png)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, describe(result)
     out = result.stdout
-    for text in ("grad.late", "NEGOTIATE_ALLREDUCE", "GLOO_ALLREDUCE", "QUEUE", "total ms", "mean ms",
+    for text in ("grad.late", "NEGOTIATE_ALLREDUCE", "SHM_ALLREDUCE", "GLOO_ALLTOALL", "QUEUE", "total ms", "mean ms",
                  "slowest ranks to submit"):
         assert text in out, out
     ranks_table = out.split("slowest ranks to submit")[1].splitlines()[2:]

@@ -285,7 +285,7 @@ class Executor:
         try:
             op = ReduceOp(batch.entries[0].request.reduce_op)
             parts, outputs, post = self._allreduce_parts(batch, works, backend, op, len(ranks))
-            self._phase(transport_activity(backend.name, "allreduce"))
+            self._phase(transport_activity(backend.carrier("allreduce"), "allreduce"))
             futures = [backend.allreduce_async(buffer, op) for buffer, _ in parts]
         except Exception as exc:
             self._names = None
@@ -430,7 +430,7 @@ class Executor:
             return self._adasum(inputs, self._outputs_in_place(works, inputs), request, backend, len(ranks))
         parts, outputs, post = self._allreduce_parts(batch, works, backend, op, len(ranks))
         (buffer, _), = parts  # a batch that needs several calls runs in the background
-        self._phase(transport_activity(backend.name, "allreduce"))
+        self._phase(transport_activity(backend.carrier("allreduce"), "allreduce"))
         backend.allreduce(buffer, op)
         self._allreduce_results(parts, post)
         return outputs
@@ -481,7 +481,7 @@ class Executor:
         buffer = self._pack(inputs, torch_dtype(request.dtype))
         scale(buffer, request.prescale)
         gathered = torch.empty(n * buffer.numel(), dtype=buffer.dtype, device=buffer.device)
-        self._phase(transport_activity(backend.name, "allgather"))
+        self._phase(transport_activity(backend.carrier("allgather"), "allgather"))
         backend.allgather(gathered, buffer)
         self._phase("ADASUM_COMBINE")
         per_rank = gathered.view(n, buffer.numel())
@@ -505,7 +505,7 @@ class Executor:
                 buffer.copy_(inputs[0])
         else:
             buffer = self._pack(inputs, torch_dtype(request.dtype))
-        self._phase(transport_activity(backend.name, "broadcast"))
+        self._phase(transport_activity(backend.carrier("broadcast"), "broadcast"))
         backend.broadcast(buffer, ranks.index(request.root_rank))  # root_rank is global, as in Horovod
         if buffer is not outputs[0]:
             self._unpack(buffer, outputs)
@@ -525,7 +525,7 @@ class Executor:
             padded[:send.numel()].copy_(send)
             send = padded
         received = torch.empty(width * len(ranks), dtype=dtype, device=send.device)
-        self._phase(transport_activity(backend.name, "allgather"))
+        self._phase(transport_activity(backend.carrier("allgather"), "allgather"))
         backend.allgather(received, send)
         self._phase("MEMCPY_OUT_FUSION_BUFFER")
         chunks = received.view(len(ranks), width) if width else received.view(len(ranks), 0)
@@ -552,7 +552,7 @@ class Executor:
         dtype, device = torch_dtype(request.dtype), request.device
         tensor = work.tensor.contiguous() if work is not None else torch.empty((0,) + tail, dtype=dtype, device=device)
         output = torch.empty((sum(recv_splits),) + tail, dtype=dtype, device=device)
-        self._phase(transport_activity(backend.name, "alltoall"))
+        self._phase(transport_activity(backend.carrier("alltoall"), "alltoall"))
         backend.alltoall(output, tensor, recv_splits, send_splits)
         return [(output, torch.tensor(recv_splits, dtype=torch.int32))]
 
@@ -575,7 +575,7 @@ class Executor:
             start += count
         scale(padded, request.prescale)
         output = torch.empty((chunk,) + tail, dtype=tensor.dtype, device=tensor.device)
-        self._phase(transport_activity(backend.name, "reducescatter"))
+        self._phase(transport_activity(backend.carrier("reducescatter"), "reducescatter"))
         backend.reducescatter(output, padded, op)
         output = output[:counts[me]].clone() if counts[me] != chunk else output
         scale(output, request.postscale / (n if op == ReduceOp.Average else 1))

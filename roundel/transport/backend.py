@@ -93,6 +93,10 @@ class Backend(abc.ABC):
         self.rank = rank
         self.size = size
 
+    def carrier(self, op_label: str) -> str:
+        """The name of the transport that moves this backend's ``op_label`` collectives (for the timeline)."""
+        return self.name
+
     def for_device(self, device_type: str) -> Backend:
         """The backend that moves tensors on ``device_type`` ("cpu" or "cuda") among these members."""
         if device_type == "cpu":
@@ -143,6 +147,9 @@ class HostStaged(Backend):
         super().__init__(host.rank, host.size)
         self.host = host
         self.name = host.name
+
+    def carrier(self, op_label: str) -> str:
+        return self.host.carrier(op_label)
 
     def allreduce(self, tensor, op):
         staged = tensor.cpu()

@@ -51,6 +51,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int
 _PAIRWISE = {ReduceOp.Sum: torch.add, ReduceOp.Average: torch.add, ReduceOp.Min: torch.minimum,
              ReduceOp.Max: torch.maximum, ReduceOp.Product: torch.mul}
 _RANK = struct.Struct("!i")
+_OWN = ("allreduce", "allgather", "broadcast", "barrier")  # the collectives moved here
 
 
 def attach(inner: Backend, store, timeout_s: float) -> Backend:
@@ -109,21 +110,23 @@ class SharedMemoryBackend(Backend):
             problems = [store.get(f"mapped/{m}").decode() for m in range(self.size)]
             if any(problems):
                 raise _NotShared("; ".join(f"rank {m}: {p}" for m, p in enumerate(problems) if p))
-            for peer in range(self.size):  # connect to lower members, then accept the higher ones
+            for peer in range(self.size):  # connect to the lower members, then accept the higher ones
                 if peer < self.rank:
                     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    self._peers.append(sock)
                     sock.settimeout(self._timeout_s)
                     sock.connect(store.get(f"socket/{peer}").decode())
                     sock.sendall(_RANK.pack(self.rank))
-                    self._peers.append(sock)
-            accepted = {}
+            accepted: set[int] = set()
             while len(accepted) < self.size - 1 - self.rank:
                 sock, _ = listener.accept()
+                self._peers.append(sock)  # each peer's byte is awaited in turn; the order does not matter
                 sock.settimeout(self._timeout_s)
                 (peer,) = _RANK.unpack(_receive_exactly(sock, _RANK.size))
-                accepted[peer] = sock
-            self._peers += [accepted[peer] for peer in sorted(accepted)]
-        except OSError as exc:
+                if not self.rank < peer < self.size or peer in accepted:
+                    raise RuntimeError(f"shared-memory setup: a connection claimed to be member {peer}")
+                accepted.add(peer)
+        except (OSError, EOFError) as exc:
             raise RuntimeError(f"shared-memory setup failed: {exc}") from exc
         finally:
             listener.close()
@@ -185,6 +188,9 @@ class SharedMemoryBackend(Backend):
                 for m in range(self.size)]
 
     # ------------------------------------------------------------ collectives
+    def carrier(self, op_label: str) -> str:
+        return self.name if op_label in _OWN else self.inner.carrier(op_label)
+
     def allreduce(self, tensor, op):
         if tensor.dtype not in DTYPES:
             return self.inner.allreduce(tensor, op)

@@ -29,7 +29,7 @@ LATE_S = 0.05
 
 def step(n: int) -> None:
     rank, size = hvd.rank(), hvd.size()
-    a = torch.full((2000,), float(rank))  # over the coordinator's 4 KiB: on the transport
+    a = torch.full((2000,), float(rank))  # over the coordinator's 4 KiB: on the transport (shared memory)
     b = torch.ones(10, 10)
     handles = [hvd.allreduce_async(a, name="grad.a"), hvd.allreduce_async(b, name="grad.b")]
     if rank == 1:
