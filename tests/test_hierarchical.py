@@ -32,7 +32,8 @@ def test_two_hosts_hierarchical_is_used_and_correct(hosts):
                           *FLAGS, sys.executable, WORKER, SCENARIOS], env=hosts.ssh_env(), timeout=300)
     assert_checks_passed(result, 4, *SCENARIOS.split(","))
     assert backends(result, 4) == [["BACKEND HierarchicalBackend True True"]] * 4, describe(result)
-    for rank in range(4):
+    for rank in range(4):  # the two ranks of each host reduce, gather and broadcast in shared memory
+        assert "LOCAL SharedMemoryBackend" in rank_lines(result.stdout, rank, "stdout"), describe(result)
         said = [line for line in rank_lines(result.stderr, rank, "stderr") if "hierarchical allreduce" in line]
         assert len(said) == 1 and said[0].endswith(
             f"hierarchical allreduce and allgather over 2 hosts x 2 ranks (local rank {rank % 2}, "

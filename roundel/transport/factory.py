@@ -10,9 +10,10 @@ qualifies (see :mod:`roundel.transport.hierarchical`). Where NCCL is usable and
 chosen for CUDA tensors, each communicator gets an NCCL one of the same
 members beside it (``Backend.cuda``, made at the first CUDA collective);
 otherwise CUDA tensors are staged through host memory and moved by the CPU
-transport. A Gloo communicator whose members all run on one host moves
-allreduce, allgather, broadcast and barrier through shared memory
-(:mod:`roundel.transport.shared_memory`) unless the choice turns it off.
+transport. A Gloo communicator whose members all run on one host (the job's,
+its process sets', or the local one of the hierarchical collectives) moves
+allreduce, allgather, broadcast, reduce, gather and barrier through shared
+memory (:mod:`roundel.transport.shared_memory`) unless the choice turns it off.
 """
 
 from __future__ import annotations
@@ -95,13 +96,15 @@ def job_backend(choice: Choice, store, rank: int, size: int, hostname: str,
 
         flat = MPIBackend(MPI.COMM_WORLD, world_ranks)
 
-        def sub_communicator(label, members, rank):
+        def sub_communicator(label, members, rank, one_host):
             return flat.subset(members)
     else:
         flat = GlooBackend(store, rank, size, choice.timeout_s, hostname)
 
-        def sub_communicator(label, members, rank):
-            return GlooBackend(dist.PrefixStore(f"{label}/", store), rank, len(members), choice.timeout_s, hostname)
+        def sub_communicator(label, members, rank, one_host):
+            group_store = dist.PrefixStore(f"{label}/", store)
+            gloo = GlooBackend(group_store, rank, len(members), choice.timeout_s, hostname)
+            return _on_this_host(choice, gloo, group_store) if one_host else gloo
     backend = flat
     if wants_hierarchical and placement is not None:
         try:

@@ -5,8 +5,10 @@
 autotune (which switches them), make the job's communicator a
 :class:`HierarchicalBackend`: the flat communicator
 of the job plus two sub-communicators of the same transport (Gloo or MPI),
-*local* (the ranks on this host, numbered by local rank) and *cross* (the
-ranks with this local rank on every host, numbered by cross rank).
+*local* (the ranks on this host, numbered by local rank; over Gloo it moves
+its data through shared memory, see :mod:`roundel.transport.shared_memory`)
+and *cross* (the ranks with this local rank on every host, numbered by cross
+rank).
 
 Both collectives go through one leader per host (local rank 0): local
 reduce (or gather) to it, the leaders' allreduce (or allgather) across hosts,
@@ -109,17 +111,18 @@ class HierarchicalBackend(Backend):
             backend.close()
 
 
-def build(flat: Backend, placement, sub_communicator: Callable[[str, tuple[int, ...], int], Backend],
+def build(flat: Backend, placement, sub_communicator: Callable[[str, tuple[int, ...], int, bool], Backend],
           hierarchical_allreduce: bool, hierarchical_allgather: bool) -> Backend:
     """``flat`` wrapped with hierarchical collectives when the job qualifies, else ``flat`` itself.
 
     Collective over the job: every rank calls it with its own ``placement``
     (anything with ``local_rank``, ``local_size``, ``cross_rank`` and
     ``cross_size``, e.g. the rank's ``Identity``). The local and cross
-    communicators come from ``sub_communicator(label, members, rank)``:
+    communicators come from ``sub_communicator(label, members, rank, one_host)``:
     ``label`` names the group (``local<cross rank>`` or ``cross<local rank>``,
     the same on all its members), ``members`` are its flat ranks in the
-    group's rank order and ``rank`` is this rank's place among them. The
+    group's rank order, ``rank`` is this rank's place among them and
+    ``one_host`` says whether they all run on this host (the local group). The
     transport must offer ``reduce`` and ``gather`` besides the collectives of
     :class:`Backend`.
     """
@@ -135,10 +138,10 @@ def build(flat: Backend, placement, sub_communicator: Callable[[str, tuple[int, 
     local_rank, local_size, cross_rank, cross_size = places[flat.rank]
     by_place = {(cr, lr): r for r, (lr, _, cr, _) in enumerate(places)}
     local = sub_communicator(f"local{cross_rank}", tuple(by_place[cross_rank, lr] for lr in range(local_size)),
-                             local_rank)
+                             local_rank, True)
     try:
         cross = sub_communicator(f"cross{local_rank}", tuple(by_place[cr, local_rank] for cr in range(cross_size)),
-                                 cross_rank)
+                                 cross_rank, False)
     except BaseException:
         local.close()
         raise

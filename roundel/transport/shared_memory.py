@@ -1,4 +1,4 @@
-"""Allreduce, allgather, broadcast and barrier among the ranks of one host, through shared memory.
+"""Allreduce, allgather, broadcast, reduce, gather and barrier among the ranks of one host, in shared memory.
 
 Loopback TCP moves about 1 GB/s where memory moves tens; so when every member
 of a communicator runs on one host, this backend wraps its Gloo one and takes
@@ -22,8 +22,9 @@ these collectives off the network:
   as a transport failure does; a wait longer than the collective timeout
   raises it too.
 
-Reducescatter and alltoall, and dtypes outside ``DTYPES``, go to the wrapped
-backend. :func:`attach` sets the segment up, or returns the wrapped backend
+Reduce and gather (to one member, for the hierarchical collectives) work the
+same way, only the root reading the slots. Reducescatter and alltoall, and
+dtypes outside ``DTYPES``, go to the wrapped backend. :func:`attach` sets the segment up, or returns the wrapped backend
 unchanged on every member when any member cannot (no ``/dev/shm``, no room).
 """
 
@@ -51,7 +52,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int
 _PAIRWISE = {ReduceOp.Sum: torch.add, ReduceOp.Average: torch.add, ReduceOp.Min: torch.minimum,
              ReduceOp.Max: torch.maximum, ReduceOp.Product: torch.mul}
 _RANK = struct.Struct("!i")
-_OWN = ("allreduce", "allgather", "broadcast", "barrier")  # the collectives moved here
+_OWN = ("allreduce", "allgather", "broadcast", "barrier", "reduce", "gather")  # the collectives moved here
 
 
 def attach(inner: Backend, store, timeout_s: float) -> Backend:
@@ -194,33 +195,25 @@ class SharedMemoryBackend(Backend):
     def allreduce(self, tensor, op):
         if tensor.dtype not in DTYPES:
             return self.inner.allreduce(tensor, op)
-        sent = widened(tensor)
-        flat = sent.view(-1)
-        pairwise, combine = _PAIRWISE[ReduceOp(op)], COMBINE[ReduceOp(op)]
-        per_slot = SLOT_BYTES // flat.element_size()
-        for start in range(0, flat.numel(), per_slot):
-            part = flat[start:start + per_slot]
-            slots = self._slots(part.dtype, part.numel())
-            slots[self.rank].copy_(part)
-            self._wait_for_all()
-            pairwise(slots[0], slots[1], out=part)
-            for slot in slots[2:]:
-                combine(part, slot)
-        narrow_back(tensor, sent)
+        self._reduce(tensor, op, None)
+
+    def reduce(self, tensor, root: int, op) -> None:
+        """Reduce ``tensor`` into the root member's copy (the others' are left as they were)."""
+        if tensor.dtype not in DTYPES:
+            return self.inner.reduce(tensor, root, op)
+        self._reduce(tensor, op, root)
 
     def allgather(self, output, tensor):
         if tensor.dtype not in DTYPES:
             return self.inner.allgather(output, tensor)
-        mine = tensor.reshape(-1)
         rows = output.view(self.size, -1)
-        per_slot = SLOT_BYTES // max(1, mine.element_size())
-        for start in range(0, mine.numel(), per_slot):
-            part = mine[start:start + per_slot]
-            slots = self._slots(part.dtype, part.numel())
-            slots[self.rank].copy_(part)
-            self._wait_for_all()
-            for member, slot in enumerate(slots):
-                rows[member, start:start + part.numel()].copy_(slot)
+        self._gather(tensor, [rows[member] for member in range(self.size)])
+
+    def gather(self, outputs: list, tensor, root: int) -> None:
+        """Gather ``tensor`` from every member into the root's ``outputs`` (one tensor per member)."""
+        if tensor.dtype not in DTYPES:
+            return self.inner.gather(outputs, tensor, root)
+        self._gather(tensor, outputs if self.rank == root else None)
 
     def broadcast(self, tensor, root):
         if tensor.dtype not in DTYPES:
@@ -235,6 +228,36 @@ class SharedMemoryBackend(Backend):
             self._wait_for_all()
             if self.rank != root:
                 part.copy_(slots[root])
+
+    def _exchange(self, flat):
+        """(start, piece, every member's slot) for each slot-sized piece of ``flat``, once every member
+        has copied its own piece into its slot."""
+        per_slot = SLOT_BYTES // max(1, flat.element_size())
+        for start in range(0, flat.numel(), per_slot):
+            part = flat[start:start + per_slot]
+            slots = self._slots(part.dtype, part.numel())
+            slots[self.rank].copy_(part)
+            self._wait_for_all()
+            yield start, part, slots
+
+    def _reduce(self, tensor, op, root: int | None) -> None:
+        """Combine every member's ``tensor`` in member order into the root's (every member's: None)."""
+        sent = widened(tensor)
+        pairwise, combine = _PAIRWISE[ReduceOp(op)], COMBINE[ReduceOp(op)]
+        for _, part, slots in self._exchange(sent.view(-1)):
+            if root is None or self.rank == root:
+                pairwise(slots[0], slots[1], out=part)
+                for slot in slots[2:]:
+                    combine(part, slot)
+        narrow_back(tensor, sent)
+
+    def _gather(self, tensor, outputs: list | None) -> None:
+        """Copy every member's ``tensor`` into ``outputs`` (one per member; None: this member takes none)."""
+        for start, part, slots in self._exchange(tensor.reshape(-1)):
+            if outputs is not None:
+                with torch.no_grad():  # outputs may be views made under no_grad (unbind's, say)
+                    for output, slot in zip(outputs, slots):
+                        output.view(-1)[start:start + part.numel()].copy_(slot)
 
     def alltoall(self, output, tensor, output_splits, input_splits):
         self.inner.alltoall(output, tensor, output_splits, input_splits)

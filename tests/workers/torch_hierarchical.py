@@ -2,7 +2,8 @@
 
 Run under roundelrun (with or without --hierarchical-allreduce/--hierarchical-allgather).
 Prints ``BACKEND <class> <hierarchical allreduce> <hierarchical allgather>``
-for the job's communicator, then checks allreduce and allgather results
+for the job's communicator (and ``LOCAL <class>`` for a hierarchical one's
+local communicator), then checks allreduce and allgather results
 against NumPy references; ``CHECKS PASSED <scenario>`` after each scenario.
 """
 
@@ -23,6 +24,8 @@ RANK, SIZE = hvd.rank(), hvd.size()
 job = basics.runtime().process_sets[0][1]
 print("BACKEND", type(job).__name__, getattr(job, "hierarchical_allreduce", False),
       getattr(job, "hierarchical_allgather", False), flush=True)
+if hasattr(job, "local"):
+    print("LOCAL", type(job.local).__name__, flush=True)
 
 OPS = {"Sum": hvd.Sum, "Average": hvd.Average, "Min": hvd.Min, "Max": hvd.Max}
 DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64, torch.bfloat16, torch.uint8, torch.int16)
