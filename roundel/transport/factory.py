@@ -38,8 +38,9 @@ _MPI_LAUNCHERS = ("openmpi", "mpich")
 class Choice:
     """The transport the settings ask for: ``cpu_operations`` ("gloo" or "mpi"), the collectives'
     timeout in seconds, whether allreduce and allgather should be hierarchical, whether autotune may
-    switch them (then a job that qualifies gets a hierarchical communicator either way), and
-    ``gpu_operations`` ("nccl", or "gloo"/"mpi": CUDA tensors staged through the CPU transport)."""
+    switch them (then a job that qualifies gets a hierarchical communicator either way),
+    ``gpu_operations`` ("nccl", or "gloo"/"mpi": CUDA tensors staged through the CPU transport), and
+    whether Gloo communicators of ranks on one host may use ``shared_memory``."""
 
     cpu_operations: str
     timeout_s: float

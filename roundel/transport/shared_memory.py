@@ -24,8 +24,9 @@ these collectives off the network:
 
 Reduce and gather (to one member, for the hierarchical collectives) work the
 same way, only the root reading the slots. Reducescatter and alltoall, and
-dtypes outside ``DTYPES``, go to the wrapped backend. :func:`attach` sets the segment up, or returns the wrapped backend
-unchanged on every member when any member cannot (no ``/dev/shm``, no room).
+dtypes outside ``DTYPES``, go to the wrapped backend. :func:`attach` sets the
+segment up, or returns the wrapped backend unchanged on every member when any
+member cannot (no ``/dev/shm``, no room).
 """
 
 from __future__ import annotations
