@@ -20,11 +20,10 @@ import torch
 
 from roundel.common.requests import OpKind, Request
 from roundel.ops import ReduceOp
-from roundel.transport.backend import COMBINE, scale, widened
+from roundel.transport.backend import ARITHMETIC_DTYPES, COMBINE, scale, widened
 
 #: Dtypes reduced at the coordinator (bool and complex tensors always go to the transport).
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32",
-          "uint32", "int64")
+DTYPES = tuple(str(dtype).removeprefix("torch.") for dtype in ARITHMETIC_DTYPES)
 _OPS = (ReduceOp.Sum, ReduceOp.Average, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
 # NumPy reduces a few bytes several times faster than torch, with the same results: integers wrap
 # around alike, and float16 sums are rounded after each step in both.

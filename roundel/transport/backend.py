@@ -41,6 +41,11 @@ COMBINE = {
     ReduceOp.Product: torch.Tensor.mul_,
 }
 
+#: The dtypes reduced with torch's arithmetic outside the transports (by shared memory and by the
+#: coordinator): every integer and floating type, not bool or complex.
+ARITHMETIC_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                     torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64)
+
 # Neither Gloo nor NCCL has kernels for these; they travel widened and come back narrowed.
 _WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
 

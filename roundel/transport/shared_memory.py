@@ -1,8 +1,8 @@
 """Allreduce, allgather, broadcast, reduce, gather and barrier among the ranks of one host, in shared memory.
 
-Loopback TCP moves about 1 GB/s where memory moves tens; so when every member
-of a communicator runs on one host, this backend wraps its Gloo one and takes
-these collectives off the network:
+Loopback TCP is far slower than copying memory; so when every member of a
+communicator runs on one host, this backend wraps its Gloo one and takes these
+collectives off the network:
 
 * Every member maps one segment of ``/dev/shm`` (made by member 0 with mode
   0600, and unlinked as soon as every member has mapped it, so nothing is
@@ -24,9 +24,9 @@ these collectives off the network:
 
 Reduce and gather (to one member, for the hierarchical collectives) work the
 same way, only the root reading the slots. Reducescatter and alltoall, and
-dtypes outside ``DTYPES``, go to the wrapped backend. :func:`attach` sets the
-segment up, or returns the wrapped backend unchanged on every member when any
-member cannot (no ``/dev/shm``, no room).
+dtypes outside ``ARITHMETIC_DTYPES`` (bool, complex), go to the wrapped
+backend. :func:`attach` sets the segment up, or returns the wrapped backend
+unchanged on every member when any member cannot (no ``/dev/shm``, no room).
 """
 
 from __future__ import annotations
@@ -43,13 +43,11 @@ import uuid
 import torch
 
 from roundel.ops import ReduceOp
-from roundel.transport.backend import COMBINE, Backend, narrow_back, widened
+from roundel.transport.backend import ARITHMETIC_DTYPES, COMBINE, Backend, narrow_back, widened
 
 log = logging.getLogger("roundel")
 
 SLOT_BYTES = 4 << 20
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
-          torch.uint16, torch.int32, torch.uint32, torch.int64)
 _PAIRWISE = {ReduceOp.Sum: torch.add, ReduceOp.Average: torch.add, ReduceOp.Min: torch.minimum,
              ReduceOp.Max: torch.maximum, ReduceOp.Product: torch.mul}
 _RANK = struct.Struct("!i")
@@ -194,30 +192,30 @@ class SharedMemoryBackend(Backend):
         return self.name if op_label in _OWN else self.inner.carrier(op_label)
 
     def allreduce(self, tensor, op):
-        if tensor.dtype not in DTYPES:
+        if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.allreduce(tensor, op)
         self._reduce(tensor, op, None)
 
     def reduce(self, tensor, root: int, op) -> None:
         """Reduce ``tensor`` into the root member's copy (the others' are left as they were)."""
-        if tensor.dtype not in DTYPES:
+        if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.reduce(tensor, root, op)
         self._reduce(tensor, op, root)
 
     def allgather(self, output, tensor):
-        if tensor.dtype not in DTYPES:
+        if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.allgather(output, tensor)
         rows = output.view(self.size, -1)
         self._gather(tensor, [rows[member] for member in range(self.size)])
 
     def gather(self, outputs: list, tensor, root: int) -> None:
         """Gather ``tensor`` from every member into the root's ``outputs`` (one tensor per member)."""
-        if tensor.dtype not in DTYPES:
+        if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.gather(outputs, tensor, root)
         self._gather(tensor, outputs if self.rank == root else None)
 
     def broadcast(self, tensor, root):
-        if tensor.dtype not in DTYPES:
+        if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.broadcast(tensor, root)
         flat = tensor.view(-1)
         per_slot = SLOT_BYTES // flat.element_size()
