@@ -10,6 +10,7 @@ from roundel.common import small_allreduce
 from roundel.common.negotiation import JOIN_NAME, Negotiator
 from roundel.common.requests import OpKind, Request
 from roundel.ops import ReduceOp
+from roundel.transport.backend import scale
 
 LIMIT = 4096
 
@@ -24,7 +25,7 @@ def rank_tensor(rank, dtype, shape=(4,)):
 
 @pytest.mark.parametrize("op, expected", [
     (ReduceOp.Sum, lambda ts: ts[0] + ts[1] + ts[2]),
-    (ReduceOp.Average, lambda ts: ts[0] + ts[1] + ts[2]),  # the executor divides afterwards
+    (ReduceOp.Average, lambda ts: ts[0] + ts[1] + ts[2]),  # then divided by 3, in the dtype
     (ReduceOp.Min, lambda ts: torch.minimum(torch.minimum(ts[0], ts[1]), ts[2])),
     (ReduceOp.Max, lambda ts: torch.maximum(torch.maximum(ts[0], ts[1]), ts[2])),
     (ReduceOp.Product, lambda ts: ts[0] * ts[1] * ts[2]),
@@ -36,6 +37,8 @@ def test_the_coordinator_combines_every_rank_in_rank_order(op, expected, dtype):
     reduced = small_allreduce.reduce(request, [small_allreduce.snapshot(t) for t in tensors])
     wide = [t.to(torch.float64) for t in tensors]
     want = expected(wide).to(dtype)
+    if op == ReduceOp.Average:
+        scale(want, 1 / 3)
     got = torch.frombuffer(bytearray(reduced), dtype=dtype)
     assert torch.equal(got, want.reshape(-1))
 
@@ -62,13 +65,25 @@ def test_a_non_contiguous_tensor_is_sent_in_row_major_order():
     assert sent.tolist() == [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
 
 
-def test_unpack_fills_each_output_in_entry_order_and_scales_after():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+def test_postscale_and_the_average_apply_after_the_combination_in_the_dtype(dtype):
+    request = allreduce("x", dtype=dtype, reduce_op=int(ReduceOp.Average), postscale=3.0)
+    tensors = [torch.tensor([1, 2, -3, 7]).to(getattr(torch, dtype)), torch.tensor([2, 2, 0, 0]).to(getattr(torch, dtype))]
+    reduced = small_allreduce.reduce(request, [small_allreduce.snapshot(t) for t in tensors])
+    want = tensors[0] + tensors[1]
+    scale(want, 3.0 / 2)  # integers: in float64, truncated (-4.5 -> -4), as on the transport
+    assert torch.equal(torch.frombuffer(bytearray(reduced), dtype=getattr(torch, dtype)), want)
+    if dtype == "int32":
+        assert want.tolist() == [4, 6, -4, 10]
+
+
+def test_unpack_fills_each_output_in_entry_order():
     result = torch.arange(6, dtype=torch.float32)
     outputs = [torch.zeros(2, 2), torch.zeros(())]
     outputs.append(torch.zeros(1))
-    small_allreduce.unpack(result.numpy().tobytes(), torch.float32, outputs, 0.5)
-    assert outputs[0].tolist() == [[0.0, 0.5], [1.0, 1.5]]
-    assert outputs[1].item() == 2.0 and outputs[2].tolist() == [2.5]
+    small_allreduce.unpack(result.numpy().tobytes(), torch.float32, outputs)
+    assert outputs[0].tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    assert outputs[1].item() == 4.0 and outputs[2].tolist() == [5.0]
 
 
 @pytest.mark.parametrize("request_, limit, expected", [
@@ -99,7 +114,7 @@ def test_a_batch_carries_the_result_once_every_member_sent_data():
     n = Negotiator(2, 8, LIMIT)
     submit_with_data(n, allreduce("loss"), (0, 1))
     (_, batch), = n.take(1 << 20)
-    assert torch.frombuffer(bytearray(batch.reduced), dtype=torch.float32).tolist() == [5.0, 7.0, 9.0, 11.0]
+    assert torch.frombuffer(bytearray(batch.reduced), dtype=torch.float32).tolist() == [2.5, 3.5, 4.5, 5.5]
 
 
 def test_without_every_members_data_or_with_a_joined_rank_the_batch_uses_the_transport():
@@ -131,7 +146,7 @@ def test_reduced_entries_fuse_only_with_each_other_in_entry_order():
     batches = [batch for _, batch in n.take(1 << 20)]
     assert [tuple(e.name for e in b.entries) for b in batches] == [("a", "b"), ("big",)]
     assert batches[1].reduced is None
-    assert torch.frombuffer(bytearray(batches[0].reduced), dtype=torch.float32).tolist() == [5.0, 7.0, 9.0, 11.0] * 2
+    assert torch.frombuffer(bytearray(batches[0].reduced), dtype=torch.float32).tolist() == [2.5, 3.5, 4.5, 5.5] * 2
 
 
 def test_the_cache_bits_form_of_a_reduced_batch_carries_its_result_in_bit_order():
@@ -149,9 +164,9 @@ def test_the_cache_bits_form_of_a_reduced_batch_carries_its_result_in_bit_order(
 
 @pytest.mark.parametrize("output", [torch.zeros(()), torch.zeros(2, 2, dtype=torch.int64),
                                     torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)])
-def test_an_unscaled_result_is_copied_into_a_single_output_as_it_is(output):
+def test_a_result_is_copied_into_a_single_output_as_it_is(output):
     result = torch.arange(output.numel(), dtype=output.dtype) + 1
-    small_allreduce.unpack(result.detach().view(torch.uint8).numpy().tobytes(), output.dtype, [output], 1.0)
+    small_allreduce.unpack(result.detach().view(torch.uint8).numpy().tobytes(), output.dtype, [output])
     assert torch.equal(output.detach().reshape(-1), result)
 
 

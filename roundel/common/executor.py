@@ -336,7 +336,7 @@ class Executor:
         if kind == OpKind.JOIN:
             return [batch.last_joined] * len(works)
         if batch.reduced is not None:
-            return self._reduced_by_coordinator(batch, works, len(ranks))
+            return self._reduced_by_coordinator(batch, works)
         call = {
             OpKind.ALLREDUCE: self._allreduce,
             OpKind.ALLGATHER: self._allgather,
@@ -435,13 +435,11 @@ class Executor:
         self._allreduce_results(parts, post)
         return outputs
 
-    def _reduced_by_coordinator(self, batch: Batch, works: list, size: int) -> list:
+    def _reduced_by_coordinator(self, batch: Batch, works: list) -> list:
         """The results of an allreduce batch the coordinator reduced (``batch.reduced``), in its outputs."""
-        request = batch.entries[0].request
         outputs = self._outputs_in_place(works, self._inputs(batch, works))
         self._phase("COORDINATOR_ALLREDUCE")
-        post = request.postscale / (size if request.reduce_op == ReduceOp.Average else 1)
-        small_allreduce.unpack(batch.reduced, torch_dtype(request.dtype), outputs, post)
+        small_allreduce.unpack(batch.reduced, torch_dtype(batch.entries[0].request.dtype), outputs)
         return outputs
 
     def _allreduce_parts(self, batch: Batch, works: list, backend, op: ReduceOp, size: int) -> tuple:

@@ -49,19 +49,23 @@ def snapshot(tensor: torch.Tensor) -> bytes:
 
 
 def reduce(request: Request, contributions: list) -> bytes | None:
-    """Every member's bytes (in rank order), prescaled and combined; None if any has the wrong size."""
+    """Every member's bytes (in rank order) prescaled, combined and postscaled (Average: divided by the
+    number of members) as the transport path would; None if any has the wrong size."""
     size = nbytes(request)
     if any(not isinstance(data, bytes) or len(data) != size for data in contributions):
         return None
     op = ReduceOp(request.reduce_op)
+    post = request.postscale / (len(contributions) if op == ReduceOp.Average else 1)
     array_type = _NUMPY_TYPES.get(request.dtype)
     if array_type is not None and request.prescale == 1.0:  # NumPy: the same results, in less time
         combine = _NUMPY_COMBINE[op]
         rows = [np.frombuffer(data, array_type) for data in contributions]
         with np.errstate(all="ignore"):  # overflow to inf or wrap-around, silently, as torch does
-            result = combine(rows[0], rows[1]) if len(rows) > 1 else rows[0]
+            result = combine(rows[0], rows[1]) if len(rows) > 1 else rows[0].copy()
             for row in rows[2:]:
                 combine(result, row, out=result)
+        if post != 1.0:
+            scale(torch.from_numpy(result), post)
         return result.tobytes()
     dtype = getattr(torch, request.dtype)
     rows = [widened(torch.frombuffer(bytearray(data), dtype=dtype)) for data in contributions]
@@ -73,16 +77,16 @@ def reduce(request: Request, contributions: list) -> bytes | None:
         combine(result, row)
     if result.dtype != dtype:
         result = result.to(dtype)
+    scale(result, post)
     return result.view(torch.uint8).numpy().tobytes()
 
 
-def unpack(reduced: bytes, dtype: torch.dtype, outputs: list, postscale: float) -> None:
-    """Copy a coordinator's result into ``outputs`` (in entry order), scaled by ``postscale``."""
-    if postscale == 1.0 and len(outputs) == 1 and outputs[0].is_contiguous():  # the bytes, as they are
+def unpack(reduced: bytes, dtype: torch.dtype, outputs: list) -> None:
+    """Copy a coordinator's result into ``outputs`` (in entry order)."""
+    if len(outputs) == 1 and outputs[0].is_contiguous():  # the bytes, as they are
         outputs[0].detach().reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(reduced, np.uint8)
         return
     result = torch.frombuffer(bytearray(reduced), dtype=dtype)
-    scale(result, postscale)
     offset = 0
     with torch.no_grad():
         for output in outputs:
