@@ -168,7 +168,7 @@ class Coordinator:
     def _receive(self, rank: int) -> None:
         sock = self._peers[rank]
         try:
-            data = sock.recv(1 << 20)
+            data = sock.recv(control_channel.RECV_BYTES)
         except OSError:
             data = b""
         if not data:  # gone without saying goodbye: the job cannot go on, so every rank is told

@@ -402,7 +402,7 @@ class Engine:
 
     def _rank_receive(self) -> None:
         try:
-            data = self._to_coordinator.recv(1 << 20)
+            data = self._to_coordinator.recv(control_channel.RECV_BYTES)
         except OSError:
             data = b""
         if not data:

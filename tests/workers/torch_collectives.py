@@ -302,6 +302,13 @@ def scenario_grouped():
     hvd.grouped_allreduce_(tensors, name=tag + ".inplace", op=hvd.Sum)
     check(tensors[0], np.sum([to_np(make_float(r, tag + ".a", (4, 2))).T for r in range(SIZE)], axis=0),
           tag + " in place, transposed")
+    # 3,000 members: their requests and dispatch are control frames longer than one read of the socket
+    # (control_channel.RECV_BYTES); twice, the second time as cache bits
+    for step in range(2):
+        tensors = [torch.full((2,), float(i * SIZE + RANK)) for i in range(3000)]
+        out = hvd.grouped_allreduce(tensors, name="grouped.many_members", op=hvd.Sum)
+        expected = [torch.full((2,), float(sum(i * SIZE + r for r in range(SIZE)))) for i in range(3000)]
+        assert all(torch.equal(o, e) for o, e in zip(out, expected)), f"grouped.many_members step {step}"
 
 
 # ------------------------------------------------------------------ allgather
