@@ -13,6 +13,7 @@ or one that sent no data) the batch runs on the transport as usual.
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import numpy as np
@@ -45,6 +46,8 @@ def eligible(request: Request, limit: int) -> bool:
 
 def snapshot(tensor: torch.Tensor) -> bytes:
     """The bytes a rank sends for ``tensor`` (its elements in row-major order)."""
+    if _plain(tensor):
+        return ctypes.string_at(tensor.data_ptr(), tensor.numel() * tensor.element_size())
     return tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
 
 
@@ -81,10 +84,15 @@ def reduce(request: Request, contributions: list) -> bytes | None:
     return result.view(torch.uint8).numpy().tobytes()
 
 
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory holds its elements as they are, in row-major order."""
+    return tensor.is_contiguous() and not tensor.is_neg()
+
+
 def unpack(reduced: bytes, dtype: torch.dtype, outputs: list) -> None:
     """Copy a coordinator's result into ``outputs`` (in entry order)."""
-    if len(outputs) == 1 and outputs[0].is_contiguous():  # the bytes, as they are
-        outputs[0].detach().reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(reduced, np.uint8)
+    if len(outputs) == 1 and _plain(outputs[0]) and len(reduced) == outputs[0].numel() * outputs[0].element_size():
+        ctypes.memmove(outputs[0].data_ptr(), reduced, len(reduced))  # the bytes, as they are
         return
     result = torch.frombuffer(bytearray(reduced), dtype=dtype)
     offset = 0
