@@ -68,7 +68,7 @@ def test_a_non_contiguous_tensor_is_sent_in_row_major_order():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
 def test_postscale_and_the_average_apply_after_the_combination_in_the_dtype(dtype):
     request = allreduce("x", dtype=dtype, reduce_op=int(ReduceOp.Average), postscale=3.0)
-    tensors = [torch.tensor([1, 2, -3, 7]).to(getattr(torch, dtype)), torch.tensor([2, 2, 0, 0]).to(getattr(torch, dtype))]
+    tensors = [torch.tensor(values).to(getattr(torch, dtype)) for values in ([1, 2, -3, 7], [2, 2, 0, 0])]
     reduced = small_allreduce.reduce(request, [small_allreduce.snapshot(t) for t in tensors])
     want = tensors[0] + tensors[1]
     scale(want, 3.0 / 2)  # integers: in float64, truncated (-4.5 -> -4), as on the transport
