@@ -200,60 +200,6 @@ def _read_until_closed(sock: socket.socket, timeout: float, limit: int = 72) -> 
     return data
 
 
-# -------------------------------------------------------------- local socket
-def test_a_rank_on_the_coordinators_host_joins_over_its_local_socket():
-    accepted = queue.SimpleQueue()
-    listener = control_channel.Listener("127.0.0.1", SECRET, accepted.put)
-    try:
-        assert listener.local_name and listener.local_name.startswith("roundel-control-")
-        rank_side = control_channel.connect("127.0.0.1", listener.port, SECRET, 2, 5.0,
-                                            local_name=listener.local_name)
-        coordinator_side = accepted.get(timeout=5)
-        assert rank_side._sock.family == socket.AF_UNIX and coordinator_side.rank == 2
-        assert coordinator_side.peer == "a local socket"
-        for message in ENGINE_MESSAGES:
-            rank_side.send(message)
-            coordinator_side.send(message)
-        for receiver in (coordinator_side, rank_side):
-            reader = control_channel.FrameReader(receiver)
-            assert reader.feed(b"".join(_raw_frame(receiver) for _ in ENGINE_MESSAGES)) == ENGINE_MESSAGES
-        rank_side.close()
-        assert select.select([coordinator_side], [], [], 5)[0] and coordinator_side.recv(100) == b""
-        coordinator_side.close()
-    finally:
-        listener.close()
-    with pytest.raises(OSError):  # closed with the listener
-        control_channel._local_connection(listener.local_name, 1.0)
-
-
-def test_the_local_socket_demands_the_secret_as_tcp_does():
-    accepted = queue.SimpleQueue()
-    listener = control_channel.Listener("127.0.0.1", SECRET, accepted.put)
-    try:
-        with pytest.raises(control_channel.AuthenticationError, match="could not prove"):
-            control_channel.connect("127.0.0.1", listener.port, b"x" * 32, 1, 5.0, local_name=listener.local_name)
-        with control_channel._local_connection(listener.local_name, 5.0) as sock:  # a wrong proof
-            sock.sendall(PROTOCOL_MAGIC + struct.pack("!I", 1) + os.urandom(32))
-            assert _read_until_closed(sock, 5).startswith(PROTOCOL_MAGIC)
-            sock.sendall(os.urandom(32))
-            assert _read_until_closed(sock, 5) == b""  # closed without a welcome
-        assert accepted.empty()
-    finally:
-        listener.close()
-
-
-def test_a_local_socket_out_of_reach_leaves_the_rank_on_tcp():
-    accepted = queue.SimpleQueue()
-    listener = control_channel.Listener("127.0.0.1", SECRET, accepted.put)
-    try:  # as for a rank in another network namespace of the same host: nothing listens under that name
-        rank_side = control_channel.connect("127.0.0.1", listener.port, SECRET, 1, 5.0,
-                                            local_name="roundel-control-" + "0" * 32)
-        assert rank_side._sock.family == socket.AF_INET and accepted.get(timeout=5).rank == 1
-        rank_side.close()
-    finally:
-        listener.close()
-
-
 # ----------------------------------------------------------- frame integrity
 def _pair(secret=SECRET, rank=1):
     """A Listener and a rank connected to it: (listener, rank's connection, coordinator's connection)."""
