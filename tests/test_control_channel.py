@@ -3,7 +3,8 @@
 Covered (the codec itself is tested in test_control_codec.py): mutual
 authentication (a rank refuses a fake coordinator, and never unpickles what
 one sends); per-frame integrity (tampered, replayed, reordered and spliced
-frames drop the connection); the coordinator's listener under slow, silent
+frames drop the connection); sending without blocking (both ends at
+once, a peer that stops reading, the last messages before close); the coordinator's listener under slow, silent
 and over-the-limit connections; and, under the real launcher, a running job
 that is flooded with idle connections while its coordinator runs out of file
 descriptors, and one fuzzed with 1,000 junk inputs: results stay exact, a
@@ -276,6 +277,82 @@ def test_tampered_replayed_reordered_or_spliced_frames_drop_the_connection(case,
         assert select.select([rank_side], [], [], 5)[0] and rank_side.recv(100) == b""  # and so does the rank
     finally:
         for item in (rank_side, coordinator_side, listener, other_rank, other_coordinator, other_listener):
+            item.close()
+
+
+# ------------------------------------------------------- sending never blocks
+BIG = ("heartbeat", "x" * 16_000_000)  # more than the kernel's socket buffers hold
+
+
+def _exchange(connections, expected: int, timeout: float = 30) -> list[list]:
+    """Serve ``connections`` as the engine does (flush when writable, read when readable) until each
+    has received ``expected`` messages; returns what each received."""
+    readers = [control_channel.FrameReader(connection) for connection in connections]
+    received = [[] for _ in connections]
+    deadline = time.monotonic() + timeout
+    while any(len(messages) < expected for messages in received):
+        assert time.monotonic() < deadline, [len(messages) for messages in received]
+        writable = [connection for connection in connections if connection.pending]
+        readable, writable, _ = select.select(connections, writable, [], 0.5)
+        for connection in writable:
+            connection.flush()
+        for connection in readable:
+            index = connections.index(connection)
+            received[index] += readers[index].feed(connection.recv(control_channel.RECV_BYTES))
+    return received
+
+
+def test_both_ends_send_megabytes_at_once_without_waiting_for_the_other_to_read():
+    # each end's engine sends first and reads later, on one thread: a blocking send waited for the
+    # other end to read, which was itself blocked in its send (a deadlock until the send timeout)
+    listener, rank_side, coordinator_side = _pair()
+    try:
+        rank_side.send(BIG)
+        coordinator_side.send(BIG)
+        rank_side.send(ENGINE_MESSAGES[0])
+        assert rank_side.pending and coordinator_side.pending  # queued, not waited for
+        to_coordinator, to_rank = _exchange([coordinator_side, rank_side], 1)
+        assert to_rank == [BIG]
+        assert to_coordinator == [BIG, ENGINE_MESSAGES[0]]
+        assert not rank_side.pending and not coordinator_side.pending
+    finally:
+        for item in (rank_side, coordinator_side, listener):
+            item.close()
+
+
+def test_a_peer_that_stops_reading_is_dropped_after_the_send_timeout():
+    accepted = queue.SimpleQueue()
+    listener = control_channel.Listener("127.0.0.1", SECRET, accepted.put)
+    rank_side = control_channel.connect("127.0.0.1", listener.port, SECRET, 1, 5.0, send_timeout_s=1.0)
+    coordinator_side = accepted.get(timeout=5)  # never reads
+    try:
+        rank_side.send(BIG)
+        started = time.monotonic()
+        with pytest.raises(OSError, match="took none of .* queued bytes for 1 s"):
+            while time.monotonic() - started < 10:
+                select.select([], [rank_side], [], 0.2)
+                rank_side.flush()
+        assert time.monotonic() - started < 5
+        assert select.select([rank_side], [], [], 5)[0] and rank_side.recv(100) == b""  # shut down: seen as lost
+    finally:
+        for item in (rank_side, coordinator_side, listener):
+            item.close()
+
+
+def test_drain_writes_out_the_last_messages_before_close():
+    listener, rank_side, coordinator_side = _pair()
+    received = []
+    reader = threading.Thread(target=lambda: received.extend(_exchange([coordinator_side], 2)[0]), daemon=True)
+    try:
+        rank_side.send(BIG)
+        rank_side.send(("bye",))
+        reader.start()
+        assert rank_side.drain(time.monotonic() + 30)
+        rank_side.close()
+        reader.join(30)
+        assert received == [BIG, ("bye",)]
+    finally:
+        for item in (rank_side, coordinator_side, listener):
             item.close()
 
 

@@ -9,7 +9,8 @@ three heartbeat timeouts (no false alarm), a rank stopped with SIGSTOP while
 the others negotiate or are inside a large transfer (with the Gloo timeout at
 120 s, to show the release does not wait for it), unnamed collectives after
 shutdown() + init() and per process set, and collective errors that leave the
-job usable (mismatch; allgather/broadcast after join()), and a rank whose
+job usable (mismatch; allgather/broadcast after join()), thousands of small
+allreduces submitted at once (megabytes of control frames both ways), and a rank whose
 network link goes down on a network-namespace host (see ``netns_util``).
 """
 
@@ -142,6 +143,14 @@ def test_unnamed_names_and_collective_errors_leave_the_job_usable(np):
     result = _run(np, ",".join(scenarios), timeout=90)
     assert_checks_passed(result, np, *scenarios)
 
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_thousands_of_small_allreduces_at_once_do_not_stall_the_control_channel(np):
+    # megabytes of control frames from rank 0 and from the others at the same time
+    result = _run(np, "many_small_at_once", timeout=60)
+    assert_checks_passed(result, np, "many_small_at_once")
+    assert "lost the connection" not in result.stdout, describe(result)
+    _assert_nothing_left(result)
 
 
 @pytest.mark.parametrize("np", [2, 3])

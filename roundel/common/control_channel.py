@@ -40,6 +40,7 @@ import hmac
 import logging
 import os
 import random
+import select
 import socket
 import struct
 import threading
@@ -111,10 +112,10 @@ def _session_keys(secret: bytes, rank: int, rank_nonce: bytes, coordinator_nonce
     return _mac(session, _RANK_TO_COORDINATOR), _mac(session, _COORDINATOR_TO_RANK)
 
 
-def _tune(sock: socket.socket, send_timeout_s: float) -> None:
+def _tune(sock: socket.socket) -> None:
     """No Nagle delay; keepalive and TCP_USER_TIMEOUT so a vanished peer is noticed in about 25 s;
-    a send that cannot complete gives up after ``send_timeout_s``."""
-    sock.settimeout(send_timeout_s)
+    non-blocking from now on (``Connection`` queues what the socket does not take)."""
+    sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3),
@@ -162,10 +163,18 @@ class Connection:
 
     ``rank`` is the rank at the far end (0 for a rank's connection to the
     coordinator). Read messages with a ``FrameReader(connection)``.
+
+    Sending never blocks: what the socket does not take at once is queued, and
+    the owner writes it out with ``flush()`` when ``select`` finds the socket
+    writable (``pending`` says when to watch for that). Both ends of a
+    connection may thus send large messages at the same time without waiting
+    on each other to read. Queued bytes that make no progress for
+    ``send_timeout_s`` mean the peer stopped reading: the connection is then
+    shut down as lost.
     """
 
     def __init__(self, sock: socket.socket, rank: int, peer: str, send_key: bytes, recv_key: bytes,
-                 recv_sequence: int, send_sequence: int):
+                 recv_sequence: int, send_sequence: int, send_timeout_s: float = SEND_TIMEOUT_S):
         self.rank = rank
         self.peer = peer
         self._sock = sock
@@ -174,6 +183,9 @@ class Connection:
         self._recv_sequence = recv_sequence
         self._send_sequence = send_sequence
         self._send_lock = threading.Lock()
+        self._send_timeout_s = send_timeout_s
+        self._queued = bytearray()  # frames, or their tails, the socket has not taken yet
+        self._last_progress = 0.0  # when the socket last took queued bytes
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -182,12 +194,18 @@ class Connection:
         """Raw bytes for a ``FrameReader`` (call once the socket is readable)."""
         return self._sock.recv(size)
 
-    def send(self, message) -> None:
-        """Send one message as an authenticated frame; thread-safe.
+    @property
+    def pending(self) -> bool:
+        """True while sent messages wait to be written (select for writability, then ``flush``)."""
+        return bool(self._queued)
 
-        Raises OSError (the connection is then shut down) when it cannot be
-        sent within its send timeout or the peer is gone, ChannelError if it
-        exceeds MAX_FRAME, TypeError if it holds a value the codec cannot carry.
+    def send(self, message) -> None:
+        """Send one message as an authenticated frame, without blocking; thread-safe.
+
+        Raises OSError (the connection is then shut down) when the peer is gone
+        or has taken nothing queued for its send timeout, ChannelError if the
+        message exceeds MAX_FRAME, TypeError if it holds a value the codec
+        cannot carry.
         """
         self.send_encoded(control_codec.encode(message))
 
@@ -199,11 +217,63 @@ class Connection:
         with self._send_lock:
             mac = _mac(self._send_key, _SEQUENCE.pack(self._send_sequence) + header + payload)
             self._send_sequence += 1
+            frame = header + payload + mac
+            if self._queued:
+                self._queued += frame
+                self._write_queued()
+                return
             try:
-                self._sock.sendall(header + payload + mac)
+                sent = self._sock.send(frame)
+            except BlockingIOError:
+                sent = 0
             except OSError:
                 self.abandon()
                 raise
+            if sent < len(frame):
+                self._queued += memoryview(frame)[sent:]
+                self._last_progress = time.monotonic()
+
+    def flush(self) -> None:
+        """Write what the socket takes of the queued bytes, without blocking.
+
+        Raises OSError (the connection is then shut down) as ``send`` does.
+        """
+        with self._send_lock:
+            if self._queued:
+                self._write_queued()
+
+    def drain(self, deadline: float) -> bool:
+        """Block until everything queued is written or ``deadline`` (time.monotonic) passes; True if written.
+
+        For a last message before closing; errors count as not written.
+        """
+        try:
+            while self.pending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not select.select([], [self._sock], [], remaining)[1]:
+                    return False
+                self.flush()
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def _write_queued(self) -> None:
+        queued = self._queued
+        try:
+            sent = self._sock.send(queued)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.abandon()
+            raise
+        now = time.monotonic()
+        if sent:
+            del queued[:sent]
+            self._last_progress = now
+        elif now - self._last_progress > self._send_timeout_s:
+            self.abandon()
+            raise socket.timeout(f"the peer took none of {len(queued)} queued bytes for "
+                                 f"{self._send_timeout_s:.0f} s")
 
     def abandon(self) -> None:
         """Shut both directions down so whoever selects on this connection sees it as lost."""
@@ -345,8 +415,9 @@ def _connect_once(host: str, port: int, secret: bytes, rank: int, deadline: floa
                 welcome[_HEADER.size:], _mac(from_coordinator, _SEQUENCE.pack(0) + _HEADER.pack(0))):
             raise AuthenticationError(f"the coordinator at {where} sent a welcome frame that fails its "
                                       "integrity check; refusing it")
-        _tune(sock, send_timeout_s)
-        return Connection(sock, 0, where, to_coordinator, from_coordinator, recv_sequence=1, send_sequence=0)
+        _tune(sock)
+        return Connection(sock, 0, where, to_coordinator, from_coordinator, recv_sequence=1, send_sequence=0,
+                          send_timeout_s=send_timeout_s)
     except BaseException:
         sock.close()
         raise
@@ -385,12 +456,13 @@ def _answer(sock: socket.socket, secret: bytes, hello: bytes, deadline: float, s
     from_rank, to_rank = _session_keys(secret, rank, rank_nonce, nonce)
     sock.settimeout(max(0.001, deadline - time.monotonic()))
     sock.sendall(_HEADER.pack(0) + _mac(to_rank, _SEQUENCE.pack(0) + _HEADER.pack(0)))
-    _tune(sock, send_timeout_s)
+    _tune(sock)
     try:
         peer = _describe(sock.getpeername())
     except OSError:
         peer = "?"
-    return Connection(sock, rank, peer, to_rank, from_rank, recv_sequence=0, send_sequence=1)
+    return Connection(sock, rank, peer, to_rank, from_rank, recv_sequence=0, send_sequence=1,
+                      send_timeout_s=send_timeout_s)
 
 
 def _has_data(sock: socket.socket) -> bool:

@@ -105,7 +105,9 @@ class Coordinator:
             if self._autotuner is not None:
                 self._autotuner.close()
             self._listener.close()
+            deadline = time.monotonic() + BYE_GRACE_S  # last messages (an abort) go out, unless a peer stops reading
             for sock in self._peers.values():
+                sock.drain(deadline)
                 sock.close()
 
     def _step(self) -> bool:
@@ -113,11 +115,11 @@ class Coordinator:
             return self._finish()
         timeout = self._timeout()
         self._engine.timeline.cycle()
-        for key, _ in self._engine._selector.select(timeout):
+        for key, events in self._engine._selector.select(timeout):
             if key.data == "wake":
                 self._wake()
             else:
-                self._receive(key.data)
+                self._serve(key.data, events)
         now = time.monotonic()
         if self._engine._stopping:
             return self._finish()
@@ -164,6 +166,23 @@ class Coordinator:
                 if self._engine.timeline.active:
                     self._engine.timeline.rank_ready(item.request.name, item.request.kind.label, 0)
                 self._negotiator.submit(0, item.request, now, data=item.data)
+
+    def _serve(self, rank: int, events: int) -> None:
+        """A peer's connection is writable (queued messages go out) and/or readable."""
+        if events & selectors.EVENT_WRITE:
+            self._flush_peer(rank)
+        if events & selectors.EVENT_READ and rank in self._peers:
+            self._receive(rank)
+
+    def _flush_peer(self, rank: int) -> None:
+        connection = self._peers.get(rank)
+        if connection is None:
+            return
+        try:
+            connection.flush()
+        except OSError:
+            return  # shut down: select reports it closed, and it is dropped there
+        self._engine._watch_writes(connection, rank)
 
     def _receive(self, rank: int) -> None:
         sock = self._peers[rank]
@@ -233,6 +252,8 @@ class Coordinator:
         own = self._engine._waits.snapshot()  # before draining: every name rank 0 waits for is then submitted
         self._wake()
         self._heartbeat_peers(now)
+        for rank in [rank for rank, connection in self._peers.items() if connection.pending]:
+            self._flush_peer(rank)  # gives up on a peer that took nothing for the send timeout
         timeout = self._engine.settings.heartbeat_timeout_s
         for rank in list(self._peers):
             silent = now - self._heard.setdefault(rank, now)
@@ -365,17 +386,20 @@ class Coordinator:
         self._send_peer_encoded(rank, control_codec.encode(message))
 
     def _send_peer_encoded(self, rank: int, payload: bytes) -> None:
+        connection = self._peers.get(rank)
+        if connection is None:
+            return
         try:
-            self._peers[rank].send_encoded(payload)
-        except (OSError, KeyError):
-            pass  # a closed peer is noticed by select and dropped there
+            connection.send_encoded(payload)
+        except OSError:
+            return  # a closed peer is noticed by select and dropped there
+        if connection.pending:
+            self._engine._watch_writes(connection, rank)
 
     def _broadcast_abort(self, message: str) -> None:
-        for sock in self._peers.values():
-            try:
-                control_channel.send(sock, Abort(message))
-            except OSError:
-                pass
+        payload = control_codec.encode(Abort(message))
+        for rank in list(self._peers):
+            self._send_peer_encoded(rank, payload)
 
     def _finish(self) -> bool:
         """Rank 0 is leaving: fail what needs it, let the others say goodbye, then stop."""
@@ -388,10 +412,10 @@ class Coordinator:
         self._heartbeat_peers(time.monotonic())  # the others wait for rank 0's goodbye, not a timeout
         waited = time.monotonic() - self._finishing_since
         if self._peers and waited < BYE_GRACE_S:
-            for key, _ in self._engine._selector.select(0.1):
+            for key, events in self._engine._selector.select(0.1):
                 if key.data == "wake":
                     self._engine._drain()
                 else:
-                    self._receive(key.data)
+                    self._serve(key.data, events)
             return False
         return True

@@ -258,6 +258,12 @@ class Engine:
         self._fail_inflight(self._broken)
         self.executor.abort(self._broken)
 
+    def _watch_writes(self, connection: control_channel.Connection, data) -> None:
+        """Have select report ``connection`` writable exactly while it holds queued bytes."""
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.pending else 0)
+        if self._selector.get_key(connection).events != events:
+            self._selector.modify(connection, events, data)
+
     def _register(self, work: Work) -> None:
         """Track ``work`` as in flight (submit() keeps names unique among this rank's in-flight work)."""
         self._inflight[(work.request.process_set_id, work.request.name)] = work
@@ -281,18 +287,22 @@ class Engine:
     def _rank_loop(self) -> None:
         try:
             while True:
-                for key, _ in self._selector.select(max(0.0, self._next_tick - time.monotonic())):
+                for key, events in self._selector.select(max(0.0, self._next_tick - time.monotonic())):
                     if key.data == "wake":
                         if self._rank_wake():
                             return
-                    else:
+                        continue
+                    if events & selectors.EVENT_WRITE:
+                        self._flush_to_coordinator()
+                    if events & selectors.EVENT_READ and not self._coordinator_lost:
                         self._rank_receive()
                 if time.monotonic() >= self._next_tick and self._rank_tick():
                     return
         except Exception as exc:  # keep the user's threads from hanging on a dead engine
             log.exception("roundel engine thread failed")
             self._break(f"roundel's engine thread failed: {exc!r}")
-        finally:
+        finally:  # what is still queued (a goodbye) goes out first, unless rank 0 stops reading
+            self._to_coordinator.drain(time.monotonic() + self.settings.heartbeat_timeout_s)
             self._to_coordinator.close()
 
     def _rank_wake(self) -> bool:
@@ -344,6 +354,7 @@ class Engine:
         if now - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now
             self._send(Heartbeat(self._host))
+        self._flush_to_coordinator()  # gives up on a coordinator that took nothing for the send timeout
         silent = now - self._heard_coordinator
         if silent > self.settings.heartbeat_timeout_s:
             self._coordinator_lost = True
@@ -397,8 +408,25 @@ class Engine:
         try:
             control_channel.send(self._to_coordinator, message)
         except OSError as exc:
-            self._coordinator_gone(f"lost the connection to the coordinator on rank 0 ({exc}); "
-                                   "rank 0 has shut down or died")
+            self._send_failed(exc)
+            return
+        if self._to_coordinator.pending:
+            self._watch_writes(self._to_coordinator, "coordinator")
+
+    def _flush_to_coordinator(self) -> None:
+        """Write what the connection to rank 0 holds queued; stop watching for writability once it is out."""
+        if self._coordinator_lost or not self._to_coordinator.pending:
+            return
+        try:
+            self._to_coordinator.flush()
+        except OSError as exc:
+            self._send_failed(exc)
+            return
+        self._watch_writes(self._to_coordinator, "coordinator")
+
+    def _send_failed(self, exc: OSError) -> None:
+        self._coordinator_gone(f"lost the connection to the coordinator on rank 0 ({exc}); "
+                               "rank 0 has shut down or died")
 
     def _rank_receive(self) -> None:
         try:

@@ -1,7 +1,7 @@
 """Liveness worker: ``torch_hangs.py SCENARIO[,SCENARIO...] [ARG]`` under roundelrun.
 
 Each scenario provokes a situation that used to hang (diverged ranks, a
-stopped rank, unnamed ops after a re-init) and checks it ends as documented:
+stopped rank, unnamed ops after a re-init, large control frames both ways) and checks it ends as documented:
 the expected error on every surviving rank within a bound, or normal
 completion. Ranks print ``MEASURED <seconds>`` for the timed part and
 ``CHECKS PASSED <scenario>``. In the stop scenarios the survivors exit with
@@ -188,6 +188,29 @@ def scenario_unnamed_reinit():
     passed("unnamed_reinit")
 
 
+# ------------------------------------------------------------------ large control frames both ways
+def scenario_many_small_at_once():
+    """6,000 allreduces of 4 KiB submitted at once, twice (the second time as cache bits).
+
+    Their data rides on the control channel (the coordinator reduces them), so
+    rank 0 and the others send each other frames of megabytes at the same
+    time. This used to end in "lost the connection to the coordinator (timed
+    out)" after the heartbeat timeout: each end blocked in its send, waiting
+    for the other to read.
+    """
+    rank, size = hvd.rank(), hvd.size()
+    count = 6000
+    start = time.monotonic()
+    for step in range(2):
+        tensors = [torch.full((1024,), float(i % 97 + rank)) for i in range(count)]
+        handles = [hvd.allreduce_async(t, name=f"many.{i}", op=hvd.Sum) for i, t in enumerate(tensors)]
+        for i, handle in enumerate(handles):
+            expected = size * (i % 97) + size * (size - 1) // 2
+            assert torch.equal(hvd.synchronize(handle), torch.full((1024,), float(expected))), (step, i)
+    allreduce_works("after.many")
+    passed("many_small_at_once", time.monotonic() - start)
+
+
 # ------------------------------------------------------------------ collective errors
 def scenario_mismatch_then_works():
     """A shape mismatch raises RuntimeError (and ValueError) on every rank; the next allreduce works."""
@@ -239,6 +262,7 @@ SCENARIOS = {
     "unnamed_reinit": scenario_unnamed_reinit,
     "mismatch_then_works": scenario_mismatch_then_works,
     "join_gather": scenario_join_gather,
+    "many_small_at_once": scenario_many_small_at_once,
 }
 
 
