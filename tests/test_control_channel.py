@@ -201,12 +201,68 @@ def _read_until_closed(sock: socket.socket, timeout: float, limit: int = 72) -> 
     return data
 
 
+# -------------------------------------------------------------- local socket
+def test_a_rank_on_the_coordinators_host_joins_over_its_local_socket():
+    accepted = queue.SimpleQueue()
+    listener = control_channel.Listener("127.0.0.1", SECRET, accepted.put)
+    try:
+        assert listener.local_name and listener.local_name.startswith("roundel-control-")
+        rank_side = control_channel.connect("127.0.0.1", listener.port, SECRET, 2, 5.0,
+                                            local_name=listener.local_name)
+        coordinator_side = accepted.get(timeout=5)
+        assert rank_side._sock.family == socket.AF_UNIX and coordinator_side.rank == 2
+        assert coordinator_side.peer == "a local socket"
+        for message in ENGINE_MESSAGES:
+            rank_side.send(message)
+            coordinator_side.send(message)
+        for receiver in (coordinator_side, rank_side):
+            reader = control_channel.FrameReader(receiver)
+            assert reader.feed(b"".join(_raw_frame(receiver) for _ in ENGINE_MESSAGES)) == ENGINE_MESSAGES
+        rank_side.close()
+        assert select.select([coordinator_side], [], [], 5)[0] and coordinator_side.recv(100) == b""
+        coordinator_side.close()
+    finally:
+        listener.close()
+    with pytest.raises(OSError):  # closed with the listener
+        control_channel._local_connection(listener.local_name, 1.0)
+
+
+def test_the_local_socket_demands_the_secret_as_tcp_does():
+    accepted = queue.SimpleQueue()
+    listener = control_channel.Listener("127.0.0.1", SECRET, accepted.put)
+    try:
+        with pytest.raises(control_channel.AuthenticationError, match="could not prove"):
+            control_channel.connect("127.0.0.1", listener.port, b"x" * 32, 1, 5.0, local_name=listener.local_name)
+        with control_channel._local_connection(listener.local_name, 5.0) as sock:  # a wrong proof
+            sock.sendall(PROTOCOL_MAGIC + struct.pack("!I", 1) + os.urandom(32))
+            assert _read_until_closed(sock, 5).startswith(PROTOCOL_MAGIC)
+            sock.sendall(os.urandom(32))
+            assert _read_until_closed(sock, 5) == b""  # closed without a welcome
+        assert accepted.empty()
+    finally:
+        listener.close()
+
+
+def test_a_local_socket_out_of_reach_leaves_the_rank_on_tcp():
+    accepted = queue.SimpleQueue()
+    listener = control_channel.Listener("127.0.0.1", SECRET, accepted.put)
+    try:  # as for a rank in another network namespace of the same host: nothing listens under that name
+        rank_side = control_channel.connect("127.0.0.1", listener.port, SECRET, 1, 5.0,
+                                            local_name="roundel-control-" + "0" * 32)
+        assert rank_side._sock.family == socket.AF_INET and accepted.get(timeout=5).rank == 1
+        rank_side.close()
+    finally:
+        listener.close()
+
+
 # ----------------------------------------------------------- frame integrity
-def _pair(secret=SECRET, rank=1):
-    """A Listener and a rank connected to it: (listener, rank's connection, coordinator's connection)."""
+def _pair(secret=SECRET, rank=1, local=False, send_timeout_s=control_channel.SEND_TIMEOUT_S):
+    """A Listener and a rank connected to it (over TCP, or the local socket when ``local``):
+    (listener, rank's connection, coordinator's connection)."""
     accepted = queue.SimpleQueue()
     listener = control_channel.Listener("127.0.0.1", secret, accepted.put)
-    rank_side = control_channel.connect("127.0.0.1", listener.port, secret, rank, 5.0)
+    rank_side = control_channel.connect("127.0.0.1", listener.port, secret, rank, 5.0, send_timeout_s=send_timeout_s,
+                                        local_name=listener.local_name if local else None)
     return listener, rank_side, accepted.get(timeout=5)
 
 
@@ -302,11 +358,16 @@ def _exchange(connections, expected: int, timeout: float = 30) -> list[list]:
     return received
 
 
-def test_both_ends_send_megabytes_at_once_without_waiting_for_the_other_to_read():
+ON_BOTH_SOCKETS = pytest.mark.parametrize("local", [False, True], ids=["tcp", "local-socket"])
+
+
+@ON_BOTH_SOCKETS
+def test_both_ends_send_megabytes_at_once_without_waiting_for_the_other_to_read(local):
     # each end's engine sends first and reads later, on one thread: a blocking send waited for the
     # other end to read, which was itself blocked in its send (a deadlock until the send timeout)
-    listener, rank_side, coordinator_side = _pair()
+    listener, rank_side, coordinator_side = _pair(local=local)
     try:
+        assert rank_side._sock.family == (socket.AF_UNIX if local else socket.AF_INET)
         rank_side.send(BIG)
         coordinator_side.send(BIG)
         rank_side.send(ENGINE_MESSAGES[0])
@@ -320,11 +381,9 @@ def test_both_ends_send_megabytes_at_once_without_waiting_for_the_other_to_read(
             item.close()
 
 
-def test_a_peer_that_stops_reading_is_dropped_after_the_send_timeout():
-    accepted = queue.SimpleQueue()
-    listener = control_channel.Listener("127.0.0.1", SECRET, accepted.put)
-    rank_side = control_channel.connect("127.0.0.1", listener.port, SECRET, 1, 5.0, send_timeout_s=1.0)
-    coordinator_side = accepted.get(timeout=5)  # never reads
+@ON_BOTH_SOCKETS
+def test_a_peer_that_stops_reading_is_dropped_after_the_send_timeout(local):
+    listener, rank_side, coordinator_side = _pair(local=local, send_timeout_s=1.0)  # the coordinator never reads
     try:
         rank_side.send(BIG)
         started = time.monotonic()
@@ -339,8 +398,9 @@ def test_a_peer_that_stops_reading_is_dropped_after_the_send_timeout():
             item.close()
 
 
-def test_drain_writes_out_the_last_messages_before_close():
-    listener, rank_side, coordinator_side = _pair()
+@ON_BOTH_SOCKETS
+def test_drain_writes_out_the_last_messages_before_close(local):
+    listener, rank_side, coordinator_side = _pair(local=local)
     received = []
     reader = threading.Thread(target=lambda: received.extend(_exchange([coordinator_side], 2)[0]), daemon=True)
     try:

@@ -4,7 +4,8 @@ Each job runs ``tests/workers/torch_shared_memory.py``: collectives of several
 shared-memory pieces and of every dtype, checked against NumPy. The job's
 communicator must be the shared-memory one by default, Gloo when
 ``ROUNDEL_SHARED_MEMORY=0`` or when shared memory cannot be set up (then on
-every rank alike), and no segment may be left in ``/dev/shm``.
+every rank alike), and no segment may be left in ``/dev/shm``. The ranks also
+reach the coordinator over its local socket rather than TCP.
 """
 
 import glob
@@ -30,6 +31,8 @@ def test_a_job_on_one_host_moves_collectives_through_shared_memory_and_leaves_no
     assert_checks_passed(result, 3, *SCENARIOS)
     assert backends(result, 3) == [["BACKEND SharedMemoryBackend"]] * 3, describe(result)
     assert segments() <= before, segments() - before
+    for rank in (1, 2):  # the control messages also stay off TCP on one host
+        assert "CONTROL local" in rank_lines(result.stdout, rank, "stdout"), describe(result)
 
 
 def test_shared_memory_off_keeps_gloo():

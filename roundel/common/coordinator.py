@@ -72,6 +72,7 @@ class Coordinator:
                                                   backlog=max(128, size),
                                                   send_timeout_s=settings.heartbeat_timeout_s)
         self.port = self._listener.port
+        self.local_name = self._listener.local_name  # its local socket's name, None where there is none
 
     def missing_peers(self) -> list[int]:
         """The ranks that never joined the coordinator."""

@@ -111,6 +111,9 @@ class Engine:
         self._coordinator: Coordinator | None = None
         if rank == 0:
             self._coordinator = Coordinator(self, size, settings, secret, advertise_host)
+            if self._coordinator.local_name is not None:  # before the address: ranks that read it find this
+                rendezvous.set(key + "/local", json.dumps(
+                    {"host": self._host, "name": self._coordinator.local_name}).encode())
             rendezvous.set(key, f"{advertise_host}:{self._coordinator.port}".encode())
             target = self._coordinator.run
         else:
@@ -118,7 +121,8 @@ class Engine:
             host, port = address.rsplit(":", 1)
             try:
                 self._to_coordinator = control_channel.connect(host, int(port), secret, rank, settings.start_timeout_s,
-                                                            send_timeout_s=settings.heartbeat_timeout_s)
+                                                            send_timeout_s=settings.heartbeat_timeout_s,
+                                                            local_name=self._local_coordinator(key + "/local"))
             except OSError as exc:  # ChannelError and AuthenticationError are OSErrors too
                 raise RoundelInternalError(
                     f"rank {rank} could not join rank 0's coordinator at {host}:{port}: {exc}; rank 0 may have "
@@ -134,6 +138,18 @@ class Engine:
         self._thread.start()
         if rank == 0:
             self._await_peers(settings.start_timeout_s)
+
+    def _local_coordinator(self, key: str) -> str | None:
+        """The name of the coordinator's local socket when it runs on this rank's host (see control_channel)."""
+        if not self._rendezvous.check([key]):
+            return None
+        try:
+            found = json.loads(self._rendezvous.get(key, timeout=self.settings.start_timeout_s))
+        except ValueError:
+            return None
+        if isinstance(found, dict) and found.get("host") == self._host and isinstance(found.get("name"), str):
+            return found["name"]
+        return None
 
     def _await_peers(self, timeout_s: float) -> None:
         """Return once every other rank has joined the coordinator (init() is collective, as in Horovod:

@@ -1,7 +1,8 @@
 """Shared-memory transport worker: ``torch_shared_memory.py SCENARIO[,SCENARIO...]``.
 
 Run under roundelrun on one host. Prints ``BACKEND <class of the job's
-communicator>``, then checks collectives larger than one shared-memory slot
+communicator>`` and, on ranks other than 0, ``CONTROL local`` when the rank
+reached the coordinator over its local socket; then checks collectives larger than one shared-memory slot
 (so they go in several pieces) and of every dtype against NumPy references;
 ``CHECKS PASSED <scenario>`` after each scenario.
 """
@@ -22,6 +23,8 @@ from _checks import check, dtype_name, make, run_scenarios, to_np
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
 print("BACKEND", type(basics.runtime().process_sets[0][1]).__name__, flush=True)
+if RANK:  # how this rank reached the coordinator: its local socket on the same host, else TCP
+    print("CONTROL", basics.runtime().engine._to_coordinator.peer.split(" ")[0], flush=True)
 
 OPS = {"Sum": (hvd.Sum, np.sum), "Min": (hvd.Min, np.min), "Max": (hvd.Max, np.max)}
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int16, torch.uint16, torch.int64, torch.uint8,
