@@ -13,7 +13,7 @@ import glob
 from launch_util import assert_checks_passed, describe, rank_lines, run_job
 
 WORKER = "torch_shared_memory.py"
-SCENARIOS = ("allreduce", "allgather", "broadcast")
+SCENARIOS = ("allreduce", "fused", "allgather", "broadcast")
 
 
 def backends(result, np):

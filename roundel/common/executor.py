@@ -92,6 +92,11 @@ def _runs_alone(request: Request, work: Work | None, entries: int, side_by_side:
     return side_by_side and math.prod(request.shape) * torch_dtype(request.dtype).itemsize >= OWN_CALL_BYTES
 
 
+def _postscale(request: Request, size: int) -> float:
+    """The factor an allreduce's result is scaled by: its postscale, over ``size`` for an average."""
+    return request.postscale / (size if request.reduce_op == ReduceOp.Average else 1)
+
+
 class _InFlight:
     """An allreduce batch running on the backend's threads (see ``Executor._start_in_background``)."""
 
@@ -283,8 +288,12 @@ class Executor:
         names = self._names = [e.name for e in batch.entries] if self._timeline.active else None
         self._phase("")  # out of QUEUE
         try:
-            op = ReduceOp(batch.entries[0].request.reduce_op)
-            parts, outputs, post = self._allreduce_parts(batch, works, backend, op, len(ranks))
+            request = batch.entries[0].request
+            inputs = self._inputs(batch, works)
+            outputs = self._outputs_in_place(works, inputs)
+            op = ReduceOp(request.reduce_op)
+            post = _postscale(request, len(ranks))
+            parts = self._allreduce_parts(batch, works, backend, inputs, outputs)
             self._phase(transport_activity(backend.carrier("allreduce"), "allreduce"))
             futures = [backend.allreduce_async(buffer, op) for buffer, _ in parts]
         except Exception as exc:
@@ -425,10 +434,16 @@ class Executor:
     def _allreduce(self, batch, works, backend, ranks):
         request = batch.entries[0].request
         op = ReduceOp(request.reduce_op)
+        inputs = self._inputs(batch, works)
+        outputs = self._outputs_in_place(works, inputs)
         if op == ReduceOp.Adasum:
-            inputs = self._inputs(batch, works)
-            return self._adasum(inputs, self._outputs_in_place(works, inputs), request, backend, len(ranks))
-        parts, outputs, post = self._allreduce_parts(batch, works, backend, op, len(ranks))
+            return self._adasum(inputs, outputs, request, backend, len(ranks))
+        post = _postscale(request, len(ranks))
+        if inputs[0].dtype in backend.fused_dtypes and all(t.is_contiguous() for t in (*inputs, *outputs)):
+            self._phase(transport_activity(backend.carrier("allreduce"), "allreduce"))
+            backend.allreduce_fused(inputs, outputs, op, request.prescale, post)
+            return outputs
+        parts = self._allreduce_parts(batch, works, backend, inputs, outputs)
         (buffer, _), = parts  # a batch that needs several calls runs in the background
         self._phase(transport_activity(backend.carrier("allreduce"), "allreduce"))
         backend.allreduce(buffer, op)
@@ -442,15 +457,13 @@ class Executor:
         small_allreduce.unpack(batch.reduced, torch_dtype(batch.entries[0].request.dtype), outputs)
         return outputs
 
-    def _allreduce_parts(self, batch: Batch, works: list, backend, op: ReduceOp, size: int) -> tuple:
-        """([(buffer, its outputs)], every output in entry order, the scale to apply after the reduction).
+    def _allreduce_parts(self, batch: Batch, works: list, backend, inputs: list, outputs: list) -> list:
+        """[(buffer, its outputs)]: each buffer holds prescaled inputs and takes one backend call.
 
-        Each buffer holds prescaled inputs and takes one backend call. An entry that runs alone (see
-        ``_runs_alone``) is its own output's buffer; the others are packed into the fusion buffer.
+        An entry that runs alone (see ``_runs_alone``) is its own output's buffer; the others are packed
+        into the fusion buffer.
         """
         request = batch.entries[0].request
-        inputs = self._inputs(batch, works)
-        outputs = self._outputs_in_place(works, inputs)
         side_by_side = _runs_side_by_side(backend)
         parts, packed_inputs, packed_outputs = [], [], []
         for entry, work, tensor, output in zip(batch.entries, works, inputs, outputs):
@@ -465,8 +478,7 @@ class Executor:
             parts.append((self._pack(packed_inputs, torch_dtype(request.dtype)), packed_outputs))
         for buffer, _ in parts:
             scale(buffer, request.prescale)
-        post = request.postscale / (size if op == ReduceOp.Average else 1)
-        return parts, outputs, post
+        return parts
 
     def _allreduce_results(self, parts: list, post: float) -> None:
         for buffer, outputs in parts:
@@ -576,6 +588,6 @@ class Executor:
         self._phase(transport_activity(backend.carrier("reducescatter"), "reducescatter"))
         backend.reducescatter(output, padded, op)
         output = output[:counts[me]].clone() if counts[me] != chunk else output
-        scale(output, request.postscale / (n if op == ReduceOp.Average else 1))
+        scale(output, _postscale(request, n))
         return [output]
 

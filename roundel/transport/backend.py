@@ -6,7 +6,9 @@ raises ``RuntimeError`` when the transport fails (a peer died, a timeout).
 A backend that can also run an allreduce on its own threads offers
 ``allreduce_async``; the executor then runs large allreduces on them in the
 background, the large tensors of a fused batch side by side, each in its own
-memory.
+memory. One that can reduce several tensors straight from and into their own
+memory offers ``allreduce_fused``; the executor then fuses a batch without a
+fusion buffer.
 
 CUDA tensors go to the backend of the same members that :meth:`Backend.for_device`
 names: NCCL where the factory attached one, else a :class:`HostStaged` view that
@@ -48,6 +50,11 @@ ARITHMETIC_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64
 
 # Neither Gloo nor NCCL has kernels for these; they travel widened and come back narrowed.
 _WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+def widens(dtype: torch.dtype) -> bool:
+    """Whether ``widened`` copies tensors of ``dtype`` into a wider type."""
+    return dtype in _WIDENED
 
 
 def widened(tensor):
@@ -119,6 +126,12 @@ class Backend(abc.ABC):
     #: threads and return a ``torch.futures.Future`` that completes once ``tensor`` holds the result
     #: (or fails with the transport's ``RuntimeError``). Calls run in the order they are made.
     allreduce_async = None
+
+    #: The dtypes ``allreduce_fused(inputs, outputs, op, prescale, postscale)`` takes, where offered:
+    #: allreduce contiguous ``inputs`` of one dtype as a fusion buffer of them would be (scaled by
+    #: ``prescale`` before and ``postscale`` after, as the executor scales one), each result into its
+    #: contiguous ``outputs`` tensor (which may be its input), without filling or emptying a fusion buffer.
+    fused_dtypes: frozenset = frozenset()
 
     @abc.abstractmethod
     def allgather(self, output, tensor) -> None:

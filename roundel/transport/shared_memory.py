@@ -43,7 +43,7 @@ import uuid
 import torch
 
 from roundel.ops import ReduceOp
-from roundel.transport.backend import ARITHMETIC_DTYPES, COMBINE, Backend, narrow_back, widened
+from roundel.transport.backend import ARITHMETIC_DTYPES, COMBINE, Backend, narrow_back, scale, widened, widens
 
 log = logging.getLogger("roundel")
 
@@ -195,6 +195,44 @@ class SharedMemoryBackend(Backend):
         if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.allreduce(tensor, op)
         self._reduce(tensor, op, None)
+
+    fused_dtypes = frozenset(dtype for dtype in ARITHMETIC_DTYPES if not widens(dtype))
+
+    @torch.no_grad()  # outputs may be tensors that require grad (a parameter's .grad, say)
+    def allreduce_fused(self, inputs: list, outputs: list, op, prescale: float, postscale: float) -> None:
+        """Allreduce ``inputs`` as the executor's fusion buffer of them would be (see ``Backend``).
+
+        Each slot-sized piece of their concatenation is copied from the inputs
+        straight into this member's slot and reduced straight into the
+        outputs, so the pieces, and the results, are those of a fusion buffer
+        without its two copies. Scaling a piece while it is in cache also
+        spares two passes over the buffer.
+        """
+        pairwise, combine = _PAIRWISE[ReduceOp(op)], COMBINE[ReduceOp(op)]
+        sources, targets = [t.view(-1) for t in inputs], [t.view(-1) for t in outputs]
+        per_slot = SLOT_BYTES // inputs[0].element_size()
+        total = sum(source.numel() for source in sources)
+        index, offset = 0, 0  # where the next piece starts: tensor, element
+        for start in range(0, total, per_slot):
+            count = min(per_slot, total - start)
+            slots = self._slots(inputs[0].dtype, count)
+            mine, spans, filled = slots[self.rank], [], 0
+            while filled < count:  # (where in the slot, tensor, where in the tensor, elements)
+                take = min(count - filled, sources[index].numel() - offset)
+                if take:
+                    mine[filled:filled + take].copy_(sources[index][offset:offset + take])
+                    spans.append((filled, index, offset, take))
+                filled, offset = filled + take, offset + take
+                if offset == sources[index].numel():
+                    index, offset = index + 1, 0
+            scale(mine, prescale)
+            self._wait_for_all()
+            for at, which, where, take in spans:
+                out = targets[which][where:where + take]
+                pairwise(slots[0][at:at + take], slots[1][at:at + take], out=out)
+                for slot in slots[2:]:
+                    combine(out, slot[at:at + take])
+                scale(out, postscale)
 
     def reduce(self, tensor, root: int, op) -> None:
         """Reduce ``tensor`` into the root member's copy (the others' are left as they were)."""

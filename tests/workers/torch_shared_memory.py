@@ -2,9 +2,10 @@
 
 Run under roundelrun on one host. Prints ``BACKEND <class of the job's
 communicator>`` and, on ranks other than 0, ``CONTROL local`` when the rank
-reached the coordinator over its local socket; then checks collectives larger than one shared-memory slot
-(so they go in several pieces) and of every dtype against NumPy references;
-``CHECKS PASSED <scenario>`` after each scenario.
+reached the coordinator over its local socket; then checks collectives larger
+than one shared-memory slot (so they go in several pieces), of every dtype and
+of groups reduced without a fusion buffer, against NumPy references; ``CHECKS
+PASSED <scenario>`` after each scenario.
 """
 
 from __future__ import annotations
@@ -48,6 +49,54 @@ def scenario_allreduce():
     check(hvd.allreduce(values, name=tag, op=hvd.Average), expected, tag)
 
 
+# float32 pieces cross from one tensor into the next; every member is too large for the coordinator
+# to reduce (over 4 KiB even in float16), so each group is one batch
+FUSED_SHAPES = [(SLOT_BYTES // 4 - 7,), (3001,), (3, SLOT_BYTES // 8), (2500,)]
+
+
+def scenario_fused():
+    """Groups of tensors reduced straight from and into their own memory (``allreduce_fused``: no fusion
+    buffer), in pieces that cross tensor boundaries; int16 (widened) takes the fusion buffer instead.
+    Every result is checked against NumPy."""
+    backend = basics.runtime().process_sets[0][1]
+    fused_calls = []
+    unwrapped = backend.allreduce_fused
+    backend.allreduce_fused = lambda *args: (fused_calls.append(len(args[0])), unwrapped(*args))  # counted
+    ops = {**OPS, "Product": (hvd.Product, np.prod)}
+    try:
+        for dtype, (op_name, (op, reference)) in itertools.product(
+                (torch.float32, torch.int32, torch.float16, torch.int16), ops.items()):
+            tag = f"shm.fused.{op_name}.{dtype_name(dtype)}"
+            low, high = (1, 3) if op_name == "Product" else (-3, 4)
+            inputs = [[make(r, f"{tag}.{i}", shape, dtype, low, high) for i, shape in enumerate(FUSED_SHAPES)]
+                      for r in range(SIZE)]
+            results = hvd.grouped_allreduce(inputs[RANK], name=tag, op=op)
+            for i, result in enumerate(results):
+                expected = reference(np.stack([to_np(inputs[r][i]) for r in range(SIZE)]).astype(np.float64), 0)
+                check(result, expected, f"{tag}[{i}]", dtype)
+        # every member of the 12 groups other than int16's, several in one call
+        assert sum(fused_calls) == 12 * len(FUSED_SHAPES) and max(fused_calls) > 1, fused_calls
+        fused_so_far = len(fused_calls)
+        tag = "shm.fused.inplace.scaled"  # prescale and postscale, Average, results into the inputs
+        inputs = [[make(r, f"{tag}.{i}", shape, torch.float32) for i, shape in enumerate(FUSED_SHAPES)]
+                  for r in range(SIZE)]
+        hvd.grouped_allreduce_(inputs[RANK], name=tag, op=hvd.Average, prescale_factor=0.5, postscale_factor=4.0)
+        for i, result in enumerate(inputs[RANK]):
+            expected = 2.0 * np.mean(np.stack([to_np(make(r, f"{tag}.{i}", FUSED_SHAPES[i], torch.float32))
+                                               for r in range(SIZE)]), 0)
+            check(result, expected, f"{tag}[{i}]")
+        assert len(fused_calls) > fused_so_far, fused_calls
+        tag = "shm.fused.transposed"  # in place into a non-contiguous tensor
+        inputs = [[make(r, f"{tag}.a", (300, 700), torch.float32).t(), make(r, f"{tag}.b", (3000,), torch.float32)]
+                  for r in range(SIZE)]
+        expected = [np.sum(np.stack([to_np(inputs[r][i]) for r in range(SIZE)]), 0) for i in range(2)]
+        hvd.grouped_allreduce_(inputs[RANK], name=tag, op=hvd.Sum)
+        for i, result in enumerate(inputs[RANK]):
+            check(result, expected[i], f"{tag}[{i}]")
+    finally:
+        del backend.allreduce_fused
+
+
 def scenario_allgather():
     for dtype in (torch.float32, torch.int64, torch.bool):
         tag = f"shm.ag.{dtype_name(dtype)}"
@@ -65,6 +114,6 @@ def scenario_broadcast():
 
 
 if __name__ == "__main__":
-    run_scenarios({"allreduce": scenario_allreduce, "allgather": scenario_allgather,
+    run_scenarios({"allreduce": scenario_allreduce, "fused": scenario_fused, "allgather": scenario_allgather,
                    "broadcast": scenario_broadcast}, sys.argv, RANK)
     hvd.shutdown()
