@@ -261,13 +261,17 @@ class Connection:
 
         For a last message before closing; errors count as not written.
         """
+        if not self.pending:
+            return True
         try:
+            poller = select.poll()
+            poller.register(self._sock, select.POLLOUT)
             while self.pending:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not select.select([], [self._sock], [], remaining)[1]:
+                if remaining <= 0 or not poller.poll(remaining * 1000):
                     return False
                 self.flush()
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # ValueError: already closed
             return False
         return True
 
@@ -278,6 +282,7 @@ class Connection:
         except BlockingIOError:
             sent = 0
         except OSError:
+            queued.clear()  # a lost connection has nothing left to send
             self.abandon()
             raise
         now = time.monotonic()
@@ -285,9 +290,10 @@ class Connection:
             del queued[:sent]
             self._last_progress = now
         elif now - self._last_progress > self._send_timeout_s:
+            stuck = len(queued)
+            queued.clear()
             self.abandon()
-            raise socket.timeout(f"the peer took none of {len(queued)} queued bytes for "
-                                 f"{self._send_timeout_s:.0f} s")
+            raise socket.timeout(f"the peer took none of {stuck} queued bytes for {self._send_timeout_s:.0f} s")
 
     def abandon(self) -> None:
         """Shut both directions down so whoever selects on this connection sees it as lost."""

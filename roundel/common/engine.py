@@ -318,7 +318,7 @@ class Engine:
             log.exception("roundel engine thread failed")
             self._break(f"roundel's engine thread failed: {exc!r}")
         finally:  # what is still queued (a goodbye) goes out first, unless rank 0 stops reading
-            self._to_coordinator.drain(time.monotonic() + self.settings.heartbeat_timeout_s)
+            self._to_coordinator.drain(time.monotonic() + BYE_GRACE_S)
             self._to_coordinator.close()
 
     def _rank_wake(self) -> bool:
