@@ -4,11 +4,12 @@ Covered (the codec itself is tested in test_control_codec.py): mutual
 authentication (a rank refuses a fake coordinator, and never unpickles what
 one sends); per-frame integrity (tampered, replayed, reordered and spliced
 frames drop the connection); sending without blocking (both ends at
-once, a peer that stops reading, the last messages before close); the coordinator's listener under slow, silent
-and over-the-limit connections; and, under the real launcher, a running job
-that is flooded with idle connections while its coordinator runs out of file
-descriptors, and one fuzzed with 1,000 junk inputs: results stay exact, a
-rank-like client still gets an answer promptly, and the log stays short.
+once, a peer that stops reading, the last messages before close); the
+coordinator's listener under slow, silent and over-the-limit connections;
+and, under the real launcher, a running job that is flooded with idle
+connections while its coordinator runs out of file descriptors, and one
+fuzzed with 1,000 junk inputs: results stay exact, a rank-like client still
+gets an answer promptly, and the log stays short.
 """
 
 from __future__ import annotations
@@ -340,13 +341,13 @@ def test_tampered_replayed_reordered_or_spliced_frames_drop_the_connection(case,
 BIG = ("heartbeat", "x" * 16_000_000)  # more than the kernel's socket buffers hold
 
 
-def _exchange(connections, expected: int, timeout: float = 30) -> list[list]:
+def _exchange(connections, expected: list[int], timeout: float = 30) -> list[list]:
     """Serve ``connections`` as the engine does (flush when writable, read when readable) until each
-    has received ``expected`` messages; returns what each received."""
+    has received its ``expected`` number of messages; returns what each received."""
     readers = [control_channel.FrameReader(connection) for connection in connections]
     received = [[] for _ in connections]
     deadline = time.monotonic() + timeout
-    while any(len(messages) < expected for messages in received):
+    while any(len(messages) < count for messages, count in zip(received, expected)):
         assert time.monotonic() < deadline, [len(messages) for messages in received]
         writable = [connection for connection in connections if connection.pending]
         readable, writable, _ = select.select(connections, writable, [], 0.5)
@@ -372,7 +373,7 @@ def test_both_ends_send_megabytes_at_once_without_waiting_for_the_other_to_read(
         coordinator_side.send(BIG)
         rank_side.send(ENGINE_MESSAGES[0])
         assert rank_side.pending and coordinator_side.pending  # queued, not waited for
-        to_coordinator, to_rank = _exchange([coordinator_side, rank_side], 1)
+        to_coordinator, to_rank = _exchange([coordinator_side, rank_side], [2, 1])
         assert to_rank == [BIG]
         assert to_coordinator == [BIG, ENGINE_MESSAGES[0]]
         assert not rank_side.pending and not coordinator_side.pending
@@ -402,7 +403,7 @@ def test_a_peer_that_stops_reading_is_dropped_after_the_send_timeout(local):
 def test_drain_writes_out_the_last_messages_before_close(local):
     listener, rank_side, coordinator_side = _pair(local=local)
     received = []
-    reader = threading.Thread(target=lambda: received.extend(_exchange([coordinator_side], 2)[0]), daemon=True)
+    reader = threading.Thread(target=lambda: received.extend(_exchange([coordinator_side], [2])[0]), daemon=True)
     try:
         rank_side.send(BIG)
         rank_side.send(("bye",))
