@@ -92,11 +92,6 @@ def _runs_alone(request: Request, work: Work | None, entries: int, side_by_side:
     return side_by_side and math.prod(request.shape) * torch_dtype(request.dtype).itemsize >= OWN_CALL_BYTES
 
 
-def _postscale(request: Request, size: int) -> float:
-    """The factor an allreduce's result is scaled by: its postscale, over ``size`` for an average."""
-    return request.postscale / (size if request.reduce_op == ReduceOp.Average else 1)
-
-
 class _InFlight:
     """An allreduce batch running on the backend's threads (see ``Executor._start_in_background``)."""
 
@@ -292,7 +287,7 @@ class Executor:
             inputs = self._inputs(batch, works)
             outputs = self._outputs_in_place(works, inputs)
             op = ReduceOp(request.reduce_op)
-            post = _postscale(request, len(ranks))
+            post = request.result_scale(len(ranks))
             parts = self._allreduce_parts(batch, works, backend, inputs, outputs)
             self._phase(transport_activity(backend.carrier("allreduce"), "allreduce"))
             futures = [backend.allreduce_async(buffer, op) for buffer, _ in parts]
@@ -438,7 +433,7 @@ class Executor:
         outputs = self._outputs_in_place(works, inputs)
         if op == ReduceOp.Adasum:
             return self._adasum(inputs, outputs, request, backend, len(ranks))
-        post = _postscale(request, len(ranks))
+        post = request.result_scale(len(ranks))
         if inputs[0].dtype in backend.fused_dtypes and all(t.is_contiguous() for t in (*inputs, *outputs)):
             self._phase(transport_activity(backend.carrier("allreduce"), "allreduce"))
             backend.allreduce_fused(inputs, outputs, op, request.prescale, post)
@@ -588,6 +583,6 @@ class Executor:
         self._phase(transport_activity(backend.carrier("reducescatter"), "reducescatter"))
         backend.reducescatter(output, padded, op)
         output = output[:counts[me]].clone() if counts[me] != chunk else output
-        scale(output, _postscale(request, n))
+        scale(output, request.result_scale(n))
         return [output]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
+from roundel.ops import ReduceOp
+
 
 class OpKind(enum.IntEnum):
     """The collective a request asks for."""
@@ -46,6 +48,11 @@ class Request(NamedTuple):
     splits: tuple | None = None
     cacheable: bool = True
     error: str | None = None
+
+    def result_scale(self, size: int) -> float:
+        """The factor a reduction's result is scaled by among ``size`` members: the postscale, divided
+        by ``size`` for an average."""
+        return self.postscale / (size if self.reduce_op == ReduceOp.Average else 1)
 
     def fusion_key(self) -> tuple:
         """Requests with equal keys may share one fused backend call."""

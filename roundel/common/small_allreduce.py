@@ -58,7 +58,7 @@ def reduce(request: Request, contributions: list) -> bytes | None:
     if any(not isinstance(data, bytes) or len(data) != size for data in contributions):
         return None
     op = ReduceOp(request.reduce_op)
-    post = request.postscale / (len(contributions) if op == ReduceOp.Average else 1)
+    post = request.result_scale(len(contributions))
     array_type = _NUMPY_TYPES.get(request.dtype)
     if array_type is not None and request.prescale == 1.0:  # NumPy: the same results, in less time
         combine = _NUMPY_COMBINE[op]

@@ -66,6 +66,14 @@ def attach(inner: Backend, store, timeout_s: float) -> Backend:
         return inner
 
 
+def _combine(out, rows: list, op) -> None:
+    """Combine ``rows`` (one per member, in member order) into ``out`` with ``op``."""
+    pairwise, combine = _PAIRWISE[ReduceOp(op)], COMBINE[ReduceOp(op)]
+    pairwise(rows[0], rows[1], out=out)
+    for row in rows[2:]:
+        combine(out, row)
+
+
 class _NotShared(Exception):
     """Some member could not set the segment up (every member raises it alike)."""
 
@@ -208,7 +216,6 @@ class SharedMemoryBackend(Backend):
         without its two copies. Scaling a piece while it is in cache also
         spares two passes over the buffer.
         """
-        pairwise, combine = _PAIRWISE[ReduceOp(op)], COMBINE[ReduceOp(op)]
         sources, targets = [t.view(-1) for t in inputs], [t.view(-1) for t in outputs]
         per_slot = SLOT_BYTES // inputs[0].element_size()
         total = sum(source.numel() for source in sources)
@@ -229,9 +236,7 @@ class SharedMemoryBackend(Backend):
             self._wait_for_all()
             for at, which, where, take in spans:
                 out = targets[which][where:where + take]
-                pairwise(slots[0][at:at + take], slots[1][at:at + take], out=out)
-                for slot in slots[2:]:
-                    combine(out, slot[at:at + take])
+                _combine(out, [slot[at:at + take] for slot in slots], op)
                 scale(out, postscale)
 
     def reduce(self, tensor, root: int, op) -> None:
@@ -280,12 +285,9 @@ class SharedMemoryBackend(Backend):
     def _reduce(self, tensor, op, root: int | None) -> None:
         """Combine every member's ``tensor`` in member order into the root's (every member's: None)."""
         sent = widened(tensor)
-        pairwise, combine = _PAIRWISE[ReduceOp(op)], COMBINE[ReduceOp(op)]
         for _, part, slots in self._exchange(sent.view(-1)):
             if root is None or self.rank == root:
-                pairwise(slots[0], slots[1], out=part)
-                for slot in slots[2:]:
-                    combine(part, slot)
+                _combine(part, slots, op)
         narrow_back(tensor, sent)
 
     def _gather(self, tensor, outputs: list | None) -> None:
