@@ -112,6 +112,29 @@ def test_entries_that_differ_in_a_fusion_field_run_in_separate_batches(different
     assert names(n.take(1 << 20)) == [("a", "c"), ("b",)]
 
 
+def test_groups_fuse_with_everything_else_by_default():
+    n = Negotiator(2, 0)
+    requests = [allreduce("g.0", group="g"), allreduce("plain"), allreduce("g.1", group="g"),
+                allreduce("h.0", group="h")]
+    submit_all(n, {0: requests, 1: requests})
+    assert names(n.take(1 << 20)) == [("g.0", "plain", "g.1", "h.0")]
+
+
+def test_disable_group_fusion_fuses_each_group_only_with_itself():
+    n = Negotiator(2, 0, separate_groups=True)
+    requests = [allreduce("g.0", group="g"), allreduce("plain"), allreduce("h.0", group="h"),
+                allreduce("g.1", group="g"), allreduce("other"), allreduce("h.1", group="h")]
+    submit_all(n, {0: requests, 1: requests})
+    assert names(n.take(1 << 20)) == [("g.0", "g.1"), ("plain", "other"), ("h.0", "h.1")]
+
+
+def test_a_group_over_the_fusion_threshold_is_split_in_order():
+    n = Negotiator(2, 0, separate_groups=True)
+    requests = [allreduce(f"g.{i}", group="g") for i in range(3)]  # 16 bytes each
+    submit_all(n, {0: requests, 1: requests})
+    assert names(n.take(32)) == [("g.0", "g.1"), ("g.2",)]
+
+
 def test_allgather_fusion_counts_every_rank_s_rows():
     n = Negotiator(2, 0)
     # each entry gathers 3 + 5 rows of 2 float32 = 64 bytes

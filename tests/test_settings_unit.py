@@ -37,6 +37,7 @@ VARIABLES = [
     ("bucket_cap_mb", "BUCKET_CAP_MB", 25.0, ("0", 0.0), ["-1", "big"]),
     ("shared_memory", "SHARED_MEMORY", True, ("0", False), ["maybe"]),
     ("coordinator_reduce_bytes", "COORDINATOR_REDUCE_BYTES", 4096, ("0", 0), ["-1", "65537", "4k"]),
+    ("disable_group_fusion", "DISABLE_GROUP_FUSION", False, ("1", True), ["groups"]),
 ]
 IDS = [row[1] for row in VARIABLES]
 

@@ -13,7 +13,8 @@ from launch_util import assert_checks_passed, run_job
 WORKER = "torch_collectives.py"
 
 GROUPS = {
-    "allreduce": ("allreduce", "allreduce_sizes", "grouped", "coordinator_reduce"),
+    "allreduce": ("allreduce", "allreduce_sizes", "grouped", "group_batches", "message_limits",
+                  "coordinator_reduce"),
     "gather_bcast": ("allgather", "broadcast"),
     "a2a_rs": ("alltoall", "reducescatter"),
     "async": ("ordering", "barrier"),
@@ -47,6 +48,13 @@ SETTINGS = {
 def test_settings_do_not_change_results(setting):
     scenarios = ("steady", "allreduce", "ordering")
     result = run_job(3, WORKER, ",".join(scenarios), env=SETTINGS[setting])
+    assert_checks_passed(result, 3, *scenarios)
+
+
+@pytest.mark.parametrize("prefix", ["HOROVOD_", "ROUNDEL_"])
+def test_disable_group_fusion_keeps_each_group_in_batches_of_its_own(prefix):
+    scenarios = ("group_batches", "grouped")
+    result = run_job(3, WORKER, ",".join(scenarios), env={prefix + "DISABLE_GROUP_FUSION": "1"})
     assert_checks_passed(result, 3, *scenarios)
 
 

@@ -106,18 +106,22 @@ def _dtype_name(buffer: torch.Tensor) -> str:
     return str(buffer.dtype).split(".", 1)[1]
 
 
-def _submit(what: str, kind: OpKind, buffer: torch.Tensor, output, name, process_set,
-            cacheable: bool | None = None, **fields):
-    """Queue one request on the engine; returns the engine's handle."""
+def _request(what: str, kind: OpKind, buffer: torch.Tensor, name, process_set, cacheable: bool | None = None,
+             group: str = "", **fields) -> Request:
+    """The request for one collective on ``buffer`` (an unnamed one gets the next automatic name)."""
     runtime = basics.runtime(what)
     number = set_id(process_set)
-    request = Request(
+    return Request(
         name if name is not None else runtime.unnamed_name(kind.label, number), kind, number,
         dtype=_dtype_name(buffer), shape=tuple(buffer.shape), device=buffer.device.type,
-        cacheable=name is not None if cacheable is None else cacheable, **fields)
-    if buffer.is_cuda:
-        _order_after_current_stream(buffer.device)
-    return runtime.engine.submit(request, buffer, output)
+        cacheable=name is not None if cacheable is None else cacheable, group=group, **fields)
+
+
+def _start(what: str, parts: list) -> list:
+    """Queue ``(request, buffer, output)`` parts on the engine in one submission; returns the engine's handles."""
+    for device in {buffer.device for _, buffer, _ in parts if buffer.is_cuda}:
+        _order_after_current_stream(device)
+    return basics.runtime(what).engine.submit_group(parts)
 
 
 def _order_after_current_stream(device: torch.device) -> None:
@@ -161,11 +165,11 @@ def _target(buffer: torch.Tensor, in_place: bool):
     return target, torch.empty_like(target), _first
 
 
-def _group_names(name, count: int, kind: str, process_set) -> tuple[list, bool]:
-    """Per-tensor names for a grouped op, and whether they are worth caching (user-given)."""
+def _group_names(name, count: int, kind: str, process_set) -> tuple[list, bool, str]:
+    """Per-tensor names for a grouped op, whether they are worth caching (user-given), and the group's name."""
     base = name if name is not None else \
         basics.runtime(f"grouped_{kind}").unnamed_name(f"grouped_{kind}", set_id(process_set))
-    return [f"{base}.{i}" for i in range(count)], name is not None
+    return [f"{base}.{i}" for i in range(count)], name is not None, base
 
 
 # ------------------------------------------------------------------ allreduce
@@ -177,50 +181,55 @@ def _reduction_problem(buffer: torch.Tensor, op: ReduceOp) -> str | None:
     return None
 
 
-def _allreduce_part(buffer, in_place: bool, name, op, prescale, postscale, process_set, cacheable=None):
+def _allreduce_part(buffer, in_place: bool, name, op, prescale, postscale, process_set, cacheable=None,
+                    group: str = ""):
     target, output, finish = _target(_checked("allreduce", buffer), in_place)
-    handle = _submit("allreduce", OpKind.ALLREDUCE, target, output, name, process_set, cacheable,
-                     reduce_op=int(op), prescale=float(prescale), postscale=float(postscale),
-                     error=_reduction_problem(target, op))
-    return handle, finish
+    request = _request("allreduce", OpKind.ALLREDUCE, target, name, process_set, cacheable, group,
+                       reduce_op=int(op), prescale=float(prescale), postscale=float(postscale),
+                       error=_reduction_problem(target, op))
+    return (request, target, output), finish
 
 
 def allreduce_async(buffer, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set, in_place: bool = False) -> int:
     """Start reducing ``buffer`` across the set, into a new buffer or (``in_place``) into itself."""
-    handle, finish = _allreduce_part(buffer, in_place, name, op, prescale_factor, postscale_factor,
-                                     process_set)
-    return _register(Pending([handle], finish))
+    part, finish = _allreduce_part(buffer, in_place, name, op, prescale_factor, postscale_factor, process_set)
+    return _register(Pending(_start("allreduce", [part]), finish))
 
 
 def grouped_allreduce_async(buffers, name=None, op=ReduceOp.Average, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set, in_place: bool = False) -> int:
-    """Start reducing a list of buffers together; the result is the list of reduced buffers."""
-    names, named = _group_names(name, len(buffers), "allreduce", process_set)
-    parts = [_allreduce_part(b, in_place, n, op, prescale_factor, postscale_factor, process_set, named)
+    """Start reducing a list of buffers together; the result is the list of reduced buffers.
+
+    The buffers reach the coordinator together, so they are fused with each
+    other (up to the fusion threshold, per dtype), as in Horovod.
+    """
+    names, named, group = _group_names(name, len(buffers), "allreduce", process_set)
+    parts = [_allreduce_part(b, in_place, n, op, prescale_factor, postscale_factor, process_set, named, group)
              for b, n in zip(buffers, names)]
     finishers = [finish for _, finish in parts]
-    return _register(Pending([handle for handle, _ in parts],
+    return _register(Pending(_start("grouped_allreduce", [part for part, _ in parts]),
                              lambda results: [f([r]) for f, r in zip(finishers, results)]))
 
 
 # ------------------------------------------------------------------ allgather
-def _allgather_part(buffer, name, process_set, cacheable=None):
+def _allgather_part(buffer, name, process_set, cacheable=None, group: str = ""):
     source = _checked("allgather", buffer).contiguous()
     if source.dim() == 0:
         source = source.reshape(1)
-    return _submit("allgather", OpKind.ALLGATHER, source, None, name, process_set, cacheable)
+    return _request("allgather", OpKind.ALLGATHER, source, name, process_set, cacheable, group), source, None
 
 
 def allgather_async(buffer, name=None, process_set=global_process_set) -> int:
     """Start concatenating every rank's ``buffer`` along dimension 0 (first dimensions may differ)."""
-    return _register(Pending([_allgather_part(buffer, name, process_set)], _first))
+    return _register(Pending(_start("allgather", [_allgather_part(buffer, name, process_set)]), _first))
 
 
 def grouped_allgather_async(buffers, name=None, process_set=global_process_set) -> int:
     """Start allgathering a list of buffers together; the result is the list of gathered buffers."""
-    names, named = _group_names(name, len(buffers), "allgather", process_set)
-    return _register(Pending([_allgather_part(b, n, process_set, named) for b, n in zip(buffers, names)], list))
+    names, named, group = _group_names(name, len(buffers), "allgather", process_set)
+    parts = [_allgather_part(b, n, process_set, named, group) for b, n in zip(buffers, names)]
+    return _register(Pending(_start("grouped_allgather", parts), list))
 
 
 # ------------------------------------------------------------------ broadcast
@@ -230,8 +239,8 @@ def broadcast_async(buffer, root_rank, name=None, process_set=global_process_set
     ``root_rank`` is a global rank (a member of ``process_set``), as in Horovod.
     """
     target, output, finish = _target(_checked("broadcast", buffer), in_place)
-    handle = _submit("broadcast", OpKind.BROADCAST, target, output, name, process_set, root_rank=int(root_rank))
-    return _register(Pending([handle], finish))
+    request = _request("broadcast", OpKind.BROADCAST, target, name, process_set, root_rank=int(root_rank))
+    return _register(Pending(_start("broadcast", [(request, target, output)]), finish))
 
 
 # ------------------------------------------------------------------- alltoall
@@ -260,16 +269,17 @@ def alltoall_async(buffer, splits=None, name=None, process_set=global_process_se
     members = basics.runtime("alltoall").process_sets.get(set_id(process_set), ((),))[0]
     source = _checked("alltoall", buffer).contiguous()
     split_list, error = _split_list(source, splits, len(members))
-    handle = _submit("alltoall", OpKind.ALLTOALL, source, None, name, process_set, splits=split_list, error=error)
-    return _register(Pending([handle], _first))
+    request = _request("alltoall", OpKind.ALLTOALL, source, name, process_set, splits=split_list, error=error)
+    return _register(Pending(_start("alltoall", [(request, source, None)]), _first))
 
 
 # -------------------------------------------------------------- reducescatter
-def _reducescatter_part(buffer, name, op, prescale, postscale, process_set, cacheable=None):
+def _reducescatter_part(buffer, name, op, prescale, postscale, process_set, cacheable=None, group: str = ""):
     source = _checked("reducescatter", buffer).contiguous()
     error = _reduction_problem(source, op) if op != ReduceOp.Adasum else "reducescatter does not support Adasum"
-    return _submit("reducescatter", OpKind.REDUCESCATTER, source, None, name, process_set, cacheable,
-                   reduce_op=int(op), prescale=float(prescale), postscale=float(postscale), error=error)
+    request = _request("reducescatter", OpKind.REDUCESCATTER, source, name, process_set, cacheable, group,
+                       reduce_op=int(op), prescale=float(prescale), postscale=float(postscale), error=error)
+    return request, source, None
 
 
 def reducescatter_async(buffer, name=None, op=ReduceOp.Average, process_set=global_process_set,
@@ -278,17 +288,17 @@ def reducescatter_async(buffer, name=None, op=ReduceOp.Average, process_set=glob
 
     Ranks with a lower index get one extra row when the first dimension does not divide evenly.
     """
-    handle = _reducescatter_part(buffer, name, op, prescale_factor, postscale_factor, process_set)
-    return _register(Pending([handle], _first))
+    part = _reducescatter_part(buffer, name, op, prescale_factor, postscale_factor, process_set)
+    return _register(Pending(_start("reducescatter", [part]), _first))
 
 
 def grouped_reducescatter_async(buffers, name=None, op=ReduceOp.Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
     """Start reducescattering a list of buffers; the result is the list of this rank's slices."""
-    names, named = _group_names(name, len(buffers), "reducescatter", process_set)
-    handles = [_reducescatter_part(b, n, op, prescale_factor, postscale_factor, process_set, named)
-               for b, n in zip(buffers, names)]
-    return _register(Pending(handles, list))
+    names, named, group = _group_names(name, len(buffers), "reducescatter", process_set)
+    parts = [_reducescatter_part(b, n, op, prescale_factor, postscale_factor, process_set, named, group)
+             for b, n in zip(buffers, names)]
+    return _register(Pending(_start("grouped_reducescatter", parts), list))
 
 
 # ------------------------------------------------------------ barrier and join

@@ -18,7 +18,7 @@ import selectors
 import threading
 import time
 
-from roundel.common import autotune, control_channel, control_codec, deadlock
+from roundel.common import autotune, control_channel, control_codec, deadlock, small_allreduce
 from roundel.common.control_messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
 from roundel.common.negotiation import Negotiator
 from roundel.common.settings import Settings
@@ -41,12 +41,30 @@ def describe_silence(silent: float, timeout: float) -> str:
             "or its host or network is down")
 
 
+def _dispatches(version: int, outbox: list, evicted: list, resends: list) -> list:
+    """``outbox``'s batches in consecutive Dispatch messages, each carrying results (``reduced``) of at most
+    ``small_allreduce.MESSAGE_DATA_BYTES`` unless one batch alone does; the evictions and resend requests go
+    with the first, so a rank applies them before any of the batches."""
+    runs, run, carried = [], [], 0
+    for batch in outbox:
+        size = len(batch.reduced) if batch.reduced else 0
+        if run and carried + size > small_allreduce.MESSAGE_DATA_BYTES:
+            runs.append(run)
+            run, carried = [], 0
+        run.append(batch)
+        carried += size
+    runs.append(run)
+    return [Dispatch(version, run, evicted, resends) if i == 0 else Dispatch(version, run, [], [])
+            for i, run in enumerate(runs)]
+
+
 class Coordinator:
     """Rank 0's coordination of the job; ``engine`` is rank 0's own ``Engine`` (its queue, executor, store)."""
 
     def __init__(self, engine, size: int, settings: Settings, secret: bytes, advertise_host: str):
         self._engine = engine
-        self._negotiator = Negotiator(size, settings.cache_capacity, settings.coordinator_reduce_bytes)
+        self._negotiator = Negotiator(size, settings.cache_capacity, settings.coordinator_reduce_bytes,
+                                      separate_groups=settings.disable_group_fusion)
         self._autotuner = autotune.Autotuner(settings, isinstance(engine.job_backend, HierarchicalBackend),
                                              lambda: engine.bucketed) if settings.autotune else None
         self._peers: dict[int, control_channel.Connection] = {}
@@ -354,16 +372,18 @@ class Coordinator:
         evicted = [bit for bit, _ in negotiator.take_evictions()]
         version = negotiator.cache.version
         targets = set(self._outbox) | set(self._resends) | (set(self._peers) if evicted else set())
-        encoded: dict[tuple, bytes] = {}  # peers getting the same batches share one encoding
+        encoded: dict[tuple, list] = {}  # peers getting the same batches share one encoding
         for rank in targets:
             outbox, resends = self._outbox.get(rank, []), self._resends.get(rank, [])
             same = (tuple(map(id, outbox)), bool(resends))
-            payload = None if resends else encoded.get(same)
-            if payload is None:
-                payload = control_codec.encode(Dispatch(version, outbox, evicted, resends))
+            payloads = None if resends else encoded.get(same)
+            if payloads is None:
+                payloads = [control_codec.encode(message)
+                            for message in _dispatches(version, outbox, evicted, resends)]
                 if not resends:
-                    encoded[same] = payload
-            self._send_peer_encoded(rank, payload)
+                    encoded[same] = payloads
+            for payload in payloads:
+                self._send_peer_encoded(rank, payload)
         self._outbox.clear()
         self._resends.clear()
         if mine:  # after the peers' messages are out: rank 0's executor waits for them in the collective anyway

@@ -166,24 +166,38 @@ class Engine:
     # ------------------------------------------------------------ user side
     def submit(self, request: Request, tensor, output) -> Handle:
         """Queue one collective; return its handle. Raises if the job's communication has failed."""
-        key = (request.process_set_id, request.name)
+        return self.submit_group([(request, tensor, output)])[0]
+
+    def submit_group(self, parts: list) -> list:
+        """Queue collectives, ``(request, tensor, output)`` each, to reach the coordinator in one message
+        (a grouped call's tensors, so that they become ready, and fuse, together); return their handles.
+
+        All or none: raises, queuing nothing, when one of the names is already in flight on this rank or
+        the job's communication has failed.
+        """
+        keys = [(request.process_set_id, request.name) for request, _, _ in parts]
         with self._lock:
-            if key in self._names_in_flight:
+            clash = next((key for key in keys if key in self._names_in_flight), None)
+            if clash is not None:
                 raise ValueError(
-                    f"'{request.name}' is already in flight on rank {self.rank} (submitted and not yet "
+                    f"'{clash[1]}' is already in flight on rank {self.rank} (submitted and not yet "
                     "finished); give each in-flight collective a unique name, or synchronize the first one")
-            self._names_in_flight.add(key)
-        handle = Handle(request.name, self._waits, (request.process_set_id, request.name, request.kind.label),
-                        on_done=lambda: self._name_done(key))
-        data = None
-        if small_allreduce.eligible(request, self.settings.coordinator_reduce_bytes):
-            data = small_allreduce.snapshot(tensor)
+            self._names_in_flight.update(keys)
+        works = []
+        for (request, tensor, output), key in zip(parts, keys):
+            handle = Handle(request.name, self._waits, (request.process_set_id, request.name, request.kind.label),
+                            on_done=lambda key=key: self._name_done(key))
+            data = None
+            if small_allreduce.eligible(request, self.settings.coordinator_reduce_bytes):
+                data = small_allreduce.snapshot(tensor)
+            works.append(Work(request, tensor, output, handle, data))
         try:
-            self._enqueue(Work(request, tensor, output, handle, data))
+            self._enqueue(*works)
         except BaseException:
-            self._name_done(key)
+            for key in keys:
+                self._name_done(key)
             raise
-        return handle
+        return [work.handle for work in works]
 
     def _name_done(self, key: tuple) -> None:
         with self._lock:
@@ -193,13 +207,14 @@ class Engine:
         """Queue a process-set change (applied in order with the requests around it)."""
         self._enqueue(message)
 
-    def _enqueue(self, item) -> None:
+    def _enqueue(self, *items) -> None:
+        """Queue ``items`` at once: the engine thread takes them in one drain."""
         if self._broken is not None:
             raise RoundelInternalError(str(self._broken))
         with self._lock:
             if self._stopping:
                 raise RoundelInternalError("roundel is shutting down; no new collectives are accepted")
-            self._queue.append(item)
+            self._queue.extend(items)
             wake = not self._wake_pending
             self._wake_pending = True
         if wake:
@@ -325,7 +340,7 @@ class Engine:
         items = self._drain()
         if self._broken is not None:
             self._fail_inflight(self._broken)
-        bits, full, bit_data, full_data = 0, [], {}, []
+        bits, full, bit_data, full_data, carried = 0, [], {}, [], 0
         for item in items:
             if isinstance(item, tuple):  # a process-set change: only the coordinator on rank 0 needs it
                 continue
@@ -345,6 +360,10 @@ class Engine:
             else:
                 full.append(request)
                 full_data.append(item.data)
+            carried += len(item.data) if item.data is not None else 0
+            if carried >= small_allreduce.MESSAGE_DATA_BYTES:  # what is queued so far, in one message
+                self._send(Submit(self._cache.version, bits, full, bit_data, full_data))
+                bits, full, bit_data, full_data, carried = 0, [], {}, [], 0
         if self._broken is None and (bits or full):
             self._send(Submit(self._cache.version, bits, full, bit_data, full_data))
         if self._stopping:

@@ -57,7 +57,7 @@ def describe_ranks(values_by_rank: dict) -> str:
 class Negotiator:
     """Matches requests across ranks by name and plans the batches to execute."""
 
-    def __init__(self, size: int, cache_capacity: int, reduce_bytes: int = 0):
+    def __init__(self, size: int, cache_capacity: int, reduce_bytes: int = 0, separate_groups: bool = False):
         self.size = size
         self.process_sets: dict[int, tuple] = {0: tuple(range(size))}
         self.cache = CoordinatorCache(cache_capacity)
@@ -72,6 +72,7 @@ class Negotiator:
         self._compact: dict[int, CachedBatch] = {}  # id(batch) -> its compact form, from the last take()
         self._reduce_bytes = reduce_bytes  # small allreduces up to this size are reduced here
         self._reduced: dict[tuple, bytes] = {}  # ready names reduced here -> their result
+        self._separate_groups = separate_groups  # HOROVOD_DISABLE_GROUP_FUSION: a group fuses only within itself
 
     # ----------------------------------------------------------------- input
     def add_process_set(self, process_set_id: int, ranks: Iterable[int]) -> None:
@@ -166,7 +167,13 @@ class Negotiator:
 
     # ---------------------------------------------------------------- output
     def take(self, fusion_threshold: int) -> list[tuple[tuple, Batch]]:
-        """The batches ready to run, each with the global ranks to send it to, in execution order."""
+        """The batches ready to run, each with the global ranks to send it to, in execution order.
+
+        Ready entries that may share a backend call are fused up to
+        ``fusion_threshold`` bytes; with ``separate_groups``, the tensors of a
+        grouped call only with each other, and other tensors only with other
+        ungrouped ones.
+        """
         out: list[tuple[tuple, list]] = []
         open_batches: dict[tuple, list] = {}
         for entry, extra in self._ready:
@@ -176,18 +183,21 @@ class Negotiator:
             request = entry.request
             members = self.process_sets[request.process_set_id]
             nbytes = entry_bytes(entry)
-            # entries reduced here fuse only with each other: their batch needs no transport
-            group_key = (request.fusion_key(), extra, (request.process_set_id, entry.name) in self._reduced)
-            slot = open_batches.get(group_key)
+            # entries reduced here fuse only with each other (their batch needs no transport), and no
+            # further than a control message carries
+            reduced = (request.process_set_id, entry.name) in self._reduced
+            fusion_key = (request.fusion_key(), extra, reduced, request.group if self._separate_groups else "")
+            limit = min(fusion_threshold, small_allreduce.MESSAGE_DATA_BYTES) if reduced else fusion_threshold
+            slot = open_batches.get(fusion_key)
             if (slot is not None and request.kind in _FUSABLE
-                    and slot[2] + nbytes <= fusion_threshold):
+                    and slot[2] + nbytes <= limit):
                 slot[1].append(entry)
                 slot[2] += nbytes
                 continue
             slot = [members, [entry], nbytes, request, extra]
             out.append(slot)
             if request.kind in _FUSABLE:
-                open_batches[group_key] = slot
+                open_batches[fusion_key] = slot
         self._ready.clear()
         batches = []
         for item in out:

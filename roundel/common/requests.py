@@ -32,7 +32,9 @@ class Request(NamedTuple):
     """One rank's description of one named collective.
 
     ``error`` carries a problem the submitting rank found in its own input; the
-    coordinator then fails the name on every rank with that message.
+    coordinator then fails the name on every rank with that message. ``group``
+    names the grouped call (``grouped_allreduce`` and the like) the tensor is
+    part of, '' for none; a group's requests reach the coordinator together.
     """
 
     name: str
@@ -48,6 +50,7 @@ class Request(NamedTuple):
     splits: tuple | None = None
     cacheable: bool = True
     error: str | None = None
+    group: str = ""
 
     def result_scale(self, size: int) -> float:
         """The factor a reduction's result is scaled by among ``size`` members: the postscale, divided

@@ -54,6 +54,7 @@ class Settings:
     bucket_cap_mb: float = 25.0
     coordinator_reduce_bytes: int = 4096
     shared_memory: bool = True
+    disable_group_fusion: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -201,4 +202,5 @@ _SPECS = (
     _Spec("bucket_cap_mb", "BUCKET_CAP_MB", _float(0.0, "25 (MiB per gradient bucket; 0 reduces each gradient alone)")),
     _Spec("coordinator_reduce_bytes", "COORDINATOR_REDUCE_BYTES", _coordinator_reduce_bytes),
     _Spec("shared_memory", "SHARED_MEMORY", _bool),
+    _Spec("disable_group_fusion", "DISABLE_GROUP_FUSION", _bool),
 )

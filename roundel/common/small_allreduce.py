@@ -25,6 +25,9 @@ from roundel.transport.backend import ARITHMETIC_DTYPES, COMBINE, scale, widened
 
 #: Dtypes reduced at the coordinator (bool and complex tensors always go to the transport).
 DTYPES = tuple(str(dtype).removeprefix("torch.") for dtype in ARITHMETIC_DTYPES)
+#: The most tensor bytes one control message carries (the data of a rank's submitted requests, a batch's
+#: results, a dispatch's), well under ``control_channel.MAX_FRAME``; more go in further messages.
+MESSAGE_DATA_BYTES = 64 * 1024 * 1024
 _OPS = (ReduceOp.Sum, ReduceOp.Average, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
 # NumPy reduces a few bytes several times faster than torch, with the same results: integers wrap
 # around alike, and float16 sums are rounded after each step in both.

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import roundel.torch as hvd
-from roundel.common import basics
+from roundel.common import basics, control_channel, small_allreduce
 from roundel.common.settings import Settings
 from _checks import (ALL_DTYPES, DEVICE, check, dtype_name, expect_raises, make,
                      make_float, rng, run_scenarios, to_np, use_test_device)
@@ -311,6 +311,77 @@ def scenario_grouped():
         out = hvd.grouped_allreduce(tensors, name="grouped.many_members", op=hvd.Sum)
         expected = [torch.full((2,), float(sum(i * SIZE + r for r in range(SIZE)))) for i in range(3000)]
         assert all(torch.equal(o, e) for o, e in zip(out, expected)), f"grouped.many_members step {step}"
+
+
+def scenario_group_batches():
+    """Each grouped call's tensors run in one batch (they reach the coordinator together), those the
+    coordinator reduces too; with HOROVOD_DISABLE_GROUP_FUSION a group shares its batch with nothing else."""
+    executor = basics.runtime().engine.executor
+    batches = []
+    original = executor.put
+
+    def recording(batch, works):
+        batches.append(tuple(entry.name for entry in batch.entries))
+        return original(batch, works)
+
+    def batches_holding(names: set) -> list:
+        return [b for b in batches if names & set(b)]
+
+    executor.put = recording
+    try:
+        for step in range(10):
+            for label, members, length in (("transport", 64, 2048), ("coordinator", 64, 2)):
+                name = f"group_batches.{label}.{step}"
+                out = hvd.grouped_allreduce([torch.full((length,), float(RANK + i)) for i in range(members)],
+                                            name=name, op=hvd.Sum)
+                for i, o in enumerate(out):
+                    check(o, np.full(length, sum(r + i for r in range(SIZE)), np.float32), f"{name}[{i}]")
+                names = {f"{name}.{i}" for i in range(members)}
+                holding = batches_holding(names)
+                assert len(holding) == 1 and names <= set(holding[0]), \
+                    f"the {members} tensors of {name} ran in {len(holding)} batches of {[len(b) for b in holding]}"
+        if Settings.from_env().disable_group_fusion:
+            batches.clear()
+            handles = [hvd.grouped_allreduce_async([torch.ones(8) for _ in range(3)], name="separate.a"),
+                       hvd.allreduce_async(torch.ones(8), name="separate.p"),
+                       hvd.grouped_allreduce_async([torch.ones(8) for _ in range(2)], name="separate.b"),
+                       hvd.allreduce_async(torch.ones(8), name="separate.q")]
+            for handle in handles:
+                hvd.synchronize(handle)
+            for group, members in (("separate.a", 3), ("separate.b", 2)):
+                names = {f"{group}.{i}" for i in range(members)}
+                assert [set(b) for b in batches_holding(names)] == [names], \
+                    f"with group fusion disabled, {group} ran in {batches_holding(names)}"
+    finally:
+        del executor.put
+
+
+def scenario_message_limits():
+    """With the data one control message may carry lowered to 16 KiB (and frames to 40 KiB), a grouped
+    allreduce of 64 KiB the coordinator reduces goes in several submissions and dispatches, in batches
+    of at most 16 KiB, with the same results."""
+    executor = basics.runtime().engine.executor
+    carried = []
+    original_put, original_limit = executor.put, small_allreduce.MESSAGE_DATA_BYTES
+    original_frame = control_channel.MAX_FRAME
+
+    def recording(batch, works):
+        carried.append(len(batch.reduced or b""))
+        return original_put(batch, works)
+
+    executor.put, small_allreduce.MESSAGE_DATA_BYTES = recording, 16 * 1024
+    control_channel.MAX_FRAME = 40 * 1024
+    try:
+        for step in range(2):  # the second time as cache bits
+            out = hvd.grouped_allreduce([torch.full((256,), float(RANK + i)) for i in range(64)],
+                                        name="message_limits", op=hvd.Sum)
+            for i, o in enumerate(out):
+                check(o, np.full(256, sum(r + i for r in range(SIZE)), np.float32), f"message_limits[{i}]")
+        assert len(carried) >= 8 and max(carried) <= 16 * 1024, f"batches carried {carried} bytes"
+        hvd.barrier()  # every rank is past its last large message before any lifts the limits
+    finally:
+        del executor.put
+        small_allreduce.MESSAGE_DATA_BYTES, control_channel.MAX_FRAME = original_limit, original_frame
 
 
 # ------------------------------------------------------------------ allgather
@@ -777,6 +848,8 @@ SCENARIOS = {
     "allreduce_sizes": scenario_allreduce_sizes,
     "coordinator_reduce": scenario_coordinator_reduce,
     "grouped": scenario_grouped,
+    "group_batches": scenario_group_batches,
+    "message_limits": scenario_message_limits,
     "allgather": scenario_allgather,
     "broadcast": scenario_broadcast,
     "alltoall": scenario_alltoall,

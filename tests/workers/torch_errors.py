@@ -163,7 +163,8 @@ def scenario_duplicate():
 
     The first submission is not disturbed: it completes with the others' as
     usual, and nothing changes on the other ranks. The duplicating rank is the
-    last one, then rank 0 (the coordinator).
+    last one, then rank 0 (the coordinator). A grouped call with one member's
+    name in flight queues none of its tensors, so the group can run later.
     """
     x = torch.ones(3)
     for dup_rank in (SIZE - 1, 0):
@@ -182,6 +183,17 @@ def scenario_duplicate():
         # the name is free again: used twice in a row (the second time from the cache), it works
         for _ in range(2):
             check(hvd.allreduce(torch.ones(3), name=name, op=hvd.Sum), np.full(3, float(SIZE)), "name reused")
+    # a grouped call with one member's name in flight is refused whole: none of its tensors is queued
+    group = "dup.group"
+    if RANK == SIZE - 1:
+        first = hvd.allreduce_async(x, name=f"{group}.1", op=hvd.Sum)
+        expect_raises(ValueError, lambda: hvd.grouped_allreduce_async([x, x, x], name=group, op=hvd.Sum),
+                      f"'{group}.1'", "already in flight", what="a grouped call with a member's name in flight")
+        check(hvd.synchronize(first), np.full(3, float(SIZE)), "the member's name submitted first completes")
+    else:
+        check(hvd.allreduce(x, name=f"{group}.1", op=hvd.Sum), np.full(3, float(SIZE)), "the others' member name")
+    for i, out in enumerate(hvd.grouped_allreduce([x, x, x], name=group, op=hvd.Sum)):
+        check(out, np.full(3, float(SIZE)), f"the grouped call after the refused one [{i}]")
 
 
 # ----------------------------------------------------------- init / shutdown
