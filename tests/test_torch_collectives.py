@@ -52,7 +52,7 @@ def test_settings_do_not_change_results(setting):
 
 
 @pytest.mark.parametrize("prefix", ["HOROVOD_", "ROUNDEL_"])
-def test_disable_group_fusion_keeps_each_group_in_batches_of_its_own(prefix):
+def test_disable_group_fusion_keeps_each_group_in_a_batch_of_its_own(prefix):
     scenarios = ("group_batches", "grouped")
     result = run_job(3, WORKER, ",".join(scenarios), env={prefix + "DISABLE_GROUP_FUSION": "1"})
     assert_checks_passed(result, 3, *scenarios)
