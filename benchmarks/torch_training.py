@@ -10,7 +10,7 @@ Run it with plain ``python``; it starts every job itself, on this machine only::
     python benchmarks/torch_training.py --device cuda --np 1 --model resnet50 --image-size 224
                                                                 # on GPUs: roundel over NCCL, DDP over NCCL
 
-Four runs of the same training:
+Five runs of the same training:
 
     roundel  roundelrun -np 2 python torch_training.py --worker roundel ...   hvd.DistributedOptimizer
     ddp      python -m torch.distributed.run --standalone --nproc-per-node 2
@@ -18,11 +18,15 @@ Four runs of the same training:
     single   python torch_training.py --worker single ...                   1 process, plain optimizer
     ceiling  roundelrun -np 2 python torch_training.py --worker ceiling ...  2 processes training at once,
                         each alone (plain optimizer, no communication): the no-communication ceiling
+    lockstep python -m torch.distributed.run ... --worker lockstep ...       the ceiling's training, plus one
+                        4-byte torch.distributed allreduce after each backward pass: processes in lockstep
+                        without gradient traffic, the most any synchronous data-parallel job gets here
 
 By default each is a separate job, and the jobs alternate: one round runs
 each once, the next round starts with the next one (roundel, ddp, single,
-ceiling; ddp, single, ceiling, roundel; ...), so no implementation always
-goes first on a noisy machine. With ``--interleaved`` one ``roundelrun -np 2`` job holds all
+ceiling, lockstep; ddp, single, ceiling, lockstep, roundel; ...), so no
+implementation always goes first on a noisy machine. With ``--interleaved``
+one ``roundelrun -np 2`` job holds all
 of them in the same processes (a ``torch.distributed`` Gloo group for DDP beside
 roundel's own, as ``benchmarks/allreduce.py`` does; rank 0 alone trains the
 baseline while the others wait in a barrier) and alternates them span by
@@ -59,14 +63,15 @@ over every span, with the range), ms per step and its split, CPU per step,
 then roundel / DDP (the ratio of the medians, and of each round's or span
 pair's figures, which ran close together in time), each against the
 no-communication ceiling (the most a job of independent processes gets from
-this machine's cores) and scaling efficiency, 2-rank throughput / (2 x 1-rank
+this machine's cores) and the lockstep bound (what waiting for the slowest
+process each step leaves of that), and scaling efficiency, 2-rank throughput / (2 x 1-rank
 throughput), for both. The same figures go into a PNG, ``--plot PATH``
 (default ``torch_training.png`` in the current directory): samples/sec of each
 run with its range, and the scaling efficiencies; its path is printed last.
 
 With ``--device cuda`` each rank trains on GPU ``local_rank`` (one rank per
 GPU, ``--np`` at most the GPUs there are, 1 allowed: then there is no
-ceiling run), roundel moves its gradients over NCCL and DDP runs on its NCCL
+ceiling or lockstep run), roundel moves its gradients over NCCL and DDP runs on its NCCL
 backend; spans end once the GPU has finished (``torch.cuda.synchronize``),
 and the forward/backward/step split then only times the launching of GPU
 work. Separate jobs only.
@@ -89,10 +94,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # models.py
 
-IMPLEMENTATIONS = ("roundel", "ddp", "single", "ceiling")
+IMPLEMENTATIONS = ("roundel", "ddp", "single", "ceiling", "lockstep")
 RUN_LABELS = {"roundel": "roundel DistributedOptimizer", "ddp": "PyTorch DDP",
               "single": "1 process, no communication",
-              "ceiling": "independent processes at once, no communication"}
+              "ceiling": "independent processes at once, no communication",
+              "lockstep": "processes in lockstep (4-byte allreduce per step), no gradient traffic"}
 MLP_WIDTH = 2048
 RESULT = re.compile(r"BENCH_RESULT (\[.*\])\s*$")
 
@@ -117,12 +123,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train on the CPU, or each rank on its own GPU (see above)")
     p.add_argument("--threads", type=int, default=None,
                    help="PyTorch threads per process (default: usable cores / np, at least 1)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of (roundel, ddp, single, ceiling) jobs")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of (roundel, ddp, single, ceiling, lockstep) jobs")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each job")
     p.add_argument("--steps", type=int, default=5, help="steps per timed span")
     p.add_argument("--measurements", type=int, default=3, help="timed spans per job")
     p.add_argument("--only", default=",".join(IMPLEMENTATIONS),
-                   help="comma-separated subset of roundel,ddp,single,ceiling to run")
+                   help="comma-separated subset of roundel,ddp,single,ceiling,lockstep to run")
     p.add_argument("--quick", action="store_true",
                    help="defaults for a run of < 60 s: small CNN at 32x32, batch 32, one round of 10-step spans")
     p.add_argument("--timeout", type=float, default=600, help="seconds one job may take")
@@ -149,7 +155,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if args.interleaved:
             p.error("--device cuda runs separate jobs only; leave out --interleaved")
         if args.np == 1:
-            args.only = [kind for kind in args.only if kind != "ceiling"]  # one process: the ceiling is single
+            args.only = [kind for kind in args.only if kind not in ("ceiling", "lockstep")]  # one process
     if args.np < (1 if args.device == "cuda" else 2):
         p.error("--np must be >= 2 (>= 1 with --device cuda)")
     return args
@@ -198,6 +204,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(1 + rank)
         sample_shape = tuple(args.image_size if d is None else d for d in sample_shape)
         self.data = torch.randn(args.batch_size, *sample_shape, generator=generator).to(self.device)
+        self.flag = torch.zeros(1, device=self.device)  # what the lockstep run allreduces each step
         self.target = torch.randint(0, args.num_classes, (args.batch_size,), generator=generator).to(self.device)
         self.phases = {"forward": [], "backward": [], "step": []}
         self.rates: list[float] = []
@@ -211,6 +218,9 @@ class Trainer:
         loss = F.cross_entropy(self.model(self.data), self.target)
         t1 = time.perf_counter()
         loss.backward()
+        if self.kind == "lockstep":
+            import torch.distributed as dist
+            dist.all_reduce(self.flag)
         t2 = time.perf_counter()
         self.optimizer.step()
         t3 = time.perf_counter()
@@ -262,7 +272,7 @@ def worker(args) -> None:
         import roundel.torch as hvd
         hvd.init()
         rank, size, local_rank, barrier = hvd.rank(), hvd.size(), hvd.local_rank(), hvd.barrier
-    elif args.worker == "ddp":
+    elif args.worker in ("ddp", "lockstep"):
         import torch.distributed as dist
         # torchrun's environment: rank, world size, store address
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
@@ -281,7 +291,7 @@ def worker(args) -> None:
         emit([trainer.result()])
     if args.worker in ("roundel", "ceiling"):
         hvd.shutdown()
-    elif args.worker == "ddp":
+    elif args.worker in ("ddp", "lockstep"):
         dist.destroy_process_group()
 
 
@@ -349,7 +359,7 @@ def command(kind: str, args) -> list[str]:
     me = [str(Path(__file__).resolve()), "--worker", kind, *worker_args(args)]
     if kind in ("roundel", "ceiling", "interleaved"):
         return [sys.executable, "-m", "roundel.runner.launch", "-np", str(args.np), sys.executable, *me]
-    if kind == "ddp":
+    if kind in ("ddp", "lockstep"):
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                 "--nproc-per-node", str(args.np), *me]
     return [sys.executable, *me]
@@ -421,10 +431,11 @@ def report(args, results: dict, pairs: list[float], pair_label: str) -> str:
         lines.append(f"roundel / DDP throughput: **{medians['roundel'] / medians['ddp']:.3f}** (ratio of medians; "
                      f"{pair_label}: median {statistics.median(pairs):.3f}, "
                      f"{', '.join(f'{x:.3f}' for x in pairs)})")
-    if "ceiling" in medians:
-        for kind in ("roundel", "ddp"):
-            if kind in medians:
-                lines.append(f"{kind} / no-communication ceiling: **{medians[kind] / medians['ceiling']:.3f}**")
+    for bound, label in (("ceiling", "no-communication ceiling"), ("lockstep", "lockstep bound")):
+        if bound in medians:
+            for kind in ("roundel", "ddp"):
+                if kind in medians:
+                    lines.append(f"{kind} / {label}: **{medians[kind] / medians[bound]:.3f}**")
     if "single" in medians:
         for kind in ("roundel", "ddp"):
             if kind in medians:

@@ -10,6 +10,11 @@ reach the coordinator over its local socket rather than TCP.
 
 import glob
 
+import pytest
+import torch
+
+from roundel.ops import ReduceOp
+from roundel.transport.shared_memory import _scaling
 from launch_util import assert_checks_passed, describe, rank_lines, run_job
 
 WORKER = "torch_shared_memory.py"
@@ -33,6 +38,26 @@ def test_a_job_on_one_host_moves_collectives_through_shared_memory_and_leaves_no
     assert segments() <= before, segments() - before
     for rank in (1, 2):  # the control messages also stay off TCP on one host
         assert "CONTROL local" in rank_lines(result.stdout, rank, "stdout"), describe(result)
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_scaled_float_reductions_are_bitwise_a_sum_then_scaled(np):
+    result = run_job(np, WORKER, "exact", timeout=300)
+    assert_checks_passed(result, np, "exact")
+    assert backends(result, np) == [["BACKEND SharedMemoryBackend"]] * np, describe(result)
+
+
+@pytest.mark.parametrize("dtype, op, prescale, postscale, expected", [
+    (torch.float32, ReduceOp.Average, 1.0, 0.5, (0.5, 1.0, 1.0)),  # an average over 2: all on the copy
+    (torch.float64, ReduceOp.Sum, 3.0, 0.25, (0.75, 1.0, 1.0)),
+    (torch.float32, ReduceOp.Average, 0.5, 1 / 3, (0.5, 1.0, 1 / 3)),  # over 3: the postscale stays after
+    (torch.float32, ReduceOp.Max, 1.0, 0.5, (1.0, 1.0, 0.5)),  # not a sum
+    (torch.float32, ReduceOp.Sum, 2.0, -0.5, (2.0, 1.0, -0.5)),
+    (torch.float16, ReduceOp.Average, 2.0, 0.5, (1.0, 2.0, 0.5)),  # halving may round: separate passes
+    (torch.int32, ReduceOp.Average, 1.0, 0.5, (1.0, 1.0, 0.5)),
+])
+def test_which_scaling_rides_on_the_copy_into_the_slot(dtype, op, prescale, postscale, expected):
+    assert _scaling(dtype, op, prescale, postscale) == expected
 
 
 def test_shared_memory_off_keeps_gloo():

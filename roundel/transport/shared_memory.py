@@ -32,6 +32,7 @@ unchanged on every member when any member cannot (no ``/dev/shm``, no room).
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import shutil
@@ -72,6 +73,21 @@ def _combine(out, rows: list, op) -> None:
     pairwise(rows[0], rows[1], out=out)
     for row in rows[2:]:
         combine(out, row)
+
+
+def _scaling(dtype: torch.dtype, op, prescale: float, postscale: float) -> tuple[float, float, float]:
+    """(factor applied while copying an input into its slot, prescale and postscale left to apply).
+
+    In float32 and float64 the prescale rides on the copy; so does the
+    postscale of a sum or average when it is a power of two (an average over
+    2, 4, 8... members), as halving every input is then exactly halving
+    their sum (subnormals aside), and the results need no pass of their own.
+    Integers, float16 and bfloat16 keep the separate passes.
+    """
+    if dtype not in (torch.float32, torch.float64):
+        return 1.0, prescale, postscale
+    exact = ReduceOp(op) in (ReduceOp.Sum, ReduceOp.Average) and postscale > 0 and math.frexp(postscale)[0] == 0.5
+    return (prescale * postscale, 1.0, 1.0) if exact else (prescale, 1.0, postscale)
 
 
 class _NotShared(Exception):
@@ -214,11 +230,13 @@ class SharedMemoryBackend(Backend):
         straight into this member's slot and reduced straight into the
         outputs, so the pieces, and the results, are those of a fusion buffer
         without its two copies. Scaling a piece while it is in cache also
-        spares two passes over the buffer.
+        spares two passes over the buffer, and in float32/float64 the scaling
+        rides on the copy in (see ``_scaling``).
         """
         sources, targets = [t.view(-1) for t in inputs], [t.view(-1) for t in outputs]
         per_slot = SLOT_BYTES // inputs[0].element_size()
         total = sum(source.numel() for source in sources)
+        on_copy, prescale, postscale = _scaling(inputs[0].dtype, op, prescale, postscale)
         index, offset = 0, 0  # where the next piece starts: tensor, element
         for start in range(0, total, per_slot):
             count = min(per_slot, total - start)
@@ -227,7 +245,11 @@ class SharedMemoryBackend(Backend):
             while filled < count:  # (where in the slot, tensor, where in the tensor, elements)
                 take = min(count - filled, sources[index].numel() - offset)
                 if take:
-                    mine[filled:filled + take].copy_(sources[index][offset:offset + take])
+                    piece, into = sources[index][offset:offset + take], mine[filled:filled + take]
+                    if on_copy == 1.0:
+                        into.copy_(piece)
+                    else:
+                        torch.mul(piece, on_copy, out=into)
                     spans.append((filled, index, offset, take))
                 filled, offset = filled + take, offset + take
                 if offset == sources[index].numel():

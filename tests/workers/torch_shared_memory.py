@@ -19,7 +19,7 @@ import torch
 import roundel.torch as hvd
 from roundel.common import basics
 from roundel.transport.shared_memory import SLOT_BYTES
-from _checks import check, dtype_name, make, run_scenarios, to_np
+from _checks import check, dtype_name, make, make_float, run_scenarios, to_np
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
@@ -97,6 +97,24 @@ def scenario_fused():
         del backend.allreduce_fused
 
 
+def scenario_exact():
+    """Float sums and averages of normal floats, scaled, are bitwise what adding the (prescaled) inputs in
+    member order and then scaling the sum gives: a factor that rides on the copy into the slot (a power
+    of two) changes no bit, and one that cannot (an average over 3) must stay after the sum."""
+    cases = ((hvd.Average, 1.0, 1.0, "average"), (hvd.Average, 0.75, 2.0, "average.scaled"),
+             (hvd.Sum, 3.0, 0.25, "sum.scaled"))
+    for dtype, (op, pre, post, label) in itertools.product((torch.float32, torch.float64), cases):
+        tag = f"shm.exact.{label}.{dtype_name(dtype)}"
+        inputs = [make_float(r, tag, (PIECES,), dtype) for r in range(SIZE)]
+        expected = inputs[0] * pre
+        for other in inputs[1:]:
+            expected.add_(other * pre)
+        expected.mul_(post / (SIZE if op == hvd.Average else 1))
+        result = hvd.allreduce(inputs[RANK], name=tag, op=op, prescale_factor=pre, postscale_factor=post)
+        differ = (result != expected).sum().item()
+        assert differ == 0, f"{tag}: {differ} of {PIECES} elements differ from the sum, then scaled"
+
+
 def scenario_allgather():
     for dtype in (torch.float32, torch.int64, torch.bool):
         tag = f"shm.ag.{dtype_name(dtype)}"
@@ -114,6 +132,6 @@ def scenario_broadcast():
 
 
 if __name__ == "__main__":
-    run_scenarios({"allreduce": scenario_allreduce, "fused": scenario_fused, "allgather": scenario_allgather,
-                   "broadcast": scenario_broadcast}, sys.argv, RANK)
+    run_scenarios({"allreduce": scenario_allreduce, "fused": scenario_fused, "exact": scenario_exact,
+                   "allgather": scenario_allgather, "broadcast": scenario_broadcast}, sys.argv, RANK)
     hvd.shutdown()
