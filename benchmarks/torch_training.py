@@ -64,15 +64,15 @@ then roundel / DDP (the ratio of the medians, and of each round's or span
 pair's figures, which ran close together in time), each against the
 no-communication ceiling (the most a job of independent processes gets from
 this machine's cores) and the lockstep bound (what waiting for the slowest
-process each step leaves of that), and scaling efficiency, 2-rank throughput / (2 x 1-rank
-throughput), for both. The same figures go into a PNG, ``--plot PATH``
+process each step leaves of that), and scaling efficiency, 2-rank
+throughput / (2 x 1-rank throughput), for both. The same figures go into a PNG, ``--plot PATH``
 (default ``torch_training.png`` in the current directory): samples/sec of each
 run with its range, and the scaling efficiencies; its path is printed last.
 
 With ``--device cuda`` each rank trains on GPU ``local_rank`` (one rank per
 GPU, ``--np`` at most the GPUs there are, 1 allowed: then there is no
-ceiling or lockstep run), roundel moves its gradients over NCCL and DDP runs on its NCCL
-backend; spans end once the GPU has finished (``torch.cuda.synchronize``),
+ceiling or lockstep run), roundel moves its gradients over NCCL and DDP runs
+on its NCCL backend; spans end once the GPU has finished (``torch.cuda.synchronize``),
 and the forward/backward/step split then only times the launching of GPU
 work. Separate jobs only.
 
@@ -123,7 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train on the CPU, or each rank on its own GPU (see above)")
     p.add_argument("--threads", type=int, default=None,
                    help="PyTorch threads per process (default: usable cores / np, at least 1)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of (roundel, ddp, single, ceiling, lockstep) jobs")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of (roundel, ddp, single, ceiling, lockstep) jobs")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each job")
     p.add_argument("--steps", type=int, default=5, help="steps per timed span")
     p.add_argument("--measurements", type=int, default=3, help="timed spans per job")

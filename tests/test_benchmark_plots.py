@@ -44,7 +44,8 @@ def test_training_benchmark_writes_throughput_plot(tmp_path):
     png = tmp_path / "training.png"
     result = run_command([sys.executable, str(BENCHMARKS / "torch_training.py"), "--interleaved",
                           "--model", "small_cnn", "--batch-size", "4", "--image-size", "16", "--rounds", "1",
-                          "--measurements", "1", "--steps", "1", "--warmup", "1", "--only", "roundel,ddp,single,lockstep",
+                          "--measurements", "1", "--steps", "1", "--warmup", "1",
+                          "--only", "roundel,ddp,single,lockstep",
                           "--plot", str(png)], timeout=90)
     assert result.returncode == 0, describe(result)
     assert "scaling efficiency, roundel" in result.stdout, describe(result)
