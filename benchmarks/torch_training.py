@@ -183,6 +183,8 @@ class Trainer:
 
     def __init__(self, kind: str, args, rank: int, size: int, device="cpu"):
         import torch
+        import torch.distributed as dist
+        import torch.nn.functional as F
 
         from models import count_parameters
 
@@ -206,6 +208,8 @@ class Trainer:
         sample_shape = tuple(args.image_size if d is None else d for d in sample_shape)
         self.data = torch.randn(args.batch_size, *sample_shape, generator=generator).to(self.device)
         self.flag = torch.zeros(1, device=self.device)  # what the lockstep run allreduces each step
+        self.lockstep = dist.all_reduce if kind == "lockstep" else None
+        self.loss = F.cross_entropy
         self.target = torch.randint(0, args.num_classes, (args.batch_size,), generator=generator).to(self.device)
         self.phases = {"forward": [], "backward": [], "step": []}
         self.rates: list[float] = []
@@ -213,15 +217,13 @@ class Trainer:
         self.main_cpu_ms: list[float] = []  # CPU time of the training thread per step
 
     def step(self, record: bool) -> None:
-        import torch.nn.functional as F
         t0 = time.perf_counter()
         self.optimizer.zero_grad()
-        loss = F.cross_entropy(self.model(self.data), self.target)
+        loss = self.loss(self.model(self.data), self.target)
         t1 = time.perf_counter()
         loss.backward()
-        if self.kind == "lockstep":
-            import torch.distributed as dist
-            dist.all_reduce(self.flag)
+        if self.lockstep is not None:
+            self.lockstep(self.flag)
         t2 = time.perf_counter()
         self.optimizer.step()
         t3 = time.perf_counter()
