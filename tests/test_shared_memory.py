@@ -40,7 +40,7 @@ def test_a_job_on_one_host_moves_collectives_through_shared_memory_and_leaves_no
         assert "CONTROL local" in rank_lines(result.stdout, rank, "stdout"), describe(result)
 
 
-@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("np", [2, 3, 5])
 def test_scaled_float_reductions_are_bitwise_a_sum_then_scaled(np):
     result = run_job(np, WORKER, "exact", timeout=300)
     assert_checks_passed(result, np, "exact")

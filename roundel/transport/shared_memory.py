@@ -6,27 +6,34 @@ collectives off the network:
 
 * Every member maps one segment of ``/dev/shm`` (made by member 0 with mode
   0600, and unlinked as soon as every member has mapped it, so nothing is
-  left behind however the job ends). It holds two banks of one slot per
-  member, ``SLOT_BYTES`` each.
+  left behind however the job ends). It holds two banks, each of one slot per
+  member and a result area, ``SLOT_BYTES`` each.
 * A collective copies each member's data into its slot, then waits until
-  every member has done so: one byte to and from each peer over a Unix socket
-  (each member listens in a private 0700 directory of its own). Then each
-  member reads what it needs from the slots: an allreduce combines every
-  slot in member order, so every member computes the same result; tensors
-  larger than a slot go in slot-sized pieces, one wait each.
+  every member has done so, at a :class:`~roundel.transport.host_barrier.HostBarrier`
+  over Unix sockets (each member listens in a private 0700 directory of its
+  own; a wait costs ``log2 N`` messages per member). Tensors larger than a
+  slot go in slot-sized pieces.
+* An allreduce of more than ``DIRECT_BYTES`` is a reduce-scatter and an
+  allgather inside the segment: member ``m`` combines the ``m``-th share of
+  each piece over every slot, in member order (so every member gets the same
+  bits), into the result area, and every member copies the result out after
+  the next wait, which is also the wait after the next piece's copy in. Each
+  member reads about twice the data whatever the member count. Smaller ones
+  are combined whole by every member after a single wait.
 * Calls alternate between the two banks: a member that runs ahead into the
-  next call writes the other bank, and it can only come back to this one
-  after every member has passed the next wait, so no slot is overwritten
-  while someone still reads it.
+  next piece writes the other bank, and it can only come back to this one
+  after every member has passed the next wait, so no slot or result is
+  overwritten while someone still reads it.
 * A peer that dies closes its sockets and the wait raises ``RuntimeError``,
   as a transport failure does; a wait longer than the collective timeout
-  raises it too.
+  raises it too, and a failed wait fails every member's (see the barrier).
 
-Reduce and gather (to one member, for the hierarchical collectives) work the
-same way, only the root reading the slots. Reducescatter and alltoall, and
-dtypes outside ``ARITHMETIC_DTYPES`` (bool, complex), go to the wrapped
-backend. :func:`attach` sets the segment up, or returns the wrapped backend
-unchanged on every member when any member cannot (no ``/dev/shm``, no room).
+Reduce (to one member, for the hierarchical collectives) is the allreduce
+with only the root copying the result out; gather has only the root reading
+the slots. Reducescatter and alltoall, and dtypes outside
+``ARITHMETIC_DTYPES`` (bool, complex), go to the wrapped backend.
+:func:`attach` sets the segment up, or returns the wrapped backend unchanged
+on every member when any member cannot (no ``/dev/shm``, no room).
 """
 
 from __future__ import annotations
@@ -45,10 +52,13 @@ import torch
 
 from roundel.ops import ReduceOp
 from roundel.transport.backend import ARITHMETIC_DTYPES, COMBINE, Backend, narrow_back, scale, widened, widens
+from roundel.transport.host_barrier import HostBarrier
 
 log = logging.getLogger("roundel")
 
 SLOT_BYTES = 4 << 20
+DIRECT_BYTES = 1 << 20  # a reduction up to this size is combined whole by every member, after one wait
+_SHARE_ALIGNMENT = 16  # elements: members' shares of a piece start 64 bytes apart or more (float32)
 _PAIRWISE = {ReduceOp.Sum: torch.add, ReduceOp.Average: torch.add, ReduceOp.Min: torch.minimum,
              ReduceOp.Max: torch.maximum, ReduceOp.Product: torch.mul}
 _RANK = struct.Struct("!i")
@@ -73,6 +83,43 @@ def _combine(out, rows: list, op) -> None:
     pairwise(rows[0], rows[1], out=out)
     for row in rows[2:]:
         combine(out, row)
+
+
+def _pieces(sizes: list[int], per_slot: int) -> list[tuple[int, list]]:
+    """The slot-sized pieces of the concatenation of tensors of ``sizes`` elements: for each, its element
+    count and its spans ``(where in the slot, which tensor, where in the tensor, elements)``."""
+    pieces, spans, filled = [], [], 0
+    for which, size in enumerate(sizes):
+        where = 0
+        while where < size:
+            take = min(size - where, per_slot - filled)
+            spans.append((filled, which, where, take))
+            filled, where = filled + take, where + take
+            if filled == per_slot:
+                pieces.append((filled, spans))
+                spans, filled = [], 0
+    if filled:
+        pieces.append((filled, spans))
+    return pieces
+
+
+def _copy_in(sources: list, spans: list, slot, on_copy: float, prescale: float) -> None:
+    """Copy a piece's ``spans`` of ``sources`` into ``slot``, times ``on_copy``, then apply ``prescale``."""
+    for at, which, where, take in spans:
+        piece, into = sources[which][where:where + take], slot[at:at + take]
+        if on_copy == 1.0:
+            into.copy_(piece)
+        else:
+            torch.mul(piece, on_copy, out=into)
+    if prescale != 1.0:
+        at, _, _, take = spans[-1]
+        scale(slot[:at + take], prescale)
+
+
+def _copy_out(targets: list, spans: list, result) -> None:
+    """Copy a piece's reduced ``result`` into its ``spans`` of ``targets``."""
+    for at, which, where, take in spans:
+        targets[which][where:where + take].copy_(result[at:at + take])
 
 
 def _scaling(dtype: torch.dtype, op, prescale: float, postscale: float) -> tuple[float, float, float]:
@@ -106,7 +153,9 @@ class SharedMemoryBackend(Backend):
         self._path: str | None = None
         self._mapping = None
         self._memory = None
-        self._peers: list[socket.socket] = []
+        self._peers: dict[int, socket.socket] = {}
+        self._barrier: HostBarrier | None = None
+        self._views: dict = {}
         directory = tempfile.mkdtemp(prefix="roundel-shm-")
         try:
             self._connect(store, directory)
@@ -137,31 +186,37 @@ class SharedMemoryBackend(Backend):
             for peer in range(self.size):  # connect to the lower members, then accept the higher ones
                 if peer < self.rank:
                     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    self._peers.append(sock)
+                    self._peers[peer] = sock
                     sock.settimeout(self._timeout_s)
                     sock.connect(store.get(f"socket/{peer}").decode())
                     sock.sendall(_RANK.pack(self.rank))
             accepted: set[int] = set()
             while len(accepted) < self.size - 1 - self.rank:
                 sock, _ = listener.accept()
-                self._peers.append(sock)  # each peer's byte is awaited in turn; the order does not matter
                 sock.settimeout(self._timeout_s)
-                (peer,) = _RANK.unpack(_receive_exactly(sock, _RANK.size))
+                try:
+                    (peer,) = _RANK.unpack(_receive_exactly(sock, _RANK.size))
+                except BaseException:
+                    sock.close()
+                    raise
                 if not self.rank < peer < self.size or peer in accepted:
+                    sock.close()
                     raise RuntimeError(f"shared-memory setup: a connection claimed to be member {peer}")
+                self._peers[peer] = sock
                 accepted.add(peer)
         except (OSError, EOFError) as exc:
             raise RuntimeError(f"shared-memory setup failed: {exc}") from exc
         finally:
             listener.close()
-        self._wait_for_all()
+        self._barrier = HostBarrier(self.rank, self.size, self._peers)
+        self._barrier.wait()
         if self.rank == 0:
             os.unlink(self._path)  # every member has it mapped
         self._path = None
 
     def _map(self, store) -> str:
         """Map the segment (member 0 makes it); returns what went wrong here, "" if nothing."""
-        size = 2 * self.size * SLOT_BYTES
+        size = 2 * (self.size + 1) * SLOT_BYTES
         try:
             if self.rank == 0:
                 self._path = f"/dev/shm/roundel-{uuid.uuid4().hex}"
@@ -190,26 +245,28 @@ class SharedMemoryBackend(Backend):
         self._memory = torch.frombuffer(self._mapping, dtype=torch.uint8)
         return ""
 
-    # ---------------------------------------------------------------- waiting
-    def _wait_for_all(self) -> None:
-        """Return once every member has called this as often as this member has."""
-        try:
-            for peer in self._peers:
-                peer.sendall(b"w")
-            for peer in self._peers:
-                _receive_exactly(peer, 1)
-        except (OSError, EOFError) as exc:
-            raise RuntimeError(f"a peer on this host stopped answering in a shared-memory collective ({exc}); "
-                               "it has probably died") from exc
-
-    def _slots(self, dtype: torch.dtype, count: int) -> list:
-        """The slots of the next bank, as ``count`` elements of ``dtype`` each."""
+    # ------------------------------------------------------------------ slots
+    def _bank(self, dtype: torch.dtype) -> tuple[list, torch.Tensor]:
+        """The next bank's slots (one per member) and its result area, as whole ``dtype`` views."""
         bank = self._calls % 2
         self._calls += 1
-        nbytes = count * dtype.itemsize
-        first = bank * self.size
-        return [self._memory[(first + m) * SLOT_BYTES:(first + m) * SLOT_BYTES + nbytes].view(dtype)
-                for m in range(self.size)]
+        views = self._views.get(dtype)
+        if views is None:
+            per_slot = SLOT_BYTES // dtype.itemsize
+            typed = self._memory.view(dtype)
+            views = self._views[dtype] = [
+                ([typed[(b * (self.size + 1) + m) * per_slot:(b * (self.size + 1) + m + 1) * per_slot]
+                  for m in range(self.size)],
+                 typed[(b * (self.size + 1) + self.size) * per_slot:(b + 1) * (self.size + 1) * per_slot])
+                for b in range(2)]
+        return views[bank]
+
+    def _share(self, count: int) -> tuple[int, int]:
+        """The elements ``[low, high)`` of a ``count``-element piece that this member reduces."""
+        per_member = -(-count // self.size)
+        per_member += -per_member % _SHARE_ALIGNMENT
+        low = min(count, self.rank * per_member)
+        return low, min(count, low + per_member)
 
     # ------------------------------------------------------------ collectives
     def carrier(self, op_label: str) -> str:
@@ -218,7 +275,7 @@ class SharedMemoryBackend(Backend):
     def allreduce(self, tensor, op):
         if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.allreduce(tensor, op)
-        self._reduce(tensor, op, None)
+        self._reduce_whole(tensor, op, None)
 
     fused_dtypes = frozenset(dtype for dtype in ARITHMETIC_DTYPES if not widens(dtype))
 
@@ -227,45 +284,74 @@ class SharedMemoryBackend(Backend):
         """Allreduce ``inputs`` as the executor's fusion buffer of them would be (see ``Backend``).
 
         Each slot-sized piece of their concatenation is copied from the inputs
-        straight into this member's slot and reduced straight into the
-        outputs, so the pieces, and the results, are those of a fusion buffer
-        without its two copies. Scaling a piece while it is in cache also
-        spares two passes over the buffer, and in float32/float64 the scaling
-        rides on the copy in (see ``_scaling``).
+        straight into this member's slot and from the result straight into
+        the outputs, so the pieces, and the results, are those of a fusion
+        buffer without its two copies; in float32/float64 the scaling rides on
+        the copy in where it can (see ``_scaling``).
         """
-        sources, targets = [t.view(-1) for t in inputs], [t.view(-1) for t in outputs]
-        per_slot = SLOT_BYTES // inputs[0].element_size()
-        total = sum(source.numel() for source in sources)
         on_copy, prescale, postscale = _scaling(inputs[0].dtype, op, prescale, postscale)
-        index, offset = 0, 0  # where the next piece starts: tensor, element
-        for start in range(0, total, per_slot):
-            count = min(per_slot, total - start)
-            slots = self._slots(inputs[0].dtype, count)
-            mine, spans, filled = slots[self.rank], [], 0
-            while filled < count:  # (where in the slot, tensor, where in the tensor, elements)
-                take = min(count - filled, sources[index].numel() - offset)
-                if take:
-                    piece, into = sources[index][offset:offset + take], mine[filled:filled + take]
-                    if on_copy == 1.0:
-                        into.copy_(piece)
-                    else:
-                        torch.mul(piece, on_copy, out=into)
-                    spans.append((filled, index, offset, take))
-                filled, offset = filled + take, offset + take
-                if offset == sources[index].numel():
-                    index, offset = index + 1, 0
-            scale(mine, prescale)
-            self._wait_for_all()
-            for at, which, where, take in spans:
-                out = targets[which][where:where + take]
-                _combine(out, [slot[at:at + take] for slot in slots], op)
-                scale(out, postscale)
+        self._reduce_pieces([t.view(-1) for t in inputs], [t.view(-1) for t in outputs], op,
+                            on_copy, prescale, postscale)
 
     def reduce(self, tensor, root: int, op) -> None:
         """Reduce ``tensor`` into the root member's copy (the others' are left as they were)."""
         if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.reduce(tensor, root, op)
-        self._reduce(tensor, op, root)
+        self._reduce_whole(tensor, op, root)
+
+    def _reduce_whole(self, tensor, op, root: int | None) -> None:
+        """Combine every member's ``tensor`` in member order into the root's (every member's: None)."""
+        sent = widened(tensor)
+        flat = sent.view(-1)
+        self._reduce_pieces([flat], [flat] if root is None or root == self.rank else None, op, 1.0, 1.0, 1.0)
+        narrow_back(tensor, sent)
+
+    def _reduce_pieces(self, sources: list, targets: list | None, op, on_copy: float, prescale: float,
+                       postscale: float) -> None:
+        """Reduce the concatenation of ``sources`` over every member into ``targets`` (None: this member
+        takes no result), piece by piece.
+
+        A piece of at most ``DIRECT_BYTES`` is combined whole by every member
+        after one wait. Larger ones are reduce-scattered and then gathered in
+        the segment: member ``m`` combines the ``m``-th share of the piece over
+        every slot (in member order, so every member gets the same bits) into
+        the bank's result area, and after the next wait every member copies
+        the result out. That wait is also the one after the next piece's copy
+        in, so ``P`` pieces cost ``P + 1`` waits, and each member reads about
+        twice the data rather than ``N`` times it.
+        """
+        dtype = sources[0].dtype
+        pieces = _pieces([source.numel() for source in sources], SLOT_BYTES // dtype.itemsize)
+        if len(pieces) == 1 and pieces[0][0] * dtype.itemsize <= DIRECT_BYTES:
+            count, spans = pieces[0]
+            slots, _ = self._bank(dtype)
+            _copy_in(sources, spans, slots[self.rank], on_copy, prescale)
+            self._barrier.wait()
+            if targets is not None:
+                for at, which, where, take in spans:
+                    out = targets[which][where:where + take]
+                    _combine(out, [slot[at:at + take] for slot in slots], op)
+                    scale(out, postscale)
+            return
+        banks = [self._bank(dtype) for _ in pieces]
+        if pieces:
+            _copy_in(sources, pieces[0][1], banks[0][0][self.rank], on_copy, prescale)
+        for k, (count, _) in enumerate(pieces):
+            self._barrier.wait()
+            if k and targets is not None:
+                _copy_out(targets, pieces[k - 1][1], banks[k - 1][1])
+            slots, result = banks[k]
+            low, high = self._share(count)
+            if low < high:
+                out = result[low:high]
+                _combine(out, [slot[low:high] for slot in slots], op)
+                scale(out, postscale)
+            if k + 1 < len(pieces):
+                _copy_in(sources, pieces[k + 1][1], banks[k + 1][0][self.rank], on_copy, prescale)
+        if pieces:
+            self._barrier.wait()
+            if targets is not None:
+                _copy_out(targets, pieces[-1][1], banks[-1][1])
 
     def allgather(self, output, tensor):
         if tensor.dtype not in ARITHMETIC_DTYPES:
@@ -286,35 +372,22 @@ class SharedMemoryBackend(Backend):
         per_slot = SLOT_BYTES // flat.element_size()
         for start in range(0, flat.numel(), per_slot):
             part = flat[start:start + per_slot]
-            slots = self._slots(part.dtype, part.numel())
+            slot = self._bank(part.dtype)[0][root][:part.numel()]
             if self.rank == root:
-                slots[root].copy_(part)
-            self._wait_for_all()
+                slot.copy_(part)
+            self._barrier.wait()
             if self.rank != root:
-                part.copy_(slots[root])
-
-    def _exchange(self, flat):
-        """(start, piece, every member's slot) for each slot-sized piece of ``flat``, once every member
-        has copied its own piece into its slot."""
-        per_slot = SLOT_BYTES // max(1, flat.element_size())
-        for start in range(0, flat.numel(), per_slot):
-            part = flat[start:start + per_slot]
-            slots = self._slots(part.dtype, part.numel())
-            slots[self.rank].copy_(part)
-            self._wait_for_all()
-            yield start, part, slots
-
-    def _reduce(self, tensor, op, root: int | None) -> None:
-        """Combine every member's ``tensor`` in member order into the root's (every member's: None)."""
-        sent = widened(tensor)
-        for _, part, slots in self._exchange(sent.view(-1)):
-            if root is None or self.rank == root:
-                _combine(part, slots, op)
-        narrow_back(tensor, sent)
+                part.copy_(slot)
 
     def _gather(self, tensor, outputs: list | None) -> None:
         """Copy every member's ``tensor`` into ``outputs`` (one per member; None: this member takes none)."""
-        for start, part, slots in self._exchange(tensor.reshape(-1)):
+        flat = tensor.reshape(-1)
+        per_slot = SLOT_BYTES // max(1, flat.element_size())
+        for start in range(0, flat.numel(), per_slot):
+            part = flat[start:start + per_slot]
+            slots = [slot[:part.numel()] for slot in self._bank(part.dtype)[0]]
+            slots[self.rank].copy_(part)
+            self._barrier.wait()
             if outputs is not None:
                 with torch.no_grad():  # outputs may be views made under no_grad (unbind's, say)
                     for output, slot in zip(outputs, slots):
@@ -327,7 +400,7 @@ class SharedMemoryBackend(Backend):
         self.inner.reducescatter(output, tensor, op)
 
     def barrier(self):
-        self._wait_for_all()
+        self._barrier.wait()
 
     def close(self):
         """Unmap the segment, close the sockets and the wrapped backend."""
@@ -335,9 +408,12 @@ class SharedMemoryBackend(Backend):
         self.inner.close()
 
     def _release(self) -> None:
-        for peer in self._peers:
+        if self._barrier is not None:
+            self._barrier.close()
+        for peer in self._peers.values():
             peer.close()
-        self._peers = []
+        self._peers = {}
+        self._views = {}
         if self.rank == 0 and self._path:
             try:  # still there when setup failed part way
                 os.unlink(self._path)

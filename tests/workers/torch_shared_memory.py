@@ -18,7 +18,7 @@ import torch
 
 import roundel.torch as hvd
 from roundel.common import basics
-from roundel.transport.shared_memory import SLOT_BYTES
+from roundel.transport.shared_memory import DIRECT_BYTES, SLOT_BYTES
 from _checks import check, dtype_name, make, make_float, run_scenarios, to_np
 
 hvd.init()
@@ -31,12 +31,13 @@ OPS = {"Sum": (hvd.Sum, np.sum), "Min": (hvd.Min, np.min), "Max": (hvd.Max, np.m
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int16, torch.uint16, torch.int64, torch.uint8,
           torch.bool)  # bool goes to Gloo
 PIECES = 2 * SLOT_BYTES // 4 + 12345  # float32 elements: three pieces, the last one short
+DIRECT = DIRECT_BYTES // 2  # int16 elements of the largest reduction combined whole by every member
 
 
 def scenario_allreduce():
     for dtype, (op_name, (op, reference)) in itertools.product(DTYPES, OPS.items()):
         tag = f"shm.ar.{op_name}.{dtype_name(dtype)}"
-        count = 1001 if dtype != torch.float32 else PIECES
+        count = {torch.float32: PIECES, torch.int64: PIECES // 2, torch.int16: DIRECT + 7}.get(dtype, 1001)
         low = 0 if dtype == torch.uint16 else -3
         inputs = [to_np(make(r, tag, (count,), dtype, low, 4)) for r in range(SIZE)]
         expected = reference(np.stack(inputs).astype(np.float64), 0)
