@@ -88,3 +88,21 @@ def throughput_plot(path, rates: dict[str, tuple[float, float, float]], efficien
     right.set_title("N-rank samples/sec / (N x 1-process)", fontsize=10)
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
+
+
+def control_scale_plot(path, ranks: list[int], lines: dict[str, list[float]], title: str) -> Path:
+    """Milliseconds against the number of ranks, log-log, one line per measure (``control_scale.py``)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, values in lines.items():
+        ax.plot(ranks, values, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ranks)
+    ax.set_xticklabels([f"{n:,}" for n in ranks])
+    ax.minorticks_off()
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("milliseconds")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend()
+    return _save(fig, path)

@@ -1,14 +1,16 @@
-"""Both benchmarks, at their smallest settings, write a readable PNG beside their table.
+"""The benchmarks, at their smallest settings, write a readable PNG beside their table.
 
 ``benchmarks/allreduce.py`` runs under ``roundelrun -np 2`` with three small
 sizes and one short round; ``benchmarks/torch_training.py`` runs interleaved
 (one ``roundelrun -np 2`` job) with the small CNN on a tiny batch for one
-step per span. The figures themselves are not checked, only that each run
-succeeds, names its plot, and the plot is a PNG matplotlib reads back.
+step per span; ``benchmarks/control_scale.py`` simulates jobs of 4 and 9
+ranks. The figures themselves are not checked, only that each run succeeds,
+names its plot, and the plot is a PNG matplotlib reads back.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -51,3 +53,13 @@ def test_training_benchmark_writes_throughput_plot(tmp_path):
     assert "scaling efficiency, roundel" in result.stdout, describe(result)
     assert "roundel / lockstep bound" in result.stdout, describe(result)
     assert_valid_png(png, result)
+
+
+def test_control_scale_simulation_runs_rank_zero_against_simulated_ranks(tmp_path):
+    png, figures = tmp_path / "control.png", tmp_path / "control.json"
+    result = run_command([sys.executable, BENCHMARKS / "control_scale.py", "--ranks", "4,9", "--workers", "2",
+                          "--steps", "2", "--json", figures, "--plot", png], timeout=180)
+    assert result.returncode == 0, describe(result)
+    assert_valid_png(png, result)
+    rows = json.loads(figures.read_text())["results"]
+    assert [row["ranks"] for row in rows] == [4, 9] and all(row["cycle_ms"] > 0 for row in rows), rows

@@ -532,3 +532,139 @@ def test_removing_a_process_set_fails_its_pending_names_and_later_joins_still_wo
         n.submit(rank, join(), 0.0)
     [(_, done)] = n.take(0)
     assert done.kind == OpKind.JOIN and done.error is None
+
+
+# ------------------------------------------------- masks of cache bits (the steady state at scale)
+def _cached_names(n, names_, ranks):
+    """Negotiate ``names_`` once in full among ``ranks``; returns their bits."""
+    submit_all(n, {r: [allreduce(x) for x in names_] for r in ranks})
+    return {e.name: e.cache_bit for _, batch in n.take(1 << 30) for e in batch.entries}
+
+
+def _masks(n, bits, names_, ranks, now=1.0):
+    mask = sum(1 << bits[name] for name in names_)
+    for rank in ranks:
+        assert n.submit_bits(rank, mask, n.cache.version, now) == []
+
+
+@pytest.mark.parametrize("size", [2, 3, 1024])
+def test_masks_from_every_rank_make_the_same_batches_as_bits_one_by_one(size):
+    n = Negotiator(size, 64)
+    names_ = [f"g{i}" for i in range(10)]
+    bits = _cached_names(n, names_, range(size))
+    for _ in range(3):  # several steady cycles
+        for name in names_:
+            n.submit(0, allreduce(name), 1.0)
+        assert not n.has_ready()  # rank 0 alone
+        _masks(n, bits, names_, range(1, size))
+        [(members, batch)] = n.take(1 << 30)
+        assert members == tuple(range(size)) and batch.error is None
+        assert sorted(e.name for e in batch.entries) == sorted(names_)
+        compact = n.compact_form(batch)
+        assert compact is not None and compact.bits == sum(1 << b for b in bits.values())
+        assert not n.has_pending()
+
+
+def test_a_name_one_rank_has_not_sent_waits_and_is_reported_with_that_rank():
+    n = Negotiator(5, 8)
+    bits = _cached_names(n, ["a", "b"], range(5))
+    n.submit(0, allreduce("a"), 10.0)
+    n.submit(0, allreduce("b"), 10.0)
+    _masks(n, bits, ["a", "b"], (1, 2, 4), now=10.0)
+    _masks(n, bits, ["b"], (3,), now=10.0)
+    [(_, batch)] = n.take(1 << 30)
+    assert [e.name for e in batch.entries] == ["b"]
+    assert n.has_pending() and n.missing_ranks(0, "a") == (3,)
+    assert n.stalled(11.0, 60.0) == []
+    [(name, _, missing, present, waited)] = n.stalled(80.0, 60.0)
+    assert (name, missing, present, waited) == ("a", [3], [0, 1, 2, 4], 70.0)
+    n.submit_bits(3, 1 << bits["a"], n.cache.version, 81.0)  # it comes at last, per rank now
+    [(_, batch)] = n.take(1 << 30)
+    assert [e.name for e in batch.entries] == ["a"] and batch.error is None
+
+
+def test_a_stall_shutdown_fails_a_name_held_as_masks_on_every_member():
+    n = Negotiator(4, 8)
+    bits = _cached_names(n, ["a"], range(4))
+    _masks(n, bits, ["a"], (1, 2), now=0.0)  # neither rank 0 nor rank 3 sent it
+    n.fail_stalled(100.0, 60.0)
+    [(members, batch)] = n.take(1 << 30)
+    assert members == (0, 1, 2, 3) and "stalled" in batch.error and "rank(s) 0, 3" in batch.error
+
+
+def test_a_rank_sending_a_name_in_full_while_the_others_send_bits_still_completes_it():
+    n = Negotiator(4, 8)
+    bits = _cached_names(n, ["a"], range(4))
+    _masks(n, bits, ["a"], (1, 2))
+    n.submit(3, allreduce("a"), 1.0)  # e.g. a rank whose view of the cache was stale
+    assert not n.has_ready()
+    n.submit(0, allreduce("a"), 1.0)
+    [(_, batch)] = n.take(1 << 30)
+    assert batch.error is None and [e.name for e in batch.entries] == ["a"]
+    assert n.compact_form(batch) is None and not n.has_pending()
+    n.submit(0, allreduce("a"), 2.0)  # the next cycle is all masks again
+    _masks(n, bits, ["a"], (1, 2, 3), now=2.0)
+    [(_, batch)] = n.take(1 << 30)
+    assert n.compact_form(batch) is not None
+
+
+def test_rank_zero_changing_a_request_the_others_sent_as_bits_is_a_mismatch():
+    n = Negotiator(3, 8)
+    bits = _cached_names(n, ["a"], range(3))
+    _masks(n, bits, ["a"], (1, 2))
+    n.submit(0, allreduce("a", shape=(5,)), 1.0)
+    [(_, batch)] = n.take(1 << 30)
+    assert batch.error is not None and "shape" in batch.error and "rank 0" in batch.error
+
+
+def test_a_process_set_without_rank_zero_completes_from_its_members_masks_alone():
+    n = Negotiator(5, 8)
+    n.add_process_set(1, (2, 3, 4))
+    submit_all(n, {r: [allreduce("s", set_id=1)] for r in (2, 3, 4)})
+    bit = n.take(1 << 30)[0][1].entries[0].cache_bit
+    for rank in (2, 3):
+        n.submit_bits(rank, 1 << bit, n.cache.version, 1.0)
+    assert not n.has_ready()
+    n.submit_bits(4, 1 << bit, n.cache.version, 1.0)
+    [(members, batch)] = n.take(1 << 30)
+    assert members == (2, 3, 4) and batch.error is None and n.compact_form(batch) is not None
+
+
+def test_a_rank_leaving_fails_the_names_others_sent_as_masks():
+    n = Negotiator(3, 8)
+    bits = _cached_names(n, ["a"], range(3))
+    n.submit(0, allreduce("a"), 1.0)
+    _masks(n, bits, ["a"], (1,))
+    n.rank_left(2, "rank 2 died")
+    [(members, batch)] = n.take(1 << 30)
+    assert members == (0, 1) and "rank 2 died" in batch.error and not n.has_pending()
+
+
+def test_a_join_while_names_are_held_as_masks_lets_them_complete_with_the_joined_rank():
+    n = Negotiator(3, 8)
+    bits = _cached_names(n, ["a"], range(3))
+    n.submit(0, allreduce("a"), 1.0)
+    _masks(n, bits, ["a"], (1,))
+    n.submit(2, join(), 1.0)
+    batches = n.take(1 << 30)
+    assert names(batches) == [("a",)] and batches[0][1].joined == (2,)
+
+
+def test_bits_still_held_as_masks_survive_the_eviction_of_their_entry():
+    n = Negotiator(2, 1)
+    bits = _cached_names(n, ["a"], range(2))
+    _masks(n, bits, ["a"], (1,))  # rank 1 sent 'a' by bit; rank 0 has not yet
+    submit_all(n, {0: [allreduce("b")], 1: [allreduce("b")]})
+    n.take(1 << 30)  # 'b' takes the only bit, evicting 'a'
+    n.submit(0, allreduce("a"), 2.0)
+    [(_, batch)] = n.take(1 << 30)
+    assert [e.name for e in batch.entries] == ["a"] and batch.error is None
+
+
+def test_stale_bits_in_a_mask_are_returned_for_a_resend():
+    n = Negotiator(2, 1)
+    bit_a = _cached_names(n, ["a"], range(2))["a"]
+    version_a = n.cache.version
+    _cached_names(n, ["b"], range(2))  # 'b' took over the bit
+    assert n.submit_bits(1, 1 << bit_a, version_a, 1.0) == [bit_a]
+    assert not n.has_pending()

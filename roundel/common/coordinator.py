@@ -225,17 +225,11 @@ class Coordinator:
             elif kind is Waits:
                 self._rank_waits[rank] = (message.sequence, message.waits)
             elif kind is Submit:
-                version, bits = message.version, message.bits
-                stale = []
-                bit = 0
-                while bits:
-                    if bits & 1:
-                        if self._engine.timeline.active:
-                            self._timeline_cached_arrival(rank, bit, version)
-                        if not negotiator.submit_bit(rank, bit, version, now, message.bit_data.get(bit)):
-                            stale.append((version, bit))
-                    bits >>= 1
-                    bit += 1
+                version = message.version
+                if self._engine.timeline.active:
+                    self._timeline_cached_arrivals(rank, message.bits, version)
+                stale = [(version, bit) for bit in negotiator.submit_bits(rank, message.bits, version, now,
+                                                                          message.bit_data)]
                 full_data = message.full_data if len(message.full_data) == len(message.full) else ()
                 for index, request in enumerate(message.full):
                     if self._engine.timeline.active:
@@ -248,11 +242,12 @@ class Coordinator:
                                       "or failed and exited (its own output says which)")
                 return
 
-    def _timeline_cached_arrival(self, rank: int, bit: int, version: int) -> None:
-        cached = self._negotiator.cache.lookup(bit, version)
-        if cached is not None and rank in cached[1]:
-            request = cached[1][rank]
-            self._engine.timeline.rank_ready(request.name, request.kind.label, rank)
+    def _timeline_cached_arrivals(self, rank: int, bits: int, version: int) -> None:
+        for bit in range(bits.bit_length()):
+            cached = self._negotiator.cache.lookup(bit, version) if bits >> bit & 1 else None
+            if cached is not None and rank in cached[1]:
+                request = cached[1][rank]
+                self._engine.timeline.rank_ready(request.name, request.kind.label, rank)
 
     def _drop_peer(self, rank: int, reason: str) -> None:
         sock = self._peers.pop(rank, None)

@@ -5,6 +5,17 @@ asks it for the batches to send. A name becomes ready when every member of
 its process set (other than ranks that have joined) has submitted it; ready
 names are then checked for agreement and fused into batches in one order that
 every rank executes.
+
+In the steady state every rank but 0 sends cached names as a mask of cache
+bits. Such a mask is only merged into the rank's outstanding bits (one integer
+OR, whatever the number of names); once per cycle the members' outstanding
+masks are ANDed per process set, and the bits every member holds become
+ready names. Rank 0's work per cycle is thus one big-integer operation per
+rank plus one step per ready name, not one step per rank and name. A name
+that needs per-rank attention (a rank sent it in full, with data to reduce
+here, while ranks join, or when it stalls, fails or is evicted) is
+"loosened": its outstanding bits become per-rank submissions until it
+completes.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ _COMPACT = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER)
 
 
 class _Pending:
-    __slots__ = ("requests", "since", "warned", "by_bit", "data")
+    __slots__ = ("requests", "since", "warned", "by_bit", "data", "bulk")
 
     def __init__(self, since: float):
         self.requests: dict[int, Request] = {}
@@ -40,6 +51,25 @@ class _Pending:
         self.warned = False
         self.by_bit: set[int] = set()  # ranks that submitted their cache bit
         self.data: dict[int, bytes] = {}  # rank -> its tensor's bytes (a small allreduce)
+        self.bulk: dict | None = None  # every member but rank 0 sent its bit: the cached requests
+
+    def has(self, rank: int) -> bool:
+        """Whether ``rank`` has submitted this name."""
+        return rank in self.requests or (self.bulk is not None and rank != 0)
+
+    def submitters(self, members: tuple) -> tuple:
+        """The members that have submitted this name, in order."""
+        if self.bulk is None:
+            return tuple(sorted(self.requests))
+        return tuple(r for r in members if r != 0 or 0 in self.requests)
+
+
+def _bits_of(mask: int):
+    """The positions of the set bits of ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
 
 
 def describe_ranks(values_by_rank: dict) -> str:
@@ -60,6 +90,7 @@ class Negotiator:
     def __init__(self, size: int, cache_capacity: int, reduce_bytes: int = 0, separate_groups: bool = False):
         self.size = size
         self.process_sets: dict[int, tuple] = {0: tuple(range(size))}
+        self._member_sets: dict[int, frozenset] = {0: frozenset(range(size))}  # for O(1) membership
         self.cache = CoordinatorCache(cache_capacity)
         self._pending: dict[tuple, _Pending] = {}
         self._ready: list = []  # (Entry, joined) or (None, Batch) for failures
@@ -73,18 +104,28 @@ class Negotiator:
         self._reduce_bytes = reduce_bytes  # small allreduces up to this size are reduced here
         self._reduced: dict[tuple, bytes] = {}  # ready names reduced here -> their result
         self._separate_groups = separate_groups  # HOROVOD_DISABLE_GROUP_FUSION: a group fuses only within itself
+        self._outstanding: dict[int, int] = {}  # rank -> cache bits it sent by mask, not yet ready
+        self._seen = 0  # bits in some rank's outstanding mask (a superset until the next _settle())
+        self._settled = 0  # the same, exactly, as of the last _settle()
+        self._first_seen: dict[int, float] = {}  # bit -> when it was first outstanding
+        self._loose = 0  # bits whose names take per-rank submissions until they complete
+        self._unsettled = False
+        self._now = 0.0
 
     # ----------------------------------------------------------------- input
     def add_process_set(self, process_set_id: int, ranks: Iterable[int]) -> None:
         self.process_sets[process_set_id] = tuple(ranks)
+        self._member_sets[process_set_id] = frozenset(self.process_sets[process_set_id])
 
     def remove_process_set(self, process_set_id: int) -> None:
         """Forget the set; its names still pending fail on the ranks that submitted them."""
-        self.process_sets.pop(process_set_id, None)
+        self._loosen(self.cache.set_bits(process_set_id))
+        members = self.process_sets.pop(process_set_id, ())
+        self._member_sets.pop(process_set_id, None)
         self._evictions.extend(self.cache.drop_process_set(process_set_id))
         for key in [k for k in self._pending if k[0] == process_set_id]:
-            pending = self._pending.pop(key)
-            self._fail_direct(tuple(sorted(pending.requests)), next(iter(pending.requests.values())),
+            pending = self._pop_pending(key)
+            self._fail_direct(pending.submitters(members), _any_request(pending),
                               f"'{key[1]}' cannot complete: process set {process_set_id} was removed while "
                               "it was pending (submit it on every member before remove_process_set())",
                               "mismatch")
@@ -94,8 +135,7 @@ class Negotiator:
         """Record ``rank``'s request (``by_bit``: sent as its cache bit; ``data``: its tensor's bytes, for a
         small allreduce); the name may become ready."""
         key = (request.process_set_id, request.name)
-        members = self.process_sets.get(request.process_set_id)
-        problem = self._submission_problem(rank, request, members)
+        problem = self._submission_problem(rank, request)
         if problem:
             self._fail_direct((rank,), request, problem, "internal" if self._left else "mismatch")
             return
@@ -110,6 +150,8 @@ class Negotiator:
             pending.by_bit.add(rank)
         if data is not None:
             pending.data[rank] = data
+        if rank != 0:  # the other members' bits of this name must now be per-rank too
+            self._loosen_key(key)
         self._check_ready(key)
 
     def submit_bit(self, rank: int, bit: int, sender_version: int, now: float, data: bytes | None = None) -> bool:
@@ -120,16 +162,47 @@ class Negotiator:
         self.submit(rank, entry[1][rank], now, by_bit=True, data=data)
         return True
 
+    def submit_bits(self, rank: int, bits: int, sender_version: int, now: float,
+                    data: dict | None = None) -> list[int]:
+        """Record ``rank``'s cached submissions, a mask of cache ``bits`` at ``sender_version`` (``data``:
+        bit -> tensor bytes of small allreduces); returns the stale bits, which the rank must resend.
+
+        Bits that need no per-rank attention are only merged into the rank's
+        outstanding mask; :meth:`take` finds the names every member sent.
+        """
+        self._now = now
+        stale = bits & self.cache.changed_since(sender_version)
+        bits ^= stale
+        per_rank = bits & self._loose
+        if data:
+            for bit in data:
+                if bits >> bit & 1 and not per_rank >> bit & 1:
+                    self._loosen(1 << bit)
+                    per_rank |= 1 << bit
+        if self._joined or self._left or rank == 0:
+            per_rank = bits
+        for bit in _bits_of(per_rank):
+            if not self.submit_bit(rank, bit, sender_version, now, data.get(bit) if data else None):
+                stale |= 1 << bit
+        bits &= ~per_rank
+        if bits:
+            self._outstanding[rank] = self._outstanding.get(rank, 0) | bits
+            self._seen |= bits
+            self._unsettled = True
+        return list(_bits_of(stale))
+
     def rank_left(self, rank: int, reason: str) -> None:
         """``rank`` has shut down or died: fail every name that now cannot complete."""
+        self._loosen(self._seen)
         self._left.add(rank)
+        self._outstanding.pop(rank, None)
         if rank in self._joined:
             self._joined.remove(rank)
         for key in list(self._pending):
             members = self.process_sets.get(key[0], ())
-            if rank in members:
-                pending = self._pending.pop(key)
-                request = next(iter(pending.requests.values()))
+            if rank in self._member_sets.get(key[0], ()):
+                pending = self._pop_pending(key)
+                request = _any_request(pending)
                 targets = tuple(r for r in members if r not in self._left)
                 self._fail_direct(targets, request, f"'{key[1]}' cannot complete: {reason}", "internal")
         if self._joined:
@@ -145,11 +218,12 @@ class Negotiator:
         """The ranks a pending name still waits for (joined ranks excepted); None if it is not pending."""
         if name == JOIN_NAME:
             return tuple(r for r in self.live_ranks() if r not in self._joined)
+        self._loosen_key((process_set_id, name))
         pending = self._pending.get((process_set_id, name))
         if pending is None:
             return None
         members = self.process_sets.get(process_set_id, ())
-        return tuple(r for r in members if r not in pending.requests and r not in self._joined)
+        return tuple(r for r in members if not pending.has(r) and r not in self._joined)
 
     def fail_waits(self, waits: Iterable[tuple], message: str) -> None:
         """Fail the pending names in ``waits`` ((set id, name, label) triples) on the ranks that submitted them."""
@@ -160,10 +234,11 @@ class Negotiator:
                                       "deadlock")
                     self._joined.clear()
                 continue
-            pending = self._pending.pop((set_id, name), None)
+            self._loosen_key((set_id, name))
+            pending = self._pop_pending((set_id, name))
             if pending is not None:
-                request = next(iter(pending.requests.values()))
-                self._fail_direct(tuple(sorted(pending.requests)), request, message, "deadlock")
+                members = self.process_sets.get(set_id, ())
+                self._fail_direct(pending.submitters(members), _any_request(pending), message, "deadlock")
 
     # ---------------------------------------------------------------- output
     def take(self, fusion_threshold: int) -> list[tuple[tuple, Batch]]:
@@ -174,6 +249,9 @@ class Negotiator:
         grouped call only with each other, and other tensors only with other
         ungrouped ones.
         """
+        self._settle()
+        if self._seen and self.cache.full():  # a cache put may evict a bit still outstanding
+            self._loosen(self._seen)
         out: list[tuple[tuple, list]] = []
         open_batches: dict[tuple, list] = {}
         for entry, extra in self._ready:
@@ -242,6 +320,7 @@ class Negotiator:
         return direct
 
     def has_ready(self) -> bool:
+        self._settle()
         return bool(self._ready or self._direct)
 
     def has_direct(self) -> bool:
@@ -249,6 +328,7 @@ class Negotiator:
 
     def set_cache_capacity(self, capacity: int) -> None:
         """Resize the response cache (0 turns it off); entries that no longer fit are evicted."""
+        self._loosen(self._seen)
         self._evictions.extend(self.cache.resize(capacity))
 
     def take_evictions(self) -> list[tuple[int, tuple]]:
@@ -257,10 +337,12 @@ class Negotiator:
         return evicted
 
     def has_pending(self) -> bool:
-        return bool(self._pending)
+        self._settle()
+        return bool(self._pending or self._seen)
 
     def stalled(self, now: float, after_s: float) -> list[tuple[str, int, list[int], list[int], float]]:
         """Names waiting longer than ``after_s`` and not yet reported: (name, set id, missing, present, waited)."""
+        self._loosen_waiting(now, after_s)
         report = []
         for (ps_id, name), pending in self._pending.items():
             waited = now - pending.since
@@ -268,33 +350,129 @@ class Negotiator:
                 continue
             pending.warned = True
             members = self.process_sets.get(ps_id, ())
-            missing = [r for r in members if r not in pending.requests and r not in self._joined]
-            report.append((name, ps_id, missing, sorted(pending.requests), waited))
+            missing = [r for r in members if not pending.has(r) and r not in self._joined]
+            report.append((name, ps_id, missing, list(pending.submitters(members)), waited))
         return report
 
     def fail_stalled(self, now: float, after_s: float) -> None:
         """Fail on every member the names that have waited longer than ``after_s``."""
+        self._loosen_waiting(now, after_s)
         for key in [k for k, p in self._pending.items() if now - p.since >= after_s]:
-            pending = self._pending.pop(key)
+            pending = self._pop_pending(key)
             members = self.process_sets.get(key[0], ())
-            missing = [r for r in members if r not in pending.requests and r not in self._joined]
-            request = next(iter(pending.requests.values()))
+            missing = [r for r in members if not pending.has(r) and r not in self._joined]
+            request = _any_request(pending)
             self._fail_direct(members, request, (
                 f"'{key[1]}' stalled for {now - pending.since:.0f} s waiting for rank(s) "
                 f"{', '.join(map(str, missing))}; shutting it down (stall shutdown time reached)"), "internal")
 
     # ------------------------------------------------------------- internals
-    def _submission_problem(self, rank: int, request: Request, members) -> str | None:
+    def _submission_problem(self, rank: int, request: Request) -> str | None:
+        """Why ``rank`` may not submit ``request``, or None; O(1) but for ranks that have left."""
+        members = self._member_sets.get(request.process_set_id)
         if members is None:
             return (f"process set {request.process_set_id} is not registered (it was removed, or "
                     "add_process_set() was not called on every rank)")
         if rank not in members:
-            return f"rank {rank} is not a member of process set {request.process_set_id} {list(members)}"
-        gone = sorted(self._left.intersection(members))
+            return (f"rank {rank} is not a member of process set {request.process_set_id} "
+                    f"{list(self.process_sets[request.process_set_id])}")
+        gone = sorted(r for r in self._left if r in members)
         if gone:
             return (f"'{request.name}' cannot run: rank(s) {', '.join(map(str, gone))} of its process "
                     "set have already shut down (a rank finished or failed before the others)")
         return None
+
+    def _settle(self) -> None:
+        """Make ready the cached names whose bit every member but rank 0 has sent by mask."""
+        if not self._unsettled:
+            return
+        self._unsettled = False
+        outstanding = self._outstanding
+        for set_id, set_bits in self.cache.bits_by_set():
+            candidates = set_bits & self._seen & ~self._loose
+            members = self.process_sets.get(set_id) if candidates else None
+            if members is None:
+                continue
+            for rank in members:
+                if rank:
+                    candidates &= outstanding.get(rank, 0)
+                    if not candidates:
+                        break
+            if not candidates:
+                continue
+            for rank in members:
+                if rank in outstanding:
+                    outstanding[rank] &= ~candidates
+            for bit in _bits_of(candidates):
+                key, requests = self.cache.entry(bit)
+                pending = self._pending.get(key)
+                if pending is None:
+                    pending = self._pending[key] = _Pending(self._first_seen.get(bit, self._now))
+                pending.bulk = requests
+                self._check_ready(key)
+        seen = 0
+        for held in outstanding.values():
+            seen |= held
+        for bit in _bits_of(seen & ~self._settled):
+            self._first_seen[bit] = self._now
+        for bit in _bits_of(self._settled & ~seen):
+            self._first_seen.pop(bit, None)
+        self._seen = self._settled = seen
+
+    def _loosen(self, bits: int) -> None:
+        """Turn the outstanding ``bits`` into per-rank submissions, and keep the pending ones per-rank
+        until they complete."""
+        moving = bits & self._seen
+        self._seen ^= moving
+        self._settled &= ~moving
+        since = {bit: self._first_seen.pop(bit, self._now) for bit in _bits_of(moving)}
+        for bit in _bits_of(bits & ~moving & ~self._loose):
+            if self.cache.entry_key(bit) in self._pending:
+                self._loose |= 1 << bit
+        self._loose |= moving
+        if not moving:
+            return
+        for rank, held in list(self._outstanding.items()):
+            taken = held & moving
+            if not taken:
+                continue
+            self._outstanding[rank] = held ^ taken
+            for bit in _bits_of(taken):
+                _, requests = self.cache.entry(bit)
+                self.submit(rank, requests[rank], since[bit], by_bit=True)
+
+    def _loosen_key(self, key: tuple) -> None:
+        bit = self.cache.get_bit(key)
+        if bit >= 0 and not self._loose >> bit & 1:
+            self._loosen(1 << bit)
+
+    def _loosen_waiting(self, now: float, after_s: float) -> None:
+        """Loosen the outstanding bits first seen ``after_s`` or longer ago (to report or fail them)."""
+        self._settle()
+        old = 0
+        for bit, since in self._first_seen.items():
+            if now - since >= after_s:
+                old |= 1 << bit
+        if old:
+            self._loosen(old)
+
+    def _unbulk(self, key: tuple, pending: _Pending) -> None:
+        """Record a bulk arrival as the members' own submissions."""
+        if pending.bulk is None:
+            return
+        for rank in self.process_sets.get(key[0], ()):
+            if rank:
+                pending.requests[rank] = pending.bulk[rank]
+                pending.by_bit.add(rank)
+        pending.bulk = None
+
+    def _pop_pending(self, key: tuple) -> _Pending | None:
+        pending = self._pending.pop(key, None)
+        if pending is not None and self._loose:
+            bit = self.cache.get_bit(key)
+            if bit >= 0:
+                self._loose &= ~(1 << bit)
+        return pending
 
     def _fail_direct(self, targets: tuple, request: Request, message: str, error_type: str) -> None:
         entry = Entry(request.name, request)
@@ -302,6 +480,9 @@ class Negotiator:
                                             error=message, error_type=error_type)))
 
     def _join(self, rank: int, request: Request, now: float) -> None:
+        self._loosen(self._seen)  # while ranks are joined, every name is checked rank by rank
+        for key, pending in self._pending.items():
+            self._unbulk(key, pending)
         if rank not in self._joined:
             self._joined.append(rank)
         for key in list(self._pending):
@@ -313,25 +494,41 @@ class Negotiator:
             self._ready.append((Entry(JOIN_NAME, request), joined))
 
     def _check_ready(self, key: tuple) -> None:
-        pending = self._pending[key]
-        members = self.process_sets[key[0]]
-        joined = tuple(r for r in self._joined if r in members)
-        if any(r not in pending.requests for r in members if r not in joined):
+        pending = self._pending.get(key)
+        if pending is None:  # completed already, by the submissions a _loosen() made
             return
-        del self._pending[key]
-        if not joined and all(r in pending.by_bit for r in members if r != 0) and \
-                self.cache.requests(key) == pending.requests:
+        members = self.process_sets[key[0]]
+        if self._joined:
+            member_set = self._member_sets[key[0]]
+            joined = tuple(r for r in self._joined if r in member_set)
+            if any(r not in pending.requests for r in members if r not in joined):
+                return
+        elif len(pending.requests) + (0 if pending.bulk is None else len(members) - (0 in self._member_sets[key[0]])) \
+                < len(members):  # only members submit, each once: a count will do
+            return
+        else:
+            joined = ()
+        self._pop_pending(key)
+        requests = pending.requests
+        if pending.bulk is not None:  # every member but rank 0 sent the bit of these cached requests
+            if all(pending.bulk.get(r) == q for r, q in requests.items()):
+                requests = pending.bulk
+            else:
+                requests = {**pending.bulk, **requests}
+                pending.requests, pending.bulk = requests, None
+        if not joined and (requests is pending.bulk or (
+                all(r in pending.by_bit for r in members if r != 0) and self.cache.requests(key) == requests)):
             # the very requests agreed and cached before: nothing to check again, and every
             # other member can rebuild the batch from its own cache
             self._from_cache[key] = self.cache.get_bit(key)
         else:
             problem = _disagreement(key[1], pending, members, joined)
             if problem:
-                request = next(iter(pending.requests.values()))
+                request = _any_request(pending)
                 self._ready.append((None, Batch(request.kind, key[0], (Entry(key[1], request),),
                                                 error=problem)))
                 return
-        entry = self._agreed_entry(key, pending.requests, members, joined)
+        entry = self._agreed_entry(key, requests, members, joined)
         if not joined and len(pending.data) == len(members) and \
                 small_allreduce.eligible(entry.request, self._reduce_bytes):
             reduced = small_allreduce.reduce(entry.request, [pending.data[r] for r in members])
@@ -346,7 +543,7 @@ class Negotiator:
             first_dims = tuple(requests[r].shape[0] if r in requests else 0 for r in members)
         elif request.kind == OpKind.ALLTOALL:
             splits = tuple(requests[r].splits if r in requests else (0,) * len(members) for r in members)
-        self._agreed_requests[key] = dict(requests)
+        self._agreed_requests[key] = requests  # no longer changed: the pending name is gone
         return Entry(key[1], request, first_dims, splits)
 
     def _cached(self, entry: Entry, joined: tuple) -> Entry:
@@ -355,12 +552,22 @@ class Negotiator:
         Called in execution order: ranks replay the cache changes in the order
         they receive the entries, so the coordinator must make them in that order.
         """
-        requests = self._agreed_requests.pop((entry.request.process_set_id, entry.name), None)
+        key = (entry.request.process_set_id, entry.name)
+        requests = self._agreed_requests.pop(key, None)
+        if requests is not None and requests is self.cache.requests(key):  # agreed from the cache as it is
+            return entry._replace(cache_bit=self.cache.touch(key))
         if requests is None or joined or not all(r.cacheable for r in requests.values()):
             return entry
         bit, evicted = self.cache.put((entry.request.process_set_id, entry.name), requests)
         self._evictions.extend(evicted)
         return entry._replace(cache_bit=bit)
+
+
+def _any_request(pending: _Pending) -> Request:
+    """One of the requests submitted for a pending name."""
+    for request in pending.requests.values():
+        return request
+    return next(iter(pending.bulk.values()))
 
 
 def entry_bytes(entry: Entry) -> int:

@@ -26,6 +26,8 @@ class CoordinatorCache:
         self._bits: "collections.OrderedDict[Key, int]" = collections.OrderedDict()
         self._entries: dict[int, tuple[Key, dict]] = {}
         self._changed_at: dict[int, int] = {}
+        self._set_bits: dict[int, int] = {}  # process set id -> mask of its names' bits
+        self._stale: tuple[int, int, int] = (-1, -1, 0)  # (version, sender version, changed_since's mask)
 
     def lookup(self, bit: int, sender_version: int) -> tuple[Key, dict] | None:
         """The (key, requests by rank) under ``bit``, or None if the sender's view is stale."""
@@ -34,6 +36,46 @@ class CoordinatorCache:
             return None
         self._bits.move_to_end(entry[0])
         return entry
+
+    def entry(self, bit: int) -> tuple[Key, dict]:
+        """The (key, requests by rank) under ``bit``, whatever the sender's version; marks it used."""
+        entry = self._entries[bit]
+        self._bits.move_to_end(entry[0])
+        return entry
+
+    def entry_key(self, bit: int) -> Key | None:
+        """The key under ``bit``, or None."""
+        entry = self._entries.get(bit)
+        return None if entry is None else entry[0]
+
+    def touch(self, key: Key) -> int:
+        """Mark ``key`` used; returns its bit."""
+        self._bits.move_to_end(key)
+        return self._bits[key]
+
+    def changed_since(self, sender_version: int) -> int:
+        """The mask of bits evicted or reassigned after ``sender_version`` (stale in a sender's view)."""
+        if sender_version >= self.version:
+            return 0
+        if self._stale[:2] != (self.version, sender_version):
+            mask = 0
+            for bit, changed in self._changed_at.items():
+                if changed > sender_version:
+                    mask |= 1 << bit
+            self._stale = (self.version, sender_version, mask)
+        return self._stale[2]
+
+    def bits_by_set(self):
+        """(process set id, mask of the bits of its names) pairs."""
+        return self._set_bits.items()
+
+    def set_bits(self, process_set_id: int) -> int:
+        """The mask of the bits of process set ``process_set_id``'s names."""
+        return self._set_bits.get(process_set_id, 0)
+
+    def full(self) -> bool:
+        """Whether the next new entry evicts one."""
+        return len(self._bits) >= self.capacity
 
     def requests(self, key: Key) -> dict | None:
         """The requests (by rank) cached under ``key``, or None."""
@@ -61,6 +103,8 @@ class CoordinatorCache:
         else:
             old_key, bit = self._bits.popitem(last=False)
             evicted.append((bit, old_key))
+            self._set_bits[old_key[0]] &= ~(1 << bit)
+        self._set_bits[key[0]] = self._set_bits.get(key[0], 0) | 1 << bit
         self.version += 1
         self._bits[key] = bit
         self._bits.move_to_end(key)
@@ -75,6 +119,7 @@ class CoordinatorCache:
         while len(self._bits) > max(capacity, 0):
             key, bit = self._bits.popitem(last=False)
             del self._entries[bit]
+            self._set_bits[key[0]] &= ~(1 << bit)
             evicted.append((bit, key))
         if evicted:
             self.version += 1
@@ -85,6 +130,7 @@ class CoordinatorCache:
     def drop_process_set(self, process_set_id: int) -> list[tuple[int, Key]]:
         """Forget every name of a removed process set; return the dropped (bit, key) pairs."""
         dropped = [(bit, key) for key, bit in self._bits.items() if key[0] == process_set_id]
+        self._set_bits.pop(process_set_id, None)
         if dropped:
             self.version += 1
         for bit, key in dropped:
