@@ -6,6 +6,8 @@ sizes and one short round; ``benchmarks/torch_training.py`` runs interleaved
 step per span; ``benchmarks/control_scale.py`` simulates jobs of 4 and 9
 ranks. The figures themselves are not checked, only that each run succeeds,
 names its plot, and the plot is a PNG matplotlib reads back.
+``benchmarks/elastic_reset.py`` kills a rank of a 3-rank elastic job and must
+time the survivors' reset.
 """
 
 from __future__ import annotations
@@ -63,3 +65,12 @@ def test_control_scale_simulation_runs_rank_zero_against_simulated_ranks(tmp_pat
     assert_valid_png(png, result)
     rows = json.loads(figures.read_text())["results"]
     assert [row["ranks"] for row in rows] == [4, 9] and all(row["cycle_ms"] > 0 for row in rows), rows
+
+
+def test_elastic_reset_benchmark_times_a_reset_after_a_kill(tmp_path):
+    figures = tmp_path / "reset.json"
+    result = run_command([sys.executable, BENCHMARKS / "elastic_reset.py", "--np", "3", "--kill-at-step", "5",
+                          "--json", figures], timeout=240)
+    assert result.returncode == 0, describe(result)
+    [row] = json.loads(figures.read_text())["results"]
+    assert row["ranks"] == 3 and 0 < row["reset_s"] < 60, row
