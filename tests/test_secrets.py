@@ -148,6 +148,41 @@ def test_srun_secret_not_derivable_and_store_not_on_every_interface(tmp_path):
         assert code == 0 and "CHECKS PASSED hold" in out, (code, out, err)
 
 
+@pytest.mark.parametrize("exported", [False, True], ids=["made-secret", "exported-secret"])
+def test_srun_store_port_cannot_be_taken_first(tmp_path, exported):
+    """Another process holds the port the job id used to predict (20000 + (job * 16 + step) % 30000):
+    rank 0 listens on a free port and the other rank learns it from the private file only."""
+    home = tmp_path / "home"
+    home.mkdir()
+    job_id, step_id = 5000 + os.getpid() % 1000, 3
+    predicted = 20000 + (job_id * 16 + step_id) % 30000
+    squatter = socket.socket()
+    try:
+        squatter.bind(("0.0.0.0", predicted))
+        squatter.listen()
+    except OSError as exc:
+        squatter.close()
+        pytest.skip(f"port {predicted} is not free here: {exc}")
+    public = {"SLURM_JOB_ID": job_id, "SLURM_STEP_ID": step_id, "SLURM_STEP_NODELIST": "localhost",
+              "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": 2, "HOME": home, "OMP_NUM_THREADS": 1}
+    if exported:
+        public["ROUNDEL_SECRET"] = "cd" * 32
+    procs = [subprocess.Popen([sys.executable, WORKER, "hold", str(tmp_path)],
+                              env=clean_env({**public, "SLURM_PROCID": r, "SLURM_LOCALID": r}),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        pids = _wait_ready(tmp_path, 2, procs)
+        assert predicted not in {a.port for a in _listening(pids[0])}
+        assert list((home / ".roundel" / "jobs").iterdir()) == []  # the file served and is gone
+        (tmp_path / "go").touch()
+        results = _finish(procs)
+    finally:
+        _stop(procs)
+        squatter.close()
+    for code, out, err in results:
+        assert code == 0 and "CHECKS PASSED hold" in out, (code, out, err)
+
+
 def test_srun_on_two_hosts_listens_on_the_job_network_only(tmp_path):
     """Two network-namespace hosts sharing the file system (as a shared home): rank 0's store and every
     rank's Gloo port listen on the host's job address, and the secret file is the only channel."""
@@ -163,8 +198,6 @@ def test_srun_on_two_hosts_listens_on_the_job_network_only(tmp_path):
                                   env=clean_env({**public, "SLURM_PROCID": r}), stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for r, name in enumerate(net.names)]
         pids = _wait_ready(tmp_path, 2, procs)
-        store_port = 20000 + (6262 * 16 + 1) % 30000  # the srun port formula
-        assert [a.ip for a in _listening(pids[0]) if a.port == store_port] == [net.addrs[0]]
         for pid, addr in zip(pids, net.addrs):  # the store, the control channel and Gloo
             assert {a.ip for a in _listening(pid)} == {addr}, _listening(pid)
         (tmp_path / "go").touch()
