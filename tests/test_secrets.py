@@ -245,7 +245,17 @@ def test_forged_objects_refused_before_unpickling(tmp_path):
     result = run_job(2, "secrets_worker.py", "forge", tmp_path, env={"OMP_NUM_THREADS": 1}, timeout=90)
     assert not (tmp_path / "pwned").exists(), "an injected pickle ran on a receiving rank\n" + describe(result)
     assert_checks_passed(result, 2, "forge")
-    assert result.stdout.count("REFUSED object from rank 0 failed authentication") == 3, describe(result)
+    assert result.stdout.count("REFUSED object from rank 0 failed authentication") == 4, describe(result)
+
+
+def test_replayed_objects_refused(tmp_path):
+    """A payload or size record of an earlier call, or of an earlier init(), is refused with the reason."""
+    result = run_job(2, "secrets_worker.py", "replay", tmp_path, env={"OMP_NUM_THREADS": 1}, timeout=90)
+    assert_checks_passed(result, 2, "replay")
+    assert result.stdout.count("REFUSED object from rank 0 in 'broadcast_object.state.data' was replayed") == 1
+    assert result.stdout.count("REFUSED object from rank 0 in 'broadcast_object.state.size' was replayed") == 1
+    assert result.stdout.count("REFUSED object from rank 0 failed authentication in 'broadcast_object.state.size'")\
+        == 1, describe(result)
 
 
 def test_gloo_connection_flood_does_not_kill_the_job(tmp_path):
