@@ -294,6 +294,30 @@ def test_gloo_connection_flood_does_not_kill_the_job(tmp_path):
     assert len(limits) == 2 and all(soft == hard for soft, hard in limits), limits  # raised at init()
 
 
+def test_gloo_descriptor_exhaustion_is_named(tmp_path):
+    """A burst of connections to a rank's Gloo port under a low hard open-file limit aborts the rank (Gloo
+    keeps every accepted connection): the launcher says why and what to do."""
+    command = shlex.join([*LAUNCHER, "-np", "2", sys.executable, WORKER, "hold", str(tmp_path)])
+    proc = subprocess.Popen(["bash", "-c", f"ulimit -n 300 && exec {command}"],
+                            env=clean_env({"OMP_NUM_THREADS": 1}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pids = _wait_ready(tmp_path, 2, [proc])
+        address = _listening(pids[1])[0]  # rank 1 listens for Gloo only
+        for _ in range(600):
+            try:
+                socket.create_connection((address.ip, address.port), timeout=5).close()
+            except OSError:
+                break
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        _stop([proc])
+    assert proc.returncode != 0, out
+    assert "rank 1 (host localhost) was killed by signal SIGABRT; it ran out of file descriptors" in err, err
+    assert "ulimit -Hn" in err and "--network-interface" in err
+
+
 def test_secret_file_is_private_and_checked(tmp_path):
     from roundel.rendezvous import secret_file
 

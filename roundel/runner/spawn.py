@@ -362,8 +362,18 @@ def describe_exit(worker: Worker, server=None, who: str | None = None) -> str:
                         "--ssh-strict-host-key-checking accept-new to accept a new key on first use)")
             return f"{who}: could not start on host {worker.slot.hostname} over ssh (exit {code}){why}"
     if code < 0:
-        return f"{who} was killed by signal {signal_name(-code)}"
-    return f"{who} exited with code {code}"
+        return f"{who} was killed by signal {signal_name(-code)}{_known_cause(worker)}"
+    return f"{who} exited with code {code}{_known_cause(worker)}"
+
+
+def _known_cause(worker: Worker) -> str:
+    """What the last lines of ``worker``'s stderr say about an abort roundel cannot catch ("" if nothing)."""
+    if "Too many open files" not in b"".join(worker.stderr_tail).decode(errors="replace"):
+        return ""
+    return ("; it ran out of file descriptors (Gloo aborts a rank that runs out while accepting connections, "
+            "as a burst of connections to its port from outside the job can make it): raise the hard open-file "
+            "limit (ulimit -Hn), run the job on a private interface (--network-interface) or firewall its ports; "
+            "see roundel's README, 'Network exposure'")
 
 
 def own_exit_code(worker: Worker, server=None) -> int:
