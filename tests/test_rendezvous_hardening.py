@@ -266,6 +266,37 @@ def test_elastic_job_recovers_after_its_store_is_flooded(tmp_path):
     check_training(job.text(), None, 96, 4, 1 * 2 * 4 * 3 + 3 * 3)  # see test_elastic_torch._repeats_allowed
 
 
+def test_elastic_scale_up_while_another_user_holds_the_stores_pre_auth_slots(tmp_path):
+    """Every re-formation needs new store connections: the job grows from 1 to 2 workers while another local
+    user holds more silent connections to the store than it has pre-authentication slots."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to run the attacker as another local user (uid 65534)")
+    stop = tmp_path / "stop"
+    job = ElasticJob(tmp_path, "localhost:1\n", str(WORKERS_DIR / "elastic_store_port.py"),
+                     ["-np", "1", "--elastic-timeout", "30"],
+                     {"EPOCHS": 1000, "SAMPLES": 96, "BATCH": 4, "STEP_SLEEP": 0.05, "STOP_FILE": stop})
+    attacker = None
+    try:
+        job.wait_count("COMMIT", 2, timeout=60)
+        port = int(next(m.group(1) for line in job.output() if (m := re.search(r"STORE_PORT (\d+)", line))))
+        attacker = Attacker("silent", PENDING_CAP + 4, [("127.0.0.1", port)], other_user=True)
+        job.set_hosts("localhost:2\n")
+
+        def grown(lines):
+            later = [i for i, size in _generations(lines) if size == 2]
+            return bool(later) and sum("COMMIT" in line for line in lines[later[-1]:]) >= 4
+
+        job.wait_for(grown, timeout=60, what="a generation of 2 workers training while the store's slots are held")
+        stop.touch()
+        assert job.finish(timeout=60) == 0, job.describe()
+    finally:
+        reopened = attacker.stop() if attacker else 0
+        if job.process.poll() is None:
+            os.killpg(job.process.pid, signal.SIGKILL)
+            job.process.wait(10)
+    assert reopened >= 2, f"the store closed {reopened} of the attacker's connections: the attack was not running"
+
+
 # ---- slow and silent peers ----
 
 def _slow_sender(port: int, results: list, index: int, max_bytes: int = 15) -> None:
