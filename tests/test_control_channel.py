@@ -5,7 +5,7 @@ authentication (a rank refuses a fake coordinator, and never unpickles what
 one sends); per-frame integrity (tampered, replayed, reordered and spliced
 frames drop the connection); sending without blocking (both ends at
 once, a peer that stops reading, the last messages before close); the
-coordinator's listener under slow, silent and over-the-limit connections;
+coordinator's listener under slow, silent, stalled and over-the-limit connections;
 and, under the real launcher, a running job that is flooded with idle
 connections while its coordinator runs out of file descriptors, and one
 fuzzed with 1,000 junk inputs: results stay exact, a rank-like client still

@@ -1,4 +1,5 @@
-"""The rendezvous store under hostile and failing peers: floods, slow senders, tampering, a stopped server, fuzz.
+"""The rendezvous store under hostile and failing peers: floods, slow senders, tampering, a stopped server, fuzz,
+and another local user holding its pre-authentication slots while a job starts or an elastic job grows.
 
 Servers that need their own open-file limit run in a subprocess; the others in
 this process. Frames are built here from the protocol as rendezvous_wire.py
@@ -10,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import psutil
 import random
 import re
 import resource
@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 
 from elastic_util import ElasticJob, check_training

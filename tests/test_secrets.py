@@ -6,9 +6,14 @@
   host's job address only.
 * torchrun: torchrun's unauthenticated TCPStore holds no usable secret.
 * The secret file rank 0 hands the other ranks: private, checked, removed.
-* Objects: bytes injected into broadcast_object/allgather_object are refused
-  before unpickling.
-* Gloo: a flood of idle connections to a worker's Gloo port does not kill it.
+* srun: rank 0's store port is not predictable from the job id, so another
+  process holding that port does not stop the job.
+* Objects: bytes injected into broadcast_object/allgather_object, a forged
+  size, and bytes replayed from an earlier call or init() are refused before
+  anything is allocated or unpickled.
+* Gloo: a flood of idle connections to a worker's Gloo port does not kill it;
+  a burst past a low hard open-file limit aborts the rank, and the launcher
+  names the cause.
 """
 
 import collections

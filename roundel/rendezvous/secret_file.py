@@ -165,9 +165,10 @@ def _open_when_present(path: Path, deadline: float, who: str, fix: str) -> int:
 def read(path: Path, timeout_s: float, who: str = "this rank", fix: str = _FIX) -> JobSecret:
     """What rank 0 wrote to ``path``, waiting up to ``timeout_s`` seconds for it to appear.
 
-    ``who`` names this process in errors, ``fix`` says what to do when the file never appears. Raises SecretFileError when the file
-    does not appear in time, or is not a 0600 regular file of this user in a
-    directory no one else can write to.
+    ``who`` names this process in errors, ``fix`` says what to do when the
+    file never appears. Raises SecretFileError when the file does not appear
+    in time, or is not a 0600 regular file of this user in a directory no one
+    else can write to.
     """
     fd = _open_when_present(path, time.monotonic() + timeout_s, who, fix)
     try:

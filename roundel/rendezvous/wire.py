@@ -188,7 +188,10 @@ class PendingConnections:
     def answered(self, sock: socket.socket) -> bool:
         """Stop tracking ``sock`` (its first message came, or it failed); False if it was evicted."""
         with self._lock:
-            return self._waiting.pop(sock, 0) is None
+            if sock not in self._waiting:
+                return False
+            del self._waiting[sock]
+            return True
 
 
 class ServerRefused(ConnectionError):
