@@ -5,7 +5,7 @@ authentication (a rank refuses a fake coordinator, and never unpickles what
 one sends); per-frame integrity (tampered, replayed, reordered and spliced
 frames drop the connection); sending without blocking (both ends at
 once, a peer that stops reading, the last messages before close); the
-coordinator's listener under slow, silent and over-the-limit connections;
+coordinator's listener under slow, silent, stalled and over-the-limit connections;
 and, under the real launcher, a running job that is flooded with idle
 connections while its coordinator runs out of file descriptors, and one
 fuzzed with 1,000 junk inputs: results stay exact, a rank-like client still
@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from launch_util import LAUNCHER, WORKERS_DIR, clean_env, rank_lines
+from preauth_attacker import Attacker
 from roundel.common import control_channel
 from roundel.ops import ReduceOp
 from roundel.common.requests import Batch, Entry, OpKind, Request
@@ -468,6 +469,33 @@ def test_silent_connections_do_not_delay_a_joining_rank():
         for sock in silent:
             sock.close()
         listener.close()
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["tcp", "local-socket"])
+def test_handshakes_stalled_after_the_opening_do_not_keep_a_rank_out(local):
+    """More connections than handshake slots send an opening message (no secret needed) and stall, and are
+    reopened as soon as they are closed; a real rank still joins in about a second."""
+    accepted = queue.SimpleQueue()
+    listener = control_channel.Listener("127.0.0.1", SECRET, accepted.put)
+    target = f"@{listener.local_name}" if local else ("127.0.0.1", listener.port)
+    if local and listener.local_name is None:
+        listener.close()
+        pytest.skip("no abstract Unix socket on this platform")
+    attacker = Attacker("opening", control_channel.MAX_HANDSHAKES + 8, [target], other_user=False)
+    try:
+        time.sleep(0.5)
+        started = time.monotonic()
+        rank_side = control_channel.connect("127.0.0.1", listener.port, SECRET, 1, 10.0,
+                                            local_name=listener.local_name if local else None)
+        joined_after = time.monotonic() - started
+        assert accepted.get(timeout=5).rank == 1
+        assert rank_side.peer.startswith("local socket") == local, rank_side.peer
+        rank_side.close()
+    finally:
+        reopened = attacker.stop()
+        listener.close()
+    assert joined_after < control_channel.HELLO_DEADLINE_S + 1.5, joined_after
+    assert reopened >= 1, "the coordinator dropped none of the stalled connections: the attack was not running"
 
 
 # --------------------------------------------------- a running job, attacked

@@ -168,4 +168,3 @@ def test_cross_ranks_as_horovod_defines_them():
 def test_slurm_address_rules():
     assert bootstrap.slurm_first_host({"SLURM_JOB_NODELIST": "node[03-05,9],gpu1"}) == "node03"
     assert bootstrap.slurm_first_host({"SLURM_STEP_NODELIST": "gpu1,gpu2", "SLURM_JOB_NODELIST": "x"}) == "gpu1"
-    assert bootstrap.slurm_port({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "1"}) == 20000 + (4242 * 16 + 1) % 30000

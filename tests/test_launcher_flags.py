@@ -87,7 +87,7 @@ def test_ssh_command_line():
     cmd = spawn.ssh_command("h1", "cd /x && exec py", port=2222, identity_file="/k", connect_timeout=7,
                             extra_args="-o LogLevel=ERROR")
     assert cmd == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=7", "-p", "2222", "-i", "/k",
-                   "-o", "LogLevel=ERROR", "-o", "StrictHostKeyChecking=accept-new", "--", "h1", "cd /x && exec py"]
+                   "-o", "LogLevel=ERROR", "--", "h1", "cd /x && exec py"]
     env = spawn.remote_env({"HOME": "/root", "PATH": "/bin", "ROUNDEL_RANK": "1", "SSH_AUTH_SOCK": "s"})
     assert env == {"PATH": "/bin", "ROUNDEL_RANK": "1"}
     slot = SlotInfo("h1", 0, 1, 0, 1, 0, 1)

@@ -8,7 +8,9 @@ an unreachable host would; real ssh runs are in test_ssh_hosts.py.
 
 import json
 import os
+import shutil
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,17 +82,50 @@ def test_strict_host_key_policy_reaches_ssh_first(fake_ssh):
     assert result.returncode == 255, describe(result)
     argv = json.loads(record.read_text())["argv"]
     strict = [argv[i + 1] for i, word in enumerate(argv) if word == "-o" and "StrictHostKeyChecking" in argv[i + 1]]
-    # ssh keeps the first value given for an option: the flag's, then ROUNDEL_SSH_ARGS', then the default
-    assert strict == ["StrictHostKeyChecking=yes", "StrictHostKeyChecking=no", "StrictHostKeyChecking=accept-new"]
+    # ssh keeps the first value given for an option: the flag's, then ROUNDEL_SSH_ARGS'
+    assert strict == ["StrictHostKeyChecking=yes", "StrictHostKeyChecking=no"]
     assert argv[argv.index("--") + 1] == REMOTE
     assert f"could not start on host {REMOTE} over ssh (exit 255)" in result.stderr
     default = run_command([*LAUNCHER, "--start-timeout", "5", "-np", "1", "-H", f"{REMOTE}:1", "true"],
                           env={"PATH": env["PATH"]}, timeout=60)
     assert default.returncode == 255, describe(default)
     argv = json.loads(record.read_text())["argv"]
-    assert [w for w in argv if "StrictHostKeyChecking" in w] == ["StrictHostKeyChecking=accept-new"]
+    assert not [w for w in argv if "StrictHostKeyChecking" in w]  # the user's ssh configuration decides
     bad = run_command([*LAUNCHER, "--ssh-strict-host-key-checking", "maybe", "-np", "1", "true"], timeout=30)
     assert bad.returncode == 2 and "invalid choice: 'maybe'" in bad.stderr
+
+
+def _effective_host_key_checking(command: list[str], config: Path) -> str:
+    """What ssh itself (``ssh -G``) would use for StrictHostKeyChecking with ``command``'s options."""
+    options = command[1:command.index("--")]
+    result = subprocess.run(["ssh", "-G", "-F", str(config), *options, REMOTE], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    return dict(line.split(" ", 1) for line in result.stdout.splitlines())["stricthostkeychecking"]
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="needs OpenSSH's ssh client (ssh -G)")
+def test_user_ssh_config_host_key_policy_stays_in_force(tmp_path):
+    """A user's ``StrictHostKeyChecking yes`` holds unless --ssh-strict-host-key-checking says otherwise."""
+    config = tmp_path / "ssh_config"
+    config.write_text("Host *\n  StrictHostKeyChecking yes\n")
+    assert _effective_host_key_checking(spawn.ssh_command(REMOTE, "true"), config) == "true"
+    flagged = spawn.ssh_command(REMOTE, "true", extra_args=spawn.strict_host_key_args("accept-new"))
+    assert _effective_host_key_checking(flagged, config) == "accept-new"
+
+
+def test_unknown_host_key_failure_names_the_flag(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    script = bindir / "ssh"
+    script.write_text(f"#!{sys.executable}\nimport sys\nsys.stderr.write('Host key verification failed.\\n')\n"
+                      "sys.exit(255)\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    result = run_command([*LAUNCHER, "--start-timeout", "5", "-np", "1", "-H", f"{REMOTE}:1", "true"],
+                         env={"PATH": f"{bindir}:{os.environ['PATH']}"}, timeout=60)
+    assert result.returncode == 255, describe(result)
+    assert "Host key verification failed" in result.stderr
+    assert "--ssh-strict-host-key-checking accept-new" in result.stderr, describe(result)
 
 
 def test_only_needed_variables_are_sent_to_remote_hosts(fake_ssh):

@@ -6,9 +6,14 @@
   host's job address only.
 * torchrun: torchrun's unauthenticated TCPStore holds no usable secret.
 * The secret file rank 0 hands the other ranks: private, checked, removed.
-* Objects: bytes injected into broadcast_object/allgather_object are refused
-  before unpickling.
-* Gloo: a flood of idle connections to a worker's Gloo port does not kill it.
+* srun: rank 0's store port is not predictable from the job id, so another
+  process holding that port does not stop the job.
+* Objects: bytes injected into broadcast_object/allgather_object, a forged
+  size, and bytes replayed from an earlier call or init() are refused before
+  anything is allocated or unpickled.
+* Gloo: a flood of idle connections to a worker's Gloo port does not kill it;
+  a burst past a low hard open-file limit aborts the rank, and the launcher
+  names the cause.
 """
 
 import collections
@@ -148,6 +153,41 @@ def test_srun_secret_not_derivable_and_store_not_on_every_interface(tmp_path):
         assert code == 0 and "CHECKS PASSED hold" in out, (code, out, err)
 
 
+@pytest.mark.parametrize("exported", [False, True], ids=["made-secret", "exported-secret"])
+def test_srun_store_port_cannot_be_taken_first(tmp_path, exported):
+    """Another process holds the port the job id used to predict (20000 + (job * 16 + step) % 30000):
+    rank 0 listens on a free port and the other rank learns it from the private file only."""
+    home = tmp_path / "home"
+    home.mkdir()
+    job_id, step_id = 5000 + os.getpid() % 1000, 3
+    predicted = 20000 + (job_id * 16 + step_id) % 30000
+    squatter = socket.socket()
+    try:
+        squatter.bind(("0.0.0.0", predicted))
+        squatter.listen()
+    except OSError as exc:
+        squatter.close()
+        pytest.skip(f"port {predicted} is not free here: {exc}")
+    public = {"SLURM_JOB_ID": job_id, "SLURM_STEP_ID": step_id, "SLURM_STEP_NODELIST": "localhost",
+              "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": 2, "HOME": home, "OMP_NUM_THREADS": 1}
+    if exported:
+        public["ROUNDEL_SECRET"] = "cd" * 32
+    procs = [subprocess.Popen([sys.executable, WORKER, "hold", str(tmp_path)],
+                              env=clean_env({**public, "SLURM_PROCID": r, "SLURM_LOCALID": r}),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        pids = _wait_ready(tmp_path, 2, procs)
+        assert predicted not in {a.port for a in _listening(pids[0])}
+        assert list((home / ".roundel" / "jobs").iterdir()) == []  # the file served and is gone
+        (tmp_path / "go").touch()
+        results = _finish(procs)
+    finally:
+        _stop(procs)
+        squatter.close()
+    for code, out, err in results:
+        assert code == 0 and "CHECKS PASSED hold" in out, (code, out, err)
+
+
 def test_srun_on_two_hosts_listens_on_the_job_network_only(tmp_path):
     """Two network-namespace hosts sharing the file system (as a shared home): rank 0's store and every
     rank's Gloo port listen on the host's job address, and the secret file is the only channel."""
@@ -163,8 +203,6 @@ def test_srun_on_two_hosts_listens_on_the_job_network_only(tmp_path):
                                   env=clean_env({**public, "SLURM_PROCID": r}), stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for r, name in enumerate(net.names)]
         pids = _wait_ready(tmp_path, 2, procs)
-        store_port = 20000 + (6262 * 16 + 1) % 30000  # the srun port formula
-        assert [a.ip for a in _listening(pids[0]) if a.port == store_port] == [net.addrs[0]]
         for pid, addr in zip(pids, net.addrs):  # the store, the control channel and Gloo
             assert {a.ip for a in _listening(pid)} == {addr}, _listening(pid)
         (tmp_path / "go").touch()
@@ -212,7 +250,17 @@ def test_forged_objects_refused_before_unpickling(tmp_path):
     result = run_job(2, "secrets_worker.py", "forge", tmp_path, env={"OMP_NUM_THREADS": 1}, timeout=90)
     assert not (tmp_path / "pwned").exists(), "an injected pickle ran on a receiving rank\n" + describe(result)
     assert_checks_passed(result, 2, "forge")
-    assert result.stdout.count("REFUSED object from rank 0 failed authentication") == 3, describe(result)
+    assert result.stdout.count("REFUSED object from rank 0 failed authentication") == 4, describe(result)
+
+
+def test_replayed_objects_refused(tmp_path):
+    """A payload or size record of an earlier call, or of an earlier init(), is refused with the reason."""
+    result = run_job(2, "secrets_worker.py", "replay", tmp_path, env={"OMP_NUM_THREADS": 1}, timeout=90)
+    assert_checks_passed(result, 2, "replay")
+    assert result.stdout.count("REFUSED object from rank 0 in 'broadcast_object.state.data' was replayed") == 1
+    assert result.stdout.count("REFUSED object from rank 0 in 'broadcast_object.state.size' was replayed") == 1
+    assert result.stdout.count("REFUSED object from rank 0 failed authentication in 'broadcast_object.state.size'")\
+        == 1, describe(result)
 
 
 def test_gloo_connection_flood_does_not_kill_the_job(tmp_path):
@@ -249,6 +297,30 @@ def test_gloo_connection_flood_does_not_kill_the_job(tmp_path):
     assert_checks_passed(result, 2, "hold")
     limits = [line.split()[1:] for line in rank_lines(out, stream="stdout") if line.startswith("NOFILE")]
     assert len(limits) == 2 and all(soft == hard for soft, hard in limits), limits  # raised at init()
+
+
+def test_gloo_descriptor_exhaustion_is_named(tmp_path):
+    """A burst of connections to a rank's Gloo port under a low hard open-file limit aborts the rank (Gloo
+    keeps every accepted connection): the launcher says why and what to do."""
+    command = shlex.join([*LAUNCHER, "-np", "2", sys.executable, WORKER, "hold", str(tmp_path)])
+    proc = subprocess.Popen(["bash", "-c", f"ulimit -n 300 && exec {command}"],
+                            env=clean_env({"OMP_NUM_THREADS": 1}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pids = _wait_ready(tmp_path, 2, [proc])
+        address = _listening(pids[1])[0]  # rank 1 listens for Gloo only
+        for _ in range(600):
+            try:
+                socket.create_connection((address.ip, address.port), timeout=5).close()
+            except OSError:
+                break
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        _stop([proc])
+    assert proc.returncode != 0, out
+    assert "rank 1 (host localhost) was killed by signal SIGABRT; it ran out of file descriptors" in err, err
+    assert "ulimit -Hn" in err and "--network-interface" in err
 
 
 def test_secret_file_is_private_and_checked(tmp_path):

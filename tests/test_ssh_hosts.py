@@ -155,6 +155,11 @@ def test_strict_host_key_checking_yes_with_a_known_key(hosts, tmp_path):
     assert refused.returncode == 255, describe(refused)
     assert "Host key verification failed" in refused.stderr, describe(refused)
     assert known.read_text() == ""
+    # without the flag, ssh's own policy holds (roundel adds no accept-new): refused too, and told how to proceed
+    default = run(hosts, "-np", 1, "-H", f"{h1}:1", "true", env=own_known)
+    assert default.returncode == 255, describe(default)
+    assert "--ssh-strict-host-key-checking accept-new" in default.stderr, describe(default)
+    assert known.read_text() == ""
     assert not hosts.leftovers()
 
 

@@ -73,6 +73,11 @@ class _Runtime:
         """The number of this barrier on a process set since this ``init()`` (the same on every member)."""
         return self._count(("barrier", process_set_id))
 
+    def next_object_call(self, process_set_id: int, name: str) -> int:
+        """The number of this object collective ``name`` on a process set since this ``init()`` (its seals'
+        sequence number; the same on every member)."""
+        return self._count(("object", process_set_id, name))
+
     def _count(self, key: tuple) -> int:
         with self._unnamed_lock:
             count = self._unnamed_counts[key] = self._unnamed_counts.get(key, 0) + 1

@@ -24,10 +24,12 @@ The coordinator's ``Listener`` accepts on its own thread and runs each
 handshake on a short-lived thread, at most ``MAX_HANDSHAKES`` at once, each
 bounded overall however slowly its bytes trickle in: the rank's opening
 message within ``HELLO_DEADLINE_S``, the whole handshake within
-``HANDSHAKE_DEADLINE_S``. A real rank sends its opening message at once, so
-when slots or file descriptors run short, silent connections make way for
-it; a rank turned away retries with backoff. Idle or junk connections thus
-delay a real rank by about a second at most; running out of file descriptors
+``HANDSHAKE_DEADLINE_S``. A real rank sends its opening message at once and
+its proof as soon as the coordinator's arrives, so when slots or file
+descriptors run short, the connection that has waited longest without
+proving the secret (silent, or stalled after its opening message) makes way
+for it; a rank turned away retries with backoff. Idle, stalled or junk
+connections thus delay a real rank by about a second at most; running out of file descriptors
 or threads only slows accepting down; refusals are logged at most once per
 ``REFUSAL_LOG_INTERVAL_S``, with counts.
 
@@ -478,8 +480,13 @@ def _read_opening(sock: socket.socket, hello_by: float) -> bytes:
     return _recv_exact(sock, _RANK_HELLO_BYTES, hello_by, "the rank's opening message")
 
 
-def _answer(sock: socket.socket, secret: bytes, hello: bytes, deadline: float, send_timeout_s: float) -> Connection:
-    """The coordinator's part of the handshake once the rank's opening message has arrived."""
+def _answer(sock: socket.socket, secret: bytes, hello: bytes, deadline: float, send_timeout_s: float,
+            proven: Callable[[], bool] = lambda: True) -> Connection:
+    """The coordinator's part of the handshake once the rank's opening message has arrived.
+
+    ``proven()`` is called once the rank's proof checks; False (the connection was displaced meanwhile)
+    ends the handshake with ChannelError before the welcome is sent.
+    """
     if hello[:len(MAGIC)] != MAGIC:
         raise ChannelError("the peer does not speak roundel's control protocol")
     (rank,) = _RANK.unpack_from(hello, len(MAGIC))
@@ -491,6 +498,8 @@ def _answer(sock: socket.socket, secret: bytes, hello: bytes, deadline: float, s
     proof = _recv_exact(sock, _MAC_BYTES, deadline, "the rank's proof")
     if not hmac.compare_digest(proof, rank_proof):
         raise AuthenticationError(f"a peer claiming rank {rank} failed to prove it holds the job's secret")
+    if not proven():
+        raise ChannelError(f"rank {rank} was dropped to make room before its handshake finished")
     from_rank, to_rank = _session_keys(secret, rank, rank_nonce, nonce)
     sock.settimeout(max(0.001, deadline - time.monotonic()))
     sock.sendall(_HEADER.pack(0) + _mac(to_rank, _SEQUENCE.pack(0) + _HEADER.pack(0)))
@@ -564,12 +573,13 @@ class Listener:
 
     ``on_connection(connection)`` is called (from a handshake thread) for each
     connection that completes the handshake; never after ``close()`` returns.
-    A real rank sends its opening message at once, so silent connections
+    A real rank sends its opening message at once and its proof right after
+    the coordinator's answer, so connections that have not proven the secret
     give way. When all handshake slots are taken, a newcomer that has sent
-    something takes the slot of the connection silent the longest; a silent
-    newcomer does so only if that one has been silent DISPLACE_AFTER_S, and is
-    closed at once otherwise. When accept() runs out of file descriptors, the
-    connection silent the longest is dropped to free one.
+    something takes the slot of the unproven connection accepted the longest
+    ago; a silent newcomer does so only if that one is DISPLACE_AFTER_S old,
+    and is closed at once otherwise. When accept() runs out of file
+    descriptors, the oldest unproven connection is dropped to free one.
     """
 
     def __init__(self, host: str, secret: bytes, on_connection: Callable[[Connection], None],
@@ -586,8 +596,8 @@ class Listener:
         self._hello_deadline_s = hello_deadline_s
         self._deadline_s = handshake_deadline_s
         self._send_timeout_s = send_timeout_s
-        self._silent: dict[socket.socket, float] = {}  # accepted, opening message not yet read -> since
-        self._silent_lock = threading.Lock()
+        self._unproven: dict[socket.socket, float] = {}  # accepted, proof not yet checked -> since
+        self._unproven_lock = threading.Lock()
         self._closed = False
         self._close_lock = threading.Lock()
         self._refusals = _RateLimitedLog("refused connections", REFUSAL_LOG_INTERVAL_S)
@@ -625,7 +635,7 @@ class Listener:
                 scarce = exc.errno in _SCARCE
                 self._troubles.note(f"accept() failures ({os.strerror(exc.errno)}; raise `ulimit -n`?)"
                                     if scarce else "accept() failures", str(exc))
-                if scarce and self._displace_longest_silent(0.0):
+                if scarce and self._displace_oldest_unproven(0.0):
                     time.sleep(0.001)  # its handshake thread closes it, freeing a descriptor
                     continue
                 time.sleep(backoff)
@@ -633,14 +643,14 @@ class Listener:
                 continue
             backoff = _BACKOFF_MIN_S
             if not self._slots.acquire(blocking=False) and not (
-                    self._displace_longest_silent(0.0 if _has_data(sock) else DISPLACE_AFTER_S)
+                    self._displace_oldest_unproven(0.0 if _has_data(sock) else DISPLACE_AFTER_S)
                     and self._slots.acquire(timeout=0.5)):
                 sock.close()
                 self._refusals.note(f"turned away ({self._max_handshakes} handshakes already running)",
                                     _describe(address))
                 continue
-            with self._silent_lock:
-                self._silent[sock] = time.monotonic()
+            with self._unproven_lock:
+                self._unproven[sock] = time.monotonic()
             try:
                 threading.Thread(target=self._handshake, args=(sock, address),
                                  name="roundel-handshake", daemon=True).start()
@@ -651,15 +661,15 @@ class Listener:
                 self._troubles.note("handshake threads that could not start", str(exc))
                 time.sleep(_BACKOFF_MAX_S)
 
-    def _displace_longest_silent(self, at_least_s: float) -> bool:
-        """Drop the connection silent the longest, if for ``at_least_s``; True if one was."""
-        with self._silent_lock:
-            if not self._silent:
+    def _displace_oldest_unproven(self, at_least_s: float) -> bool:
+        """Drop the oldest connection that has not proven the secret, if ``at_least_s`` old; True if one was."""
+        with self._unproven_lock:
+            if not self._unproven:
                 return False
-            sock, since = min(self._silent.items(), key=lambda item: item[1])
+            sock, since = next(iter(self._unproven.items()))  # insertion order: the oldest first
             if time.monotonic() - since < at_least_s:
                 return False
-            del self._silent[sock]
+            del self._unproven[sock]
             try:  # wakes its handshake thread, which closes it; done under the lock so it is still open
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -667,23 +677,28 @@ class Listener:
         return True
 
     def _stop_waiting(self, sock: socket.socket) -> bool:
-        """Forget ``sock`` as silent; False if it was displaced meanwhile."""
-        with self._silent_lock:
-            return self._silent.pop(sock, None) is not None
+        """Forget ``sock`` as unproven; False if it was displaced meanwhile."""
+        with self._unproven_lock:
+            return self._unproven.pop(sock, None) is not None
 
     def _handshake(self, sock: socket.socket, address) -> None:
-        displaced = False
+        proven = False
+
+        def prove() -> bool:
+            nonlocal proven
+            proven = self._stop_waiting(sock)
+            return proven
+
         try:
             started = time.monotonic()
-            try:
-                opening = _read_opening(sock, started + self._hello_deadline_s)
-            finally:
-                displaced = not self._stop_waiting(sock)
-            connection = _answer(sock, self._secret, opening, started + self._deadline_s, self._send_timeout_s)
+            opening = _read_opening(sock, started + self._hello_deadline_s)
+            connection = _answer(sock, self._secret, opening, started + self._deadline_s, self._send_timeout_s,
+                                 prove)
         except (OSError, ValueError) as exc:
+            displaced = not proven and not self._stop_waiting(sock)
             sock.close()
             if displaced:
-                self._refusals.note("silent ones dropped to make room", _describe(address))
+                self._refusals.note("unproven ones dropped to make room", _describe(address))
             else:
                 self._refusals.note("failed handshakes", f"{_describe(address)}: {exc}")
             return

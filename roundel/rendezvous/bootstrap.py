@@ -14,9 +14,11 @@ Four ways a worker can have been started:
   broadcasts address and secret over ``MPI.COMM_WORLD`` with mpi4py, which
   must then be installed (``pip install mpi4py``);
 * by Slurm's ``srun``: rank 0 starts the store on the first host of
-  ``SLURM_STEP_NODELIST`` at port ``20000 + (SLURM_JOB_ID * 16 +
-  SLURM_STEP_ID) % 30000``; ``ROUNDEL_RENDEZVOUS_ADDR`` /
-  ``ROUNDEL_RENDEZVOUS_PORT`` override both.
+  ``SLURM_STEP_NODELIST``, on a free port that it publishes with the secret
+  in the private file (nothing public predicts it, so no one can take it
+  first); ``ROUNDEL_RENDEZVOUS_ADDR`` / ``ROUNDEL_RENDEZVOUS_PORT`` override
+  both (with ``ROUNDEL_SECRET`` and ``ROUNDEL_RENDEZVOUS_PORT`` both set, no
+  file is needed).
 
 The secret: ``ROUNDEL_SECRET`` (hex) when exported before the launcher
 (``export ROUNDEL_SECRET=$(openssl rand -hex 32)``), always; else a fresh
@@ -64,7 +66,7 @@ from roundel.rendezvous import identity as identity_env
 from roundel.rendezvous.identity import Identity, LauncherIdentity, cross_ranks, detect_launcher
 from roundel.rendezvous.store import RendezvousClient, RendezvousServer, new_secret
 
-__all__ = ["Bootstrap", "advertise_address", "discover", "slurm_first_host", "slurm_port"]
+__all__ = ["Bootstrap", "advertise_address", "discover", "slurm_first_host"]
 
 EXTERNAL_SERVER = "ROUNDEL_RENDEZVOUS_SERVER"
 RENDEZVOUS_BIND = identity_env.RENDEZVOUS_BIND
@@ -328,13 +330,6 @@ def slurm_first_host(env: Mapping[str, str]) -> str:
     return _expand_first(nodelist)
 
 
-def slurm_port(env: Mapping[str, str]) -> int:
-    """The rendezvous port of a Slurm job step: ``20000 + (job_id * 16 + step_id) % 30000``."""
-    job = int(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or 0)
-    step = int(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or 0)
-    return 20000 + (job * 16 + step) % 30000
-
-
 def _slurm_single_node(env: Mapping[str, str]) -> bool:
     count = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
     if count:
@@ -365,18 +360,25 @@ def _srun_listen_address(host: str, env: Mapping[str, str]) -> str:
     return network.reachable_address(None, env)
 
 
+_SRUN_FIX = ("export ROUNDEL_SECRET=$(openssl rand -hex 32) and ROUNDEL_RENDEZVOUS_PORT=<a free port of the "
+             "step's first host> before srun (every rank must see the same values), or give every rank the same "
+             "private directory with ROUNDEL_SECRET_DIR (a home directory shared by the hosts)")
+
+
 def _srun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s: float):
     host = env.get(identity_env.RENDEZVOUS_ADDR) or slurm_first_host(env)
-    port = int(env.get(identity_env.RENDEZVOUS_PORT) or slurm_port(env))
+    port = int(env.get(identity_env.RENDEZVOUS_PORT) or 0)
     secret = secret_file.exported_secret(env)
     path = None
-    if secret is None:  # Slurm's variables are public: the secret travels in a private file instead
+    if secret is None or not port:  # Slurm's variables are public: secret and port travel in a private file
         job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "0"
         step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "0"
         path = secret_file.job_secret_path("srun", f"{job}.{step}.{prefix.rstrip('/')}", env)
     if info.rank != 0:
-        if secret is None:
-            secret = secret_file.read(path, timeout_s, f"rank {info.rank} of {info.size} (started by srun)").secret
+        if path is not None:
+            published = secret_file.read(path, timeout_s, f"rank {info.rank} of {info.size} (started by srun)",
+                                         _SRUN_FIX)
+            secret, host, port = secret or published.secret, published.host, published.port
         return host, port, secret, None, None
     secret = secret or new_secret()
     try:
@@ -386,7 +388,7 @@ def _srun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s
     server = secret_file.serve(secret, bind, port, host, path,
                                f"choose another port with ROUNDEL_RENDEZVOUS_PORT, or the address with "
                                f"{RENDEZVOUS_BIND}")
-    return host, port, secret, server, path
+    return host, server.port, secret, server, path
 
 
 def discover(prefix: str, timeout_s: float, environ: Mapping[str, str] | None = None) -> Bootstrap:

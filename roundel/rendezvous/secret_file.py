@@ -147,7 +147,7 @@ def _check_file(info: os.stat_result, path: Path) -> None:
                               f"{stat.S_IMODE(info.st_mode):03o}, not 600 (others may have read it)")
 
 
-def _open_when_present(path: Path, deadline: float, who: str) -> int:
+def _open_when_present(path: Path, deadline: float, who: str, fix: str) -> int:
     while True:
         try:
             return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -156,20 +156,21 @@ def _open_when_present(path: Path, deadline: float, who: str) -> int:
                 raise SecretFileError(
                     f"{who} found no job secret at {path}: rank 0 writes it there for ranks that share its "
                     f"home directory, and it did not appear in time (ranks on hosts without that "
-                    f"directory cannot see it). To fix: {_FIX}") from None
+                    f"directory cannot see it). To fix: {fix}") from None
             time.sleep(_POLL_S)
         except OSError as exc:  # ELOOP for a symbolic link, EACCES, ...
             raise SecretFileError(f"refusing the job secret file {path}: {exc}") from None
 
 
-def read(path: Path, timeout_s: float, who: str = "this rank") -> JobSecret:
+def read(path: Path, timeout_s: float, who: str = "this rank", fix: str = _FIX) -> JobSecret:
     """What rank 0 wrote to ``path``, waiting up to ``timeout_s`` seconds for it to appear.
 
-    ``who`` names this process in errors. Raises SecretFileError when the file
-    does not appear in time, or is not a 0600 regular file of this user in a
-    directory no one else can write to.
+    ``who`` names this process in errors, ``fix`` says what to do when the
+    file never appears. Raises SecretFileError when the file does not appear
+    in time, or is not a 0600 regular file of this user in a directory no one
+    else can write to.
     """
-    fd = _open_when_present(path, time.monotonic() + timeout_s, who)
+    fd = _open_when_present(path, time.monotonic() + timeout_s, who, fix)
     try:
         _check_file(os.fstat(fd), path)
         _check_dir(path.parent)
@@ -196,7 +197,8 @@ def remove(path: Path) -> None:
 
 
 def serve(secret: bytes, bind: str, port: int, host: str, path, what_to_do: str) -> RendezvousServer:
-    """Rank 0's store on ``bind:port``, with the secret published at ``path`` (None: nothing to publish).
+    """Rank 0's store on ``bind:port`` (0: any free port), with the secret and the port bound published at
+    ``path`` (None: nothing to publish).
 
     Raises RoundelInternalError ending with ``what_to_do`` when the port cannot be bound; the
     store is stopped again if publishing fails.
@@ -209,7 +211,7 @@ def serve(secret: bytes, bind: str, port: int, host: str, path, what_to_do: str)
                                    f"{what_to_do}") from None
     if path is not None:
         try:
-            publish(path, JobSecret(secret, host, port))
+            publish(path, JobSecret(secret, host, server.port))
         except BaseException:
             server.stop()
             raise

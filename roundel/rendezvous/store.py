@@ -14,9 +14,11 @@ these fixed fields, and only after the frame's tag checks.
 
 Bounds:
 
-- Server: at most MAX_PENDING_HANDSHAKES unauthenticated connections at once
-  (more are closed at once), each with HANDSHAKE_TIMEOUT_S to finish the
-  handshake however slowly it sends; a request or response frame, once begun,
+- Server: at most MAX_PENDING_HANDSHAKES connections waiting for their first
+  message at once; when full, a new one evicts the one waiting longest (a real
+  client answers at once, so connections held open by someone else cannot
+  keep it out). Each has FIRST_MESSAGE_S to finish the handshake however
+  slowly it sends; a request or response frame, once begun,
   must arrive within wire.FRAME_DEADLINE_S (plus one second per MiB).
   Idle authenticated connections stay open (workers pool them for the whole
   job); TCP keepalive and TCP_USER_TIMEOUT drop those whose peer vanished.
@@ -27,7 +29,8 @@ Bounds:
   so whatever its timeout, a stopped, crashed or unreachable server is
   reported (RendezvousError) within GET_POLL_S + RESPONSE_GRACE_S = 15 s.
   The first connection is retried for ``connect_timeout`` (the server may
-  still be starting); a later one (more threads than pooled connections, or
+  still be starting or be shedding connections; a client is told its secret
+  is wrong only after SECRET_REJECTIONS refusals in a row); a later one (more threads than pooled connections, or
   one lost) for at most RESPONSE_GRACE_S. TCP keepalive and TCP_USER_TIMEOUT
   are set on every authenticated socket.
 """
@@ -59,8 +62,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-HANDSHAKE_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = 5.0  # a client's wait for the server's side of the handshake
+FIRST_MESSAGE_S = 1.0  # the server's wait for a client's answer
 MAX_PENDING_HANDSHAKES = 64
+SECRET_REJECTIONS = 3
 GET_POLL_S = 5.0
 RESPONSE_GRACE_S = 10.0
 ACCEPT_BACKOFF_S = (0.05, 0.2)  # first and longest pause after a failed accept
@@ -148,7 +153,7 @@ class RendezvousServer:
         self._accept_thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
-        self._pending = 0  # connections accepted but not yet authenticated
+        self._pending = wire.PendingConnections(MAX_PENDING_HANDSHAKES)
         self._log = _RateLimitedLog()
         # Called with (key, value) after each client's set, on that client's thread (roundelrun --verbose).
         self.on_set: Callable[[str, bytes], None] | None = None
@@ -217,22 +222,15 @@ class RendezvousServer:
                 conn.close()
                 return
             backoff = 0.0
-            with self._conns_lock:
-                admitted = self._pending < MAX_PENDING_HANDSHAKES
-                if admitted:
-                    self._pending += 1
-            if not admitted:
-                conn.close()
-                self._log.warning("refused", f"rendezvous server on port {self.port}: refused a connection from "
-                                  f"{addr[0]}: {MAX_PENDING_HANDSHAKES} connections are already mid-handshake "
-                                  "(a flood of unauthenticated connections?)")
-                continue
+            if self._pending.admit(conn):
+                self._log.warning("evicted", f"rendezvous server on port {self.port}: {MAX_PENDING_HANDSHAKES} "
+                                  "connections were waiting to authenticate; closed the one waiting longest to "
+                                  f"admit one from {addr[0]} (a flood of unauthenticated connections?)")
             try:
                 threading.Thread(target=self._serve, args=(conn, addr), name="roundel-rendezvous-conn",
                                  daemon=True).start()
             except RuntimeError as exc:  # the process cannot start another thread
-                with self._conns_lock:
-                    self._pending -= 1
+                self._pending.answered(conn)
                 conn.close()
                 self._log.warning("thread", f"rendezvous server on port {self.port}: dropped a connection from "
                                   f"{addr[0]}: cannot start a thread to serve it ({exc}); retrying")
@@ -252,13 +250,9 @@ class RendezvousServer:
     def _serve(self, conn: socket.socket, addr) -> None:
         with self._conns_lock:
             self._conns.add(conn)
-        pending = True
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            channel = wire.server_handshake(conn, self._secret, time.monotonic() + HANDSHAKE_TIMEOUT_S)
-            with self._conns_lock:
-                self._pending -= 1
-            pending = False
+            channel = wire.server_handshake(conn, self._secret, time.monotonic() + FIRST_MESSAGE_S, self._pending)
             if channel is None:
                 log.debug("rendezvous: dropped %s: failed authentication", addr)
                 return
@@ -276,10 +270,9 @@ class RendezvousServer:
         except Exception as exc:  # anything a hostile or broken peer can cause
             log.debug("rendezvous: dropped %s: %s", addr, exc)
         finally:
+            self._pending.answered(conn)  # in case it failed before the handshake did
             with self._conns_lock:
                 self._conns.discard(conn)
-                if pending:
-                    self._pending -= 1
             conn.close()
 
     @staticmethod
@@ -416,11 +409,20 @@ class RendezvousClient:
         seconds = min(self._connect_timeout, RESPONSE_GRACE_S) if self._was_connected else self._connect_timeout
         deadline = time.monotonic() + seconds
         delay = 0.05
+        rejections = 0
         while True:
             try:
                 channel = self._open(deadline)
                 self._was_connected = True
                 return channel
+            except wire.SecretRejected:  # or dropped by a server shedding connections: try again, a few times
+                rejections += 1
+                if rejections >= SECRET_REJECTIONS or time.monotonic() + delay >= deadline:
+                    raise RendezvousError(
+                        f"{self._where()} refused this client: the job secret does not match "
+                        "(check ROUNDEL_SECRET; it must be the one roundelrun handed to this job)") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
             except OSError as exc:  # refused, reset, timed out, or closed by a busy server
                 if time.monotonic() + delay >= deadline:
                     raise self._unreachable(seconds, exc) from None
@@ -434,12 +436,6 @@ class RendezvousClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             channel = wire.client_handshake(sock, self._secret, time.monotonic() + HANDSHAKE_TIMEOUT_S)
             wire.enable_liveness_probes(sock)
-        except wire.SecretRejected:
-            sock.close()
-            raise RendezvousError(
-                f"{self._where()} refused this client: the job secret does not match "
-                "(check ROUNDEL_SECRET; it must be the one roundelrun handed to this job)"
-            ) from None
         except wire.ImpostorServer:
             sock.close()
             raise RendezvousError(f"{self._where()} does not hold this job's secret; refusing to use it") from None

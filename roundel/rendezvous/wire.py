@@ -22,6 +22,7 @@ import hmac
 import secrets
 import socket
 import struct
+import threading
 import time
 
 NONCE_BYTES = 32
@@ -156,6 +157,43 @@ class Channel:
         self.sock.close()
 
 
+class PendingConnections:
+    """Accepted connections that have not yet sent their first message, at most ``limit`` of them.
+
+    When full, admitting another evicts the one waiting the longest (shut
+    down, which wakes the thread serving it): a real client answers at once,
+    so connections held silent by someone else make way for it instead of
+    keeping it out. Thread-safe.
+    """
+
+    def __init__(self, limit: int):
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._waiting: dict[socket.socket, None] = {}  # oldest first
+
+    def admit(self, sock: socket.socket) -> bool:
+        """Track ``sock``; True if the oldest waiting connection was evicted to make room."""
+        with self._lock:
+            evicted = len(self._waiting) >= self._limit
+            if evicted:
+                oldest = next(iter(self._waiting))
+                del self._waiting[oldest]
+                try:  # under the lock, so its thread has not closed it yet (see answered)
+                    oldest.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._waiting[sock] = None
+        return evicted
+
+    def answered(self, sock: socket.socket) -> bool:
+        """Stop tracking ``sock`` (its first message came, or it failed); False if it was evicted."""
+        with self._lock:
+            if sock not in self._waiting:
+                return False
+            del self._waiting[sock]
+            return True
+
+
 class ServerRefused(ConnectionError):
     """The server closed the connection before it sent its nonce (busy or stopping)."""
 
@@ -168,15 +206,23 @@ class ImpostorServer(ConnectionError):
     """The peer could not prove that it holds the job's secret."""
 
 
-def server_handshake(sock: socket.socket, secret: bytes, deadline: float) -> Channel | None:
+def server_handshake(sock: socket.socket, secret: bytes, deadline: float,
+                     pending: PendingConnections | None = None) -> Channel | None:
     """Run the server's side; a Channel, or None if the client's proof is wrong.
 
     The whole exchange must finish before ``deadline``: TimeoutError otherwise.
+    With ``pending``, ``sock`` is tracked there until the client's answer comes
+    (ConnectionError if it was evicted first).
     """
     nonce = secrets.token_bytes(NONCE_BYTES)
     sock.settimeout(max(0.001, deadline - time.monotonic()))
-    sock.sendall(nonce)
-    answer = recv_exact(sock, TAG_BYTES + NONCE_BYTES, deadline)
+    try:
+        sock.sendall(nonce)
+        answer = recv_exact(sock, TAG_BYTES + NONCE_BYTES, deadline)
+    finally:
+        evicted = pending is not None and not pending.answered(sock)
+    if evicted:
+        raise ConnectionError("evicted to make room for a newer connection before it answered")
     if not hmac.compare_digest(answer[:TAG_BYTES], proof(secret, b"client", nonce)):
         return None
     client_nonce = answer[TAG_BYTES:]

@@ -91,8 +91,9 @@ def parser() -> argparse.ArgumentParser:
     ssh.add_argument("-p", "--ssh-port", type=int, help="ssh port of the remote hosts")
     ssh.add_argument("-i", "--ssh-identity-file", help="ssh private key for the remote hosts")
     ssh.add_argument("--ssh-strict-host-key-checking", choices=STRICT_HOST_KEY_CHECKING,
-                     help="ssh's StrictHostKeyChecking for the hosts (default accept-new: new keys are "
-                          "remembered, changed ones refused)")
+                     help="ssh's StrictHostKeyChecking for the hosts (default: whatever your ssh "
+                          "configuration says, ssh's own default being ask, which BatchMode turns into no "
+                          "connection to an unknown host)")
     params = p.add_argument_group("tunable parameters")
     params.add_argument("--fusion-threshold-mb", type=float, help="fuse tensors up to this many MiB (0 disables)")
     params.add_argument("--bucket-cap-mb", type=float,

@@ -15,7 +15,7 @@ entry this machine has, or of the interface that routes to the other hosts
 
 Over ssh, host names are validated (nothing that ssh or a shell could read
 as an option or syntax), host keys follow ``--ssh-strict-host-key-checking``
-(default accept-new), and a remote worker gets only the variables
+when given and the user's ssh configuration otherwise, and a remote worker gets only the variables
 :func:`roundel.runner.spawn.remote_env` lets through, never this
 environment as a whole. The command line is :mod:`roundel.runner.flags`.
 """

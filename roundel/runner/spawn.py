@@ -258,9 +258,9 @@ STRICT_HOST_KEY_CHECKING = ("yes", "no", "accept-new")
 def ssh_command(host: str, remote_command: str, port: int | None = None, identity_file: str | None = None,
                 connect_timeout: float | None = None, extra_args: str = "") -> list[str]:
     """The ssh invocation that runs ``remote_command`` on ``host``: ``BatchMode`` (never a password
-    prompt), ``extra_args`` (shell words: ``--ssh-strict-host-key-checking``'s option, then
-    ``ROUNDEL_SSH_ARGS``), then ``StrictHostKeyChecking=accept-new`` (new host keys accepted and
-    remembered, known ones checked) as the default, since ssh keeps the first value given for an option.
+    prompt), then ``extra_args`` (shell words: ``--ssh-strict-host-key-checking``'s option, then
+    ``ROUNDEL_SSH_ARGS``; ssh keeps the first value given for an option). Host keys are otherwise
+    checked as the user's ssh configuration says: roundel adds no ``StrictHostKeyChecking`` of its own.
     ``--`` ends ssh's options before the host. Raises ValueError for an unsafe host name."""
     validate_hostname(host, "ssh")
     cmd = ["ssh", "-o", "BatchMode=yes"]
@@ -271,7 +271,7 @@ def ssh_command(host: str, remote_command: str, port: int | None = None, identit
     if identity_file:
         cmd += ["-i", identity_file]
     cmd += shlex.split(extra_args)
-    cmd += ["-o", "StrictHostKeyChecking=accept-new", "--", host, remote_command]
+    cmd += ["--", host, remote_command]
     return cmd
 
 
@@ -357,10 +357,23 @@ def describe_exit(worker: Worker, server=None, who: str | None = None) -> str:
             why = f": {last[-1]}" if last else ""
             if code == 254:
                 return f"{who}: host {worker.slot.hostname} could not reach the rendezvous server{why}"
+            if "Host key verification failed" in why:
+                why += (f" (add {worker.slot.hostname}'s host key to your known_hosts, or pass "
+                        "--ssh-strict-host-key-checking accept-new to accept a new key on first use)")
             return f"{who}: could not start on host {worker.slot.hostname} over ssh (exit {code}){why}"
     if code < 0:
-        return f"{who} was killed by signal {signal_name(-code)}"
-    return f"{who} exited with code {code}"
+        return f"{who} was killed by signal {signal_name(-code)}{_known_cause(worker)}"
+    return f"{who} exited with code {code}{_known_cause(worker)}"
+
+
+def _known_cause(worker: Worker) -> str:
+    """What the last lines of ``worker``'s stderr say about an abort roundel cannot catch ("" if nothing)."""
+    if "Too many open files" not in b"".join(worker.stderr_tail).decode(errors="replace"):
+        return ""
+    return ("; it ran out of file descriptors (Gloo aborts a rank that runs out while accepting connections, "
+            "as a burst of connections to its port from outside the job can make it): raise the hard open-file "
+            "limit (ulimit -Hn), run the job on a private interface (--network-interface) or firewall its ports; "
+            "see roundel's README, 'Network exposure'")
 
 
 def own_exit_code(worker: Worker, server=None) -> int:
