@@ -38,6 +38,8 @@ VARIABLES = [
     ("shared_memory", "SHARED_MEMORY", True, ("0", False), ["maybe"]),
     ("coordinator_reduce_bytes", "COORDINATOR_REDUCE_BYTES", 4096, ("0", 0), ["-1", "65537", "4k"]),
     ("disable_group_fusion", "DISABLE_GROUP_FUSION", False, ("1", True), ["groups"]),
+    ("straggler_report", "STRAGGLER_REPORT", "auto", ("1", "on"), ["sometimes"]),
+    ("metrics_port", "METRICS_PORT", "", ("0.0.0.0:9100", "0.0.0.0:9100"), ["http", "70000", "host:"]),
 ]
 IDS = [row[1] for row in VARIABLES]
 

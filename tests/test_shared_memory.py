@@ -18,7 +18,7 @@ from roundel.transport.shared_memory import _scaling
 from launch_util import assert_checks_passed, describe, rank_lines, run_job
 
 WORKER = "torch_shared_memory.py"
-SCENARIOS = ("allreduce", "fused", "allgather", "broadcast")
+SCENARIOS = ("allreduce", "fused", "allgather", "broadcast", "reducescatter")
 
 
 def backends(result, np):

@@ -20,7 +20,7 @@ from datetime import timedelta
 from roundel.common import communicator
 from roundel.common.engine import Engine
 from roundel.common.process_sets import ProcessSet, global_process_set
-from roundel.common.requests import OpKind, Request
+from roundel.common.requests import OpKind, ProcessSetChange, Request
 from roundel.common.settings import Settings
 from roundel.common.timeline import Timeline
 from roundel.errors import NotInitializedError, RoundelInternalError
@@ -367,7 +367,7 @@ def add_process_set(process_set) -> ProcessSet:
         set_id = rt.next_process_set_id
         rt.next_process_set_id += 1
         _process_set_barrier(rt, f"add{set_id}", ranks)
-        rt.engine.control(("add_process_set", set_id, ranks))
+        rt.engine.control(ProcessSetChange(set_id, tuple(ranks)))
         backend = None
         me = rt.identity.rank
         if me in ranks:
@@ -389,7 +389,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     with _lock:
         _process_set_barrier(rt, f"remove{set_id}", rt.process_sets[set_id][0])
-        rt.engine.control(("remove_process_set", set_id))
+        rt.engine.control(ProcessSetChange(set_id))
         _, backend = rt.process_sets.pop(set_id)
         if backend is not None:
             factory.close(backend)

@@ -15,30 +15,24 @@ import logging
 import os
 import queue
 import selectors
+import sys
 import threading
 import time
 
 from roundel.common import autotune, control_channel, control_codec, deadlock, small_allreduce
 from roundel.common.control_messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
+from roundel.common.liveness import BYE_GRACE_S, HEARTBEAT_S, TICK_S, describe_silence
+from roundel.common.metrics import METRICS, MetricsServer
 from roundel.common.negotiation import Negotiator
+from roundel.common.requests import ProcessSetChange
 from roundel.common.settings import Settings
+from roundel.common.stragglers import StragglerTracker
 from roundel.errors import RoundelInternalError
-from roundel.transport.hierarchical import HierarchicalBackend
 
 log = logging.getLogger("roundel")
 
-TICK_S = 0.25  # liveness checks (heartbeats, lost ranks, deadlocks) run this often, on every rank
-HEARTBEAT_S = 1.0  # every rank and the coordinator send each other a heartbeat this often
-BYE_GRACE_S = 5.0  # how long a leaving coordinator waits for the others' goodbyes
 _STALL_POLL_S = 1.0
 _DEADLOCK_GRACE_S = 0.5
-
-
-def describe_silence(silent: float, timeout: float) -> str:
-    """Why a peer silent for ``silent`` s counts as lost, for error messages."""
-    return (f"no heartbeat for {silent:.1f} s (heartbeat timeout {timeout:g} s, "
-            "ROUNDEL_HEARTBEAT_TIMEOUT_SECONDS); the process is stopped, hung outside Python, "
-            "or its host or network is down")
 
 
 def _dispatches(version: int, outbox: list, evicted: list, resends: list) -> list:
@@ -65,7 +59,7 @@ class Coordinator:
         self._engine = engine
         self._negotiator = Negotiator(size, settings.cache_capacity, settings.coordinator_reduce_bytes,
                                       separate_groups=settings.disable_group_fusion)
-        self._autotuner = autotune.Autotuner(settings, isinstance(engine.job_backend, HierarchicalBackend),
+        self._autotuner = autotune.Autotuner(settings, engine.job_backend.tunable_hierarchy,
                                              lambda: engine.bucketed) if settings.autotune else None
         self._peers: dict[int, control_channel.Connection] = {}
         self._readers: dict[int, control_channel.FrameReader] = {}
@@ -78,9 +72,15 @@ class Coordinator:
         self._last_heartbeat = 0.0
         self._next_stall_check = 0.0
         self._heard: dict[int, float] = {}  # peer rank -> when it was last heard from
-        self._hosts: dict[int, str] = {0: engine._host}
+        self._hosts: dict[int, str] = {0: engine.host}
         self._rank_waits: dict[int, tuple] = {}  # peer rank -> (sequence, waits)
         self._deadlock_seen: tuple | None = None  # (since, {rank: sequence}) while a deadlock holds
+        self._stragglers = StragglerTracker(size)
+        self.metrics = None  # the Prometheus endpoint, with settings.metrics_port
+        self._submitted_at: dict[tuple, float] = {}  # rank 0's names -> when it submitted them (for metrics)
+        if settings.metrics_port:
+            self.metrics = MetricsServer(settings.metrics_port)
+            METRICS.collectors.append(self._gauges)
         self._ever_connected: set[int] = set()  # peers may join and leave (bye) before the last joins
         self.all_connected = threading.Event()  # every other rank has joined: init() may return
         if size == 1:
@@ -96,20 +96,20 @@ class Coordinator:
         """The ranks that never joined the coordinator."""
         return sorted(set(range(1, self._engine.size)) - self._ever_connected)
 
-    def _apply_control(self, message: tuple) -> None:
+    def _apply_control(self, change: ProcessSetChange) -> None:
         """A process-set change rank 0 queued, in order with its requests around it."""
-        if message[0] == "add_process_set":
-            self._negotiator.add_process_set(message[1], message[2])
-        elif message[0] == "remove_process_set":
-            self._negotiator.remove_process_set(message[1])
+        if change.ranks is not None:
+            self._negotiator.add_process_set(change.set_id, change.ranks)
+        else:
+            self._negotiator.remove_process_set(change.set_id)
 
     def _connection_accepted(self, connection: control_channel.Connection) -> None:
         """Called by the listener's handshake threads: hand the connection to the coordinator loop."""
         self._accepted.put(connection)
-        try:
-            os.write(self._engine._wake_w, b"a")
-        except OSError:
-            connection.close()  # the engine is shutting down
+        if self._engine.stopping:
+            connection.close()  # nobody will take it
+        else:
+            self._engine.wake()
 
     def run(self) -> None:
         """The engine thread's loop on rank 0, until shutdown; a failure breaks the job on every rank."""
@@ -118,11 +118,14 @@ class Coordinator:
                 pass
         except Exception as exc:
             log.exception("roundel coordinator failed")
-            self._engine._break(f"roundel's coordinator on rank 0 failed: {exc!r}")
-            self._broadcast_abort(str(self._engine._broken))
+            self._engine.break_job(f"roundel's coordinator on rank 0 failed: {exc!r}")
+            self._broadcast_abort(str(self._engine.broken))
         finally:
             if self._autotuner is not None:
                 self._autotuner.close()
+            if self.metrics is not None:
+                self.metrics.close()
+                METRICS.collectors.remove(self._gauges)
             self._listener.close()
             deadline = time.monotonic() + BYE_GRACE_S  # last messages (an abort) go out, unless a peer stops reading
             for sock in self._peers.values():
@@ -134,13 +137,13 @@ class Coordinator:
             return self._finish()
         timeout = self._timeout()
         self._engine.timeline.cycle()
-        for key, events in self._engine._selector.select(timeout):
+        for key, events in self._engine.selector.select(timeout):
             if key.data == "wake":
                 self._wake()
             else:
                 self._serve(key.data, events)
         now = time.monotonic()
-        if self._engine._stopping:
+        if self._engine.stopping:
             return self._finish()
         if now >= self._next_tick:
             self._tick(now)
@@ -158,7 +161,7 @@ class Coordinator:
         return max(0.0, min(waits))
 
     def _wake(self) -> None:
-        items = self._engine._drain()
+        items = self._engine.drain()
         while not self._accepted.empty():
             sock = self._accepted.get()
             rank = sock.rank
@@ -168,23 +171,26 @@ class Coordinator:
                 continue
             self._peers[rank] = sock
             self._readers[rank] = control_channel.FrameReader(sock)
-            self._engine._selector.register(sock, selectors.EVENT_READ, rank)
+            self._engine.selector.register(sock, selectors.EVENT_READ, rank)
             self._ever_connected.add(rank)
             if len(self._ever_connected) == self._engine.size - 1:
                 self.all_connected.set()
-        if self._engine._broken is not None:
-            self._engine._fail_inflight(self._engine._broken)
+        if self._engine.broken is not None:
+            self._engine.fail_inflight(self._engine.broken)
         now = time.monotonic()
         for item in items:
-            if isinstance(item, tuple):
+            if isinstance(item, ProcessSetChange):
                 self._apply_control(item)
-            elif self._engine._broken is not None:
-                item.handle.set_error(self._engine._broken)
+            elif self._engine.broken is not None:
+                item.handle.set_error(self._engine.broken)
             else:
-                self._engine._register(item)
+                self._engine.register(item)
                 if self._engine.timeline.active:
                     self._engine.timeline.rank_ready(item.request.name, item.request.kind.label, 0)
                 self._negotiator.submit(0, item.request, now, data=item.data)
+                self._stragglers.arrived(0, now)
+                if self.metrics is not None:
+                    self._submitted_at[(item.request.process_set_id, item.request.name)] = now
 
     def _serve(self, rank: int, events: int) -> None:
         """A peer's connection is writable (queued messages go out) and/or readable."""
@@ -201,7 +207,7 @@ class Coordinator:
             connection.flush()
         except OSError:
             return  # shut down: select reports it closed, and it is dropped there
-        self._engine._watch_writes(connection, rank)
+        self._engine.watch_writes(connection, rank)
 
     def _receive(self, rank: int) -> None:
         sock = self._peers[rank]
@@ -212,8 +218,8 @@ class Coordinator:
         if not data:  # gone without saying goodbye: the job cannot go on, so every rank is told
             reason = f"rank {rank} died (crashed or was killed) or lost its connection to the coordinator"
             self._drop_peer(rank, reason)
-            self._engine._break(f"{reason}; the job's communication is broken")
-            self._broadcast_abort(str(self._engine._broken))
+            self._engine.break_job(f"{reason}; the job's communication is broken")
+            self._broadcast_abort(str(self._engine.broken))
             return
         now = time.monotonic()
         self._heard[rank] = now
@@ -225,6 +231,7 @@ class Coordinator:
             elif kind is Waits:
                 self._rank_waits[rank] = (message.sequence, message.waits)
             elif kind is Submit:
+                self._stragglers.arrived(rank, now)
                 version = message.version
                 if self._engine.timeline.active:
                     self._timeline_cached_arrivals(rank, message.bits, version)
@@ -253,7 +260,7 @@ class Coordinator:
         sock = self._peers.pop(rank, None)
         if sock is None:
             return
-        self._engine._selector.unregister(sock)
+        self._engine.selector.unregister(sock)
         sock.close()
         self._readers.pop(rank, None)
         self._heard.pop(rank, None)
@@ -263,7 +270,7 @@ class Coordinator:
     def _tick(self, now: float) -> None:
         """Heartbeat every peer, declare silent ones lost, and look for a deadlock."""
         self._next_tick = now + TICK_S
-        own = self._engine._waits.snapshot()  # before draining: every name rank 0 waits for is then submitted
+        own = self._engine.waits_snapshot()  # before draining: every name rank 0 waits for is then submitted
         self._wake()
         self._heartbeat_peers(now)
         for rank in [rank for rank, connection in self._peers.items() if connection.pending]:
@@ -274,6 +281,8 @@ class Coordinator:
             if silent > timeout:
                 self._lose_peer(rank, f"stopped responding: {describe_silence(silent, timeout)}")
         self._check_deadlock(now, own)
+        for line in self._stragglers.warnings(now, self._hosts):
+            log.warning("%s", line)
 
     def _heartbeat_peers(self, now: float) -> None:
         beat = now - self._last_heartbeat >= HEARTBEAT_S
@@ -281,19 +290,19 @@ class Coordinator:
             self._last_heartbeat = now
         for rank in list(self._peers):
             if beat or rank not in self._heard:  # a new peer learns rank 0's host at once
-                self._send_peer(rank, Heartbeat(self._engine._host))
+                self._send_peer(rank, Heartbeat(self._engine.host))
 
     def _lose_peer(self, rank: int, reason: str) -> None:
         host = self._hosts.get(rank, "unknown")
-        self._engine._record_lost(rank, host, reason)
+        self._engine.record_lost(rank, host, reason)
         named = f"rank {rank} (host {host}) {reason}"
         self._drop_peer(rank, named)
-        self._engine._break(f"{named}; the job's communication is broken")
-        self._broadcast_abort(str(self._engine._broken))
+        self._engine.break_job(f"{named}; the job's communication is broken")
+        self._broadcast_abort(str(self._engine.broken))
 
     def _check_deadlock(self, now: float, own: tuple) -> None:
         """Fail the waited names once every involved rank has been blocked on them, unchanged, for the grace."""
-        if self._engine._broken is not None:
+        if self._engine.broken is not None:
             return
         states = dict(self._rank_waits)
         states[0] = own
@@ -320,6 +329,7 @@ class Coordinator:
                    f"{deadlock.describe(stuck, negotiator.missing_ranks)}. These collectives fail on every "
                    "rank that submitted them; later collectives work once the ranks call matching ones")
         log.error("%s", message)
+        METRICS.count("roundel_deadlocks_total")
         for waits in stuck.values():
             negotiator.fail_waits(waits, message)
 
@@ -329,6 +339,7 @@ class Coordinator:
             return
         self._next_stall_check = now + _STALL_POLL_S
         for name, ps_id, missing, present, waited in self._negotiator.stalled(now, settings.stall_check_time_s):
+            METRICS.count("roundel_stall_warnings_total")
             log.warning(
                 "roundel stall: '%s' (process set %d) has waited %.0f s; submitted by rank(s) %s, "
                 "not yet by rank(s) %s. Those ranks may be running different code, be stuck, or "
@@ -349,8 +360,12 @@ class Coordinator:
         if due and negotiator.has_ready():
             batches = negotiator.take(self._engine.tuned.fusion_threshold)
             self._last_dispatch = now
+            if any(batch.error is None for _, batch in batches):
+                self._stragglers.cycle(negotiator.live_ranks())
         elif negotiator.has_direct():
             batches = negotiator.take_direct()
+        if self.metrics is not None:
+            self._count_negotiated(batches, now)
         self.awaiting_idle = negotiator.has_ready()
         if self._engine.timeline.active:
             for _, batch in batches:
@@ -382,7 +397,7 @@ class Coordinator:
         self._outbox.clear()
         self._resends.clear()
         if mine:  # after the peers' messages are out: rank 0's executor waits for them in the collective anyway
-            self._engine._accept_batches(mine)
+            self._engine.accept_batches(mine)
         if self._autotuner is not None and not self._autotuner.done:
             self._autotune(batches)
 
@@ -410,27 +425,54 @@ class Coordinator:
         except OSError:
             return  # a closed peer is noticed by select and dropped there
         if connection.pending:
-            self._engine._watch_writes(connection, rank)
+            self._engine.watch_writes(connection, rank)
 
     def _broadcast_abort(self, message: str) -> None:
         payload = control_codec.encode(Abort(message))
         for rank in list(self._peers):
             self._send_peer_encoded(rank, payload)
 
+    def _count_negotiated(self, batches: list, now: float) -> None:
+        for _, batch in batches:
+            for entry in batch.entries:
+                submitted = self._submitted_at.pop((batch.process_set_id, entry.name), None)
+                if submitted is not None:
+                    METRICS.observe("roundel_negotiation_seconds", now - submitted)
+
+    def _gauges(self) -> list:
+        """The per-rank gauges of the metrics endpoint, read at each scrape."""
+        rows = [("roundel_ranks", (), float(self._engine.size))]
+        for rank, share, lag in self._stragglers.shares():
+            rows.append(("roundel_rank_last_ratio", (("rank", str(rank)),), share))
+            rows.append(("roundel_rank_lag_seconds", (("rank", str(rank)),), lag))
+        return rows
+
+    def _report_stragglers(self) -> None:
+        """The end-of-job straggler table on rank 0's stderr (``straggler_report``: on, off, or auto: when
+        the job ran longer than a minute)."""
+        wanted = self._engine.settings.straggler_report
+        if wanted == "off" or (wanted == "auto" and time.monotonic() - self._stragglers.started < 60.0):
+            return
+        lines = self._stragglers.report(self._hosts)
+        if lines:
+            sys.stderr.write("\n".join(lines) + "\n")
+            sys.stderr.flush()
+
     def _finish(self) -> bool:
         """Rank 0 is leaving: fail what needs it, let the others say goodbye, then stop."""
         if self._finishing_since is None:
             self._finishing_since = time.monotonic()
+            self._report_stragglers()
             self._negotiator.rank_left(0, "rank 0 has shut down: it finished, called hvd.shutdown(), "
                                           "or failed and exited (its own output says which)")
-            self._engine._fail_inflight(RoundelInternalError("roundel was shut down on this rank"))
+            self._engine.fail_inflight(RoundelInternalError("roundel was shut down on this rank"))
         self._dispatch(time.monotonic() + 1.0)
         self._heartbeat_peers(time.monotonic())  # the others wait for rank 0's goodbye, not a timeout
         waited = time.monotonic() - self._finishing_since
         if self._peers and waited < BYE_GRACE_S:
-            for key, events in self._engine._selector.select(0.1):
+            for key, events in self._engine.selector.select(0.1):
                 if key.data == "wake":
-                    self._engine._drain()
+                    self._engine.drain()
                 else:
                     self._serve(key.data, events)
             return False

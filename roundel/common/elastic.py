@@ -23,6 +23,7 @@ import re
 import numpy as np
 
 from roundel.common import basics
+from roundel.common.metrics import METRICS
 from roundel.errors import HostsUpdatedInterrupt, RoundelInternalError
 from roundel.rendezvous import elastic_join
 
@@ -176,6 +177,7 @@ class ModelState(VariablesState):
 
 def reset() -> None:
     """Leave the current communicator and join the next generation of the job."""
+    METRICS.count("roundel_elastic_resets_total")
     basics.shutdown()
     basics.init()
 

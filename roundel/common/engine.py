@@ -36,6 +36,7 @@ ranks right after the batches dispatched under the previous settings.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -46,10 +47,13 @@ import time
 
 from roundel.common import autotune, control_channel, small_allreduce
 from roundel.common.control_messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
-from roundel.common.coordinator import BYE_GRACE_S, HEARTBEAT_S, TICK_S, Coordinator, describe_silence
+from roundel.common.coordinator import Coordinator
+from roundel.common.liveness import BYE_GRACE_S, HEARTBEAT_S, TICK_S, describe_silence
 from roundel.common.executor import Executor, Work
 from roundel.common.handles import Handle
-from roundel.common.requests import CachedBatch, Request
+from roundel.common.metrics import METRICS
+from roundel.common.negotiation import entry_bytes
+from roundel.common.requests import CachedBatch, Entry, ProcessSetChange, Request
 from roundel.common.response_cache import RankCache
 from roundel.common.settings import Settings
 from roundel.common.timeline import Timeline
@@ -95,14 +99,14 @@ class Engine:
         self._names_in_flight: set[tuple] = set()  # (set id, name) submitted here and not finished
         self._sent_bits: dict[tuple, tuple] = {}  # (cache version, bit) -> key
         self._cache = RankCache()
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self.timeline = timeline or Timeline()  # recorded on rank 0 only, once a file is started
         self.executor = Executor(process_sets, self._transport_failed, self._executor_idle, self.timeline)
         self._stopped = threading.Event()
         self._rendezvous = rendezvous
         self._key_prefix = key_prefix
-        self._host = os.environ.get("ROUNDEL_HOSTNAME") or socket.gethostname()
+        self.host = os.environ.get("ROUNDEL_HOSTNAME") or socket.gethostname()
         self._waits = WaitTracker()
         self._next_tick = 0.0
         self._last_heartbeat = 0.0
@@ -113,7 +117,7 @@ class Engine:
             self._coordinator = Coordinator(self, size, settings, secret, advertise_host)
             if self._coordinator.local_name is not None:  # before the address: ranks that read it find this
                 rendezvous.set(key + "/local", json.dumps(
-                    {"host": self._host, "name": self._coordinator.local_name}).encode())
+                    {"host": self.host, "name": self._coordinator.local_name}).encode())
             rendezvous.set(key, f"{advertise_host}:{self._coordinator.port}".encode())
             target = self._coordinator.run
         else:
@@ -132,7 +136,7 @@ class Engine:
             self._coordinator_host = host
             self._coordinator_lost = False
             self._sent_waits_seq = 0
-            self._selector.register(self._to_coordinator, selectors.EVENT_READ, "coordinator")
+            self.selector.register(self._to_coordinator, selectors.EVENT_READ, "coordinator")
             target = self._rank_loop
         self._thread = threading.Thread(target=target, name="roundel-engine", daemon=True)
         self._thread.start()
@@ -147,7 +151,7 @@ class Engine:
             found = json.loads(self._rendezvous.get(key, timeout=self.settings.start_timeout_s))
         except ValueError:
             return None
-        if isinstance(found, dict) and found.get("host") == self._host and isinstance(found.get("name"), str):
+        if isinstance(found, dict) and found.get("host") == self.host and isinstance(found.get("name"), str):
             return found["name"]
         return None
 
@@ -184,9 +188,14 @@ class Engine:
                     "finished); give each in-flight collective a unique name, or synchronize the first one")
             self._names_in_flight.update(keys)
         works = []
+        counted = self._coordinator is not None and self._coordinator.metrics is not None
         for (request, tensor, output), key in zip(parts, keys):
+            if counted:
+                done = functools.partial(self._counted_done, key, request, time.monotonic())
+            else:
+                done = functools.partial(self._name_done, key)
             handle = Handle(request.name, self._waits, (request.process_set_id, request.name, request.kind.label),
-                            on_done=lambda key=key: self._name_done(key))
+                            on_done=done)
             data = None
             if small_allreduce.eligible(request, self.settings.coordinator_reduce_bytes):
                 data = small_allreduce.snapshot(tensor)
@@ -199,11 +208,19 @@ class Engine:
             raise
         return [work.handle for work in works]
 
-    def _name_done(self, key: tuple) -> None:
+    def _name_done(self, key: tuple, error: BaseException | None = None) -> None:
         with self._lock:
             self._names_in_flight.discard(key)
 
-    def control(self, message: tuple) -> None:
+    def _counted_done(self, key: tuple, request: Request, submitted: float, error: BaseException | None) -> None:
+        """``_name_done``, and the collective counted in rank 0's metrics."""
+        self._name_done(key)
+        kind = request.kind.label
+        METRICS.count("roundel_collectives_total", kind=kind, outcome="error" if error else "ok")
+        METRICS.count("roundel_collective_bytes_total", entry_bytes(Entry(request.name, request)), kind=kind)
+        METRICS.observe("roundel_collective_seconds", time.monotonic() - submitted, kind=kind)
+
+    def control(self, message: ProcessSetChange) -> None:
         """Queue a process-set change (applied in order with the requests around it)."""
         self._enqueue(message)
 
@@ -235,7 +252,7 @@ class Engine:
         # after a failure the running batch may wait on a departed peer until the transport times
         # out; it ends in the background once a peer closes its side
         stopped = self.executor.stop(_ABANDON_S if self._broken else self.settings.collective_timeout_s)
-        self._selector.close()
+        self.selector.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
         return stopped
@@ -247,10 +264,28 @@ class Engine:
 
     @property
     def broken(self) -> RoundelInternalError | None:
+        """The error that broke the job's communication, or None."""
         return self._broken
 
-    # ---------------------------------------------------------- shared steps
-    def _drain(self) -> list:
+    @property
+    def stopping(self) -> bool:
+        """Whether ``shutdown()`` has begun."""
+        return self._stopping
+
+    # ------------------------------------------- the core, for the coordinator and the rank loop
+    def wake(self) -> None:
+        """Wake the engine thread from its select (new connections, say); quiet once shut down."""
+        try:
+            os.write(self._wake_w, b"a")
+        except OSError:
+            pass
+
+    def waits_snapshot(self) -> tuple:
+        """What this rank's threads wait for now (see ``wait_state``)."""
+        return self._waits.snapshot()
+
+    def drain(self) -> list:
+        """Take everything queued for the engine thread (requests and process-set changes)."""
         try:
             os.read(self._wake_r, 4096)
         except BlockingIOError:
@@ -277,29 +312,31 @@ class Engine:
             except OSError:
                 pass
 
-    def _fail_inflight(self, error: Exception) -> None:
+    def fail_inflight(self, error: Exception) -> None:
+        """Fail every collective this rank has in flight with ``error``."""
         for work in self._inflight.values():
             work.handle.set_error(error)
         self._inflight.clear()
         self._sent_bits.clear()
 
-    def _break(self, message: str) -> None:
+    def break_job(self, message: str) -> None:
+        """The job's communication is broken: fail what is in flight, and every later call, with ``message``."""
         if self._broken is None:
             self._broken = RoundelInternalError(message)
-        self._fail_inflight(self._broken)
+        self.fail_inflight(self._broken)
         self.executor.abort(self._broken)
 
-    def _watch_writes(self, connection: control_channel.Connection, data) -> None:
+    def watch_writes(self, connection: control_channel.Connection, data) -> None:
         """Have select report ``connection`` writable exactly while it holds queued bytes."""
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.pending else 0)
-        if self._selector.get_key(connection).events != events:
-            self._selector.modify(connection, events, data)
+        if self.selector.get_key(connection).events != events:
+            self.selector.modify(connection, events, data)
 
-    def _register(self, work: Work) -> None:
+    def register(self, work: Work) -> None:
         """Track ``work`` as in flight (submit() keeps names unique among this rank's in-flight work)."""
         self._inflight[(work.request.process_set_id, work.request.name)] = work
 
-    def _accept_batches(self, batches) -> None:
+    def accept_batches(self, batches) -> None:
         """Match agreed batches with local work and hand them to the executor."""
         for batch in batches:
             works = []
@@ -318,7 +355,7 @@ class Engine:
     def _rank_loop(self) -> None:
         try:
             while True:
-                for key, events in self._selector.select(max(0.0, self._next_tick - time.monotonic())):
+                for key, events in self.selector.select(max(0.0, self._next_tick - time.monotonic())):
                     if key.data == "wake":
                         if self._rank_wake():
                             return
@@ -331,24 +368,24 @@ class Engine:
                     return
         except Exception as exc:  # keep the user's threads from hanging on a dead engine
             log.exception("roundel engine thread failed")
-            self._break(f"roundel's engine thread failed: {exc!r}")
+            self.break_job(f"roundel's engine thread failed: {exc!r}")
         finally:  # what is still queued (a goodbye) goes out first, unless rank 0 stops reading
             self._to_coordinator.drain(time.monotonic() + BYE_GRACE_S)
             self._to_coordinator.close()
 
     def _rank_wake(self) -> bool:
-        items = self._drain()
+        items = self.drain()
         if self._broken is not None:
-            self._fail_inflight(self._broken)
+            self.fail_inflight(self._broken)
         bits, full, bit_data, full_data, carried = 0, [], {}, [], 0
         for item in items:
-            if isinstance(item, tuple):  # a process-set change: only the coordinator on rank 0 needs it
+            if isinstance(item, ProcessSetChange):  # only the coordinator on rank 0 needs it
                 continue
             if self._broken is not None:
                 item.handle.set_error(self._broken)
                 continue
             request = item.request
-            self._register(item)
+            self.register(item)
             key = (request.process_set_id, request.name)
             bit = self._cache.bit_for(key, request)
             if bit >= 0:
@@ -369,7 +406,7 @@ class Engine:
         if self._stopping:
             if self._broken is None:
                 self._send(Bye())
-            self._fail_inflight(RoundelInternalError("roundel was shut down on this rank"))
+            self.fail_inflight(RoundelInternalError("roundel was shut down on this rank"))
             return True
         return False
 
@@ -388,18 +425,18 @@ class Engine:
             self._sent_waits_seq = seq
         if now - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now
-            self._send(Heartbeat(self._host))
+            self._send(Heartbeat(self.host))
         self._flush_to_coordinator()  # gives up on a coordinator that took nothing for the send timeout
         silent = now - self._heard_coordinator
         if silent > self.settings.heartbeat_timeout_s:
             self._coordinator_lost = True
             reason = f"stopped responding: {describe_silence(silent, self.settings.heartbeat_timeout_s)}"
-            self._record_lost(0, self._coordinator_host, reason)
-            self._break(f"rank 0 (host {self._coordinator_host}), the coordinator, {reason}; "
+            self.record_lost(0, self._coordinator_host, reason)
+            self.break_job(f"rank 0 (host {self._coordinator_host}), the coordinator, {reason}; "
                         "the job's communication is broken")
         return False
 
-    def _record_lost(self, rank: int, host: str, reason: str) -> None:
+    def record_lost(self, rank: int, host: str, reason: str) -> None:
         """Write ``<prefix>lost/<rank>`` to the rendezvous store for the launcher; never waits long."""
         value = json.dumps({"rank": rank, "host": host, "reason": reason}).encode()
 
@@ -434,9 +471,9 @@ class Engine:
         """
         recorded = self._recorded_loss(0)
         if recorded is None:
-            self._break(what)
+            self.break_job(what)
             return
-        self._break(f"rank 0 (host {recorded.get('host', self._coordinator_host)}), the coordinator, "
+        self.break_job(f"rank 0 (host {recorded.get('host', self._coordinator_host)}), the coordinator, "
                     f"{recorded['reason']} (found by another rank); the job's communication is broken")
 
     def _send(self, message) -> None:
@@ -446,7 +483,7 @@ class Engine:
             self._send_failed(exc)
             return
         if self._to_coordinator.pending:
-            self._watch_writes(self._to_coordinator, "coordinator")
+            self.watch_writes(self._to_coordinator, "coordinator")
 
     def _flush_to_coordinator(self) -> None:
         """Write what the connection to rank 0 holds queued; stop watching for writability once it is out."""
@@ -457,7 +494,7 @@ class Engine:
         except OSError as exc:
             self._send_failed(exc)
             return
-        self._watch_writes(self._to_coordinator, "coordinator")
+        self.watch_writes(self._to_coordinator, "coordinator")
 
     def _send_failed(self, exc: OSError) -> None:
         self._coordinator_gone(f"lost the connection to the coordinator on rank 0 ({exc}); "
@@ -469,7 +506,7 @@ class Engine:
         except OSError:
             data = b""
         if not data:
-            self._selector.unregister(self._to_coordinator)
+            self.selector.unregister(self._to_coordinator)
             self._coordinator_lost = True
             self._coordinator_gone("lost the connection to the coordinator on rank 0: rank 0 has shut down "
                                    "or died (see its output)")
@@ -487,15 +524,15 @@ class Engine:
                 try:
                     batches = [self._cache.expand(b) if isinstance(b, CachedBatch) else b for b in message.batches]
                 except KeyError as exc:
-                    self._break(f"the coordinator sent cache bit {exc} that this rank does not hold "
+                    self.break_job(f"the coordinator sent cache bit {exc} that this rank does not hold "
                                 "(are all ranks running the same roundel version?)")
                     return
-                self._accept_batches(batches)
+                self.accept_batches(batches)
             elif kind is Tune:
                 self.tuned = message.params
                 self.executor.retune(message.params)
             elif kind is Abort:
-                self._break(message.message)
+                self.break_job(message.message)
 
     def _resend(self, stale) -> None:
         """Send in full the requests whose (cache version, bit) the coordinator found stale."""

@@ -40,7 +40,6 @@ from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, Rou
 from roundel.common.handles import Handle
 from roundel.ops import ReduceOp
 from roundel.transport.backend import scale
-from roundel.transport.hierarchical import HierarchicalBackend
 from roundel.common.requests import Batch, OpKind, Request
 from roundel.common.timeline import Timeline, transport_activity
 
@@ -199,7 +198,7 @@ class Executor:
                 continue
             if isinstance(item, TunedParams):
                 job = self._process_sets[0][1]
-                if isinstance(job, HierarchicalBackend):
+                if job.tunable_hierarchy:
                     job.use(item.hierarchical_allreduce, item.hierarchical_allgather)
                 self._tuned = (self._tuned[0] + 1, item)
                 self._finished_one(None)

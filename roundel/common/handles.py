@@ -10,7 +10,7 @@ class Handle:
 
     ``waits`` (a ``WaitTracker``) learns while a thread is blocked in ``wait()``
     on this handle's collective ``what`` (process set id, name, kind label);
-    ``on_done`` is called once when the handle completes.
+    ``on_done`` is called once when the handle completes, with its error (None on success).
     """
 
     __slots__ = ("name", "_event", "_result", "_error", "_waits", "_what", "_on_done", "_lock",
@@ -59,5 +59,5 @@ class Handle:
             self._finished = True
             self._result, self._error = result, error
         if self._on_done is not None:  # before waking the waiter, who may reuse the name at once
-            self._on_done()
+            self._on_done(error)
         self._event.set()

@@ -115,3 +115,11 @@ class Batch(NamedTuple):
     joined: tuple = ()
     last_joined: int = -1
     reduced: bytes | None = None
+
+
+class ProcessSetChange(NamedTuple):
+    """A process set added (``ranks``: its members) or removed (``ranks`` None), queued on rank 0's engine
+    in order with the requests around it."""
+
+    set_id: int
+    ranks: tuple | None = None

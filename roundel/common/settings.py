@@ -55,6 +55,8 @@ class Settings:
     coordinator_reduce_bytes: int = 4096
     shared_memory: bool = True
     disable_group_fusion: bool = False
+    straggler_report: str = "auto"
+    metrics_port: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -151,6 +153,18 @@ def _gpu_operations(var: str, raw: str) -> str:
     return lowered
 
 
+def _straggler_report(var: str, raw: str) -> str:
+    lowered = raw.lower()
+    return "auto" if lowered == "auto" else ("on" if _bool(var, raw) else "off")
+
+
+def _metrics_port(var: str, raw: str) -> str:
+    _, _, port = raw.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise SettingsError(f"{var}={raw!r} is not a port; set it to PORT or HOST:PORT, such as 9100")
+    return raw
+
+
 def _coordinator_reduce_bytes(var: str, raw: str) -> int:
     value = _int(0, "4096 (0 sends every allreduce over the transport)")(var, raw)
     if value > _COORDINATOR_REDUCE_MAX:
@@ -202,5 +216,7 @@ _SPECS = (
     _Spec("bucket_cap_mb", "BUCKET_CAP_MB", _float(0.0, "25 (MiB per gradient bucket; 0 reduces each gradient alone)")),
     _Spec("coordinator_reduce_bytes", "COORDINATOR_REDUCE_BYTES", _coordinator_reduce_bytes),
     _Spec("shared_memory", "SHARED_MEMORY", _bool),
+    _Spec("straggler_report", "STRAGGLER_REPORT", _straggler_report),
+    _Spec("metrics_port", "METRICS_PORT", _metrics_port),
     _Spec("disable_group_fusion", "DISABLE_GROUP_FUSION", _bool),
 )

@@ -137,6 +137,16 @@ def parser() -> argparse.ArgumentParser:
                        help="warn about ranks missing from a collective after this many seconds (default 60)")
     stall.add_argument("--stall-check-shutdown-time-seconds", type=float,
                        help="fail a collective that stalled this many seconds (default 0: never)")
+    observe = p.add_argument_group("observability")
+    report = observe.add_mutually_exclusive_group()
+    report.add_argument("--straggler-report", dest="straggler_report", action="store_const", const=True,
+                        default=None, help="print each rank's lag behind the others when the job ends "
+                                           "(default: when the job ran longer than a minute)")
+    report.add_argument("--no-straggler-report", dest="straggler_report", action="store_const", const=False,
+                        help="never print the straggler table")
+    observe.add_argument("--metrics-port", metavar="[HOST:]PORT",
+                         help="serve the job's counters in Prometheus' text format from rank 0 "
+                              "(HOST default: every interface)")
     library = p.add_argument_group("library options")
     _pair(library, "mpi-threads-disable", "mpi_threads_disable", "no effect in roundel")
     library.add_argument("--mpi-args", default="", help="extra arguments for mpirun (with --mpi)")
@@ -218,6 +228,8 @@ _ENV_FLAGS = (
      "ROUNDEL_STALL_CHECK_TIME_SECONDS", repr),
     ("stall_check_shutdown_time_seconds", "--stall-check-shutdown-time-seconds",
      "ROUNDEL_STALL_SHUTDOWN_TIME_SECONDS", repr),
+    ("straggler_report", "--straggler-report", "ROUNDEL_STRAGGLER_REPORT", _bit),
+    ("metrics_port", "--metrics-port", "ROUNDEL_METRICS_PORT", str),
     ("mpi_threads_disable", "--mpi-threads-disable", "ROUNDEL_MPI_THREADS_DISABLE", _bit),
     ("num_nccl_streams", "--num-nccl-streams", "ROUNDEL_NUM_NCCL_STREAMS", str),
     ("thread_affinity", "--thread-affinity", "ROUNDEL_THREAD_AFFINITY", str),

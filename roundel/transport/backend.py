@@ -100,6 +100,8 @@ class Backend(abc.ABC):
     #: Makes ``cuda`` at the first CUDA collective (set by the factory; returns None where it cannot), so
     #: that a job that never uses a GPU starts nothing of CUDA's.
     make_cuda = None
+    #: Whether autotune may switch this communicator between hierarchical and flat collectives (``use``).
+    tunable_hierarchy = False
 
     def __init__(self, rank: int, size: int):
         self.rank = rank
@@ -108,6 +110,10 @@ class Backend(abc.ABC):
     def carrier(self, op_label: str) -> str:
         """The name of the transport that moves this backend's ``op_label`` collectives (for the timeline)."""
         return self.name
+
+    def use(self, hierarchical_allreduce: bool, hierarchical_allgather: bool) -> None:
+        """Switch allreduce and allgather between hierarchical and flat (where ``tunable_hierarchy``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no hierarchical collectives to switch")
 
     def for_device(self, device_type: str) -> Backend:
         """The backend that moves tensors on ``device_type`` ("cpu" or "cuda") among these members."""

@@ -51,6 +51,8 @@ class HierarchicalBackend(Backend):
     that is flat rank order already (ranks numbered host by host).
     """
 
+    tunable_hierarchy = True
+
     def __init__(self, flat: Backend, local: Backend, cross: Backend, order: list[int] | None,
                  hierarchical_allreduce: bool, hierarchical_allgather: bool):
         super().__init__(flat.rank, flat.size)

@@ -1,4 +1,4 @@
-"""Allreduce, allgather, broadcast, reduce, gather and barrier among the ranks of one host, in shared memory.
+"""Allreduce, reducescatter, allgather, broadcast, reduce, gather and barrier among one host's ranks, in shared memory.
 
 Loopback TCP is far slower than copying memory; so when every member of a
 communicator runs on one host, this backend wraps its Gloo one and takes these
@@ -30,8 +30,9 @@ collectives off the network:
 
 Reduce (to one member, for the hierarchical collectives) is the allreduce
 with only the root copying the result out; gather has only the root reading
-the slots. Reducescatter and alltoall, and dtypes outside
-``ARITHMETIC_DTYPES`` (bool, complex), go to the wrapped backend.
+the slots; reducescatter has each member combine only its own chunk.
+Alltoall, and dtypes outside ``ARITHMETIC_DTYPES`` (bool, complex), go to
+the wrapped backend.
 :func:`attach` sets the segment up, or returns the wrapped backend unchanged
 on every member when any member cannot (no ``/dev/shm``, no room).
 """
@@ -62,7 +63,7 @@ _SHARE_ALIGNMENT = 16  # elements: members' shares of a piece start 64 bytes apa
 _PAIRWISE = {ReduceOp.Sum: torch.add, ReduceOp.Average: torch.add, ReduceOp.Min: torch.minimum,
              ReduceOp.Max: torch.maximum, ReduceOp.Product: torch.mul}
 _RANK = struct.Struct("!i")
-_OWN = ("allreduce", "allgather", "broadcast", "barrier", "reduce", "gather")  # the collectives moved here
+_OWN = ("allreduce", "allgather", "broadcast", "barrier", "reduce", "gather", "reducescatter")  # moved here
 
 
 def attach(inner: Backend, store, timeout_s: float) -> Backend:
@@ -397,7 +398,28 @@ class SharedMemoryBackend(Backend):
         self.inner.alltoall(output, tensor, output_splits, input_splits)
 
     def reducescatter(self, output, tensor, op):
-        self.inner.reducescatter(output, tensor, op)
+        """Reduce every member's ``tensor`` and leave this member's chunk of the result in ``output``.
+
+        Piece by piece, every member copies the piece of its input into its
+        slot and, after the wait, combines over every slot (in member order)
+        only the part of the piece that falls in its own chunk, straight into
+        ``output``: each member reads its chunk N times, never the whole.
+        """
+        if tensor.dtype not in ARITHMETIC_DTYPES or output.numel() * self.size != tensor.numel():
+            return self.inner.reducescatter(output, tensor, op)
+        sent_out, sent_in = widened(output), widened(tensor)
+        flat, out = sent_in.reshape(-1), sent_out.view(-1)
+        chunk, per_slot = out.numel(), SLOT_BYTES // flat.element_size()
+        own = self.rank * chunk
+        for start in range(0, flat.numel(), per_slot):
+            part = flat[start:start + per_slot]
+            slots = [slot[:part.numel()] for slot in self._bank(part.dtype)[0]]
+            slots[self.rank].copy_(part)
+            self._barrier.wait()
+            low, high = max(start, own), min(start + part.numel(), own + chunk)
+            if low < high:
+                _combine(out[low - own:high - own], [slot[low - start:high - start] for slot in slots], op)
+        narrow_back(output, sent_out)
 
     def barrier(self):
         self._barrier.wait()

@@ -124,6 +124,22 @@ def scenario_allgather():
         check(gathered, np.concatenate([to_np(make(r, tag, (rows, 8), dtype, -3, 4)) for r in range(SIZE)]), tag, dtype)
 
 
+def scenario_reducescatter():
+    """Reducescatter in several pieces (float32, a chunk boundary inside a piece), with rows that do not
+    divide evenly, widened int16, and Min; each rank's chunk checked against NumPy."""
+    for dtype, (op_name, (op, reference)), rows in ((torch.float32, ("Sum", OPS["Sum"]), 3 * SIZE * 1000 + 1),
+                                                    (torch.int16, ("Sum", OPS["Sum"]), 2 * SIZE + 1),
+                                                    (torch.float64, ("Min", OPS["Min"]), 5 * SIZE)):
+        tag = f"shm.rs.{op_name}.{dtype_name(dtype)}"
+        shape = (rows, 1024)
+        reduced = reference(np.stack([to_np(make(r, tag, shape, dtype, -3, 4)) for r in range(SIZE)])
+                            .astype(np.float64), 0)
+        counts = [rows // SIZE + (1 if r < rows % SIZE else 0) for r in range(SIZE)]
+        start = sum(counts[:RANK])
+        result = hvd.reducescatter(make(RANK, tag, shape, dtype, -3, 4), name=tag, op=op)
+        check(result, reduced[start:start + counts[RANK]], tag, dtype)
+
+
 def scenario_broadcast():
     for root in range(SIZE):
         tag = f"shm.bcast.{root}"
@@ -134,5 +150,6 @@ def scenario_broadcast():
 
 if __name__ == "__main__":
     run_scenarios({"allreduce": scenario_allreduce, "fused": scenario_fused, "exact": scenario_exact,
-                   "allgather": scenario_allgather, "broadcast": scenario_broadcast}, sys.argv, RANK)
+                   "allgather": scenario_allgather, "broadcast": scenario_broadcast,
+                   "reducescatter": scenario_reducescatter}, sys.argv, RANK)
     hvd.shutdown()

@@ -1,0 +1,66 @@
+"""The Prometheus endpoint: scraped from rank 0 in the middle of a real 2-rank job.
+
+The job (``tests/workers/torch_metrics.py``) runs allreduces, allgathers and
+one mismatched allreduce; the test scrapes ``--metrics-port`` while it runs
+and parses the text with ``prometheus_client``'s own parser.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from launch_util import LAUNCHER, clean_env, _script_path
+from roundel.common.metrics import Metrics
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_rank_zero_serves_the_jobs_counters_in_prometheus_text_format(tmp_path):
+    flag, port = tmp_path / "scrape-now", _free_port()
+    command = [*LAUNCHER, "--metrics-port", f"127.0.0.1:{port}", "-np", "2", sys.executable,
+               _script_path("torch_metrics.py"), str(flag)]
+    job = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.1)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        (tmp_path / "scrape-now.done").touch()
+        out, err = job.communicate(timeout=120)
+    assert job.returncode == 0, out + err
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert samples[("roundel_collectives_total", (("kind", "allreduce"), ("outcome", "ok")))] >= 20
+    assert samples[("roundel_collectives_total", (("kind", "allgather"), ("outcome", "ok")))] == 20
+    assert samples[("roundel_collectives_total", (("kind", "allreduce"), ("outcome", "error")))] == 1
+    assert samples[("roundel_collective_bytes_total", (("kind", "allgather"),))] == 20 * 2 * 3 * 4  # its input
+    assert families["roundel_collective_seconds"].type == "histogram"
+    assert samples[("roundel_collective_seconds_count", (("kind", "allgather"),))] == 20
+    assert families["roundel_negotiation_seconds"].type == "histogram"
+    assert samples[("roundel_ranks", ())] == 2
+    assert families["roundel_collectives"].type == "counter"  # the parser drops the _total suffix
+
+
+def test_the_text_format_of_counters_histograms_and_gauges():
+    metrics = Metrics()
+    metrics.count("roundel_deadlocks_total")
+    for seconds in (0.0001, 0.003, 100.0):
+        metrics.observe("roundel_collective_seconds", seconds, kind="allreduce")
+    metrics.collectors.append(lambda: [("roundel_rank_lag_seconds", (("rank", "1"),), 0.05)])
+    families = {f.name: f for f in text_string_to_metric_families(metrics.exposition())}
+    buckets = {s.labels["le"]: s.value for s in families["roundel_collective_seconds"].samples
+               if s.name.endswith("_bucket")}
+    assert buckets["0.0005"] == 1 and buckets["0.005"] == 2 and buckets["30"] == 2 and buckets["+Inf"] == 3
+    assert families["roundel_deadlocks"].samples[0].value == 1
+    assert families["roundel_rank_lag_seconds"].samples[0].labels == {"rank": "1"}
