@@ -484,7 +484,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=ReduceOp.Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=global_process_set,
-                         bucket_cap_mb=None):
+                         bucket_cap_mb=None, shard_optimizer_state=False):
     """Wrap ``optimizer`` so that gradients are averaged (or summed, or Adasum-combined) across ranks.
 
     Returns an instance of a subclass of the optimizer's own class, built on
@@ -503,12 +503,33 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     every rank's parameter change (see ``roundel.torch.adasum_optimizer``).
     Compression applies to a bucket's flat buffer, so it must work element by
     element (as ``fp16`` and ``bf16`` do) unless ``bucket_cap_mb=0``.
+    ``shard_optimizer_state=True`` shards the optimizer state across ranks
+    (ZeRO stage 1): gradients are reduce-scattered, each rank updates its
+    1/N slice of the parameters with its 1/N of the state, and the
+    parameters are allgathered (see ``roundel.torch.sharded_optimizer``).
+    ``compression=hvd.PowerSGD(...)`` compresses gradients to low rank
+    (see ``roundel.torch.powersgd``).
     Raises ValueError for missing or duplicate ``named_parameters``, a
-    parameter in two ``groups``, or a negative ``bucket_cap_mb``.
+    parameter in two ``groups``, a negative ``bucket_cap_mb``, or an option
+    that ``shard_optimizer_state=True`` does not support.
     """
     op = resolve_op(op)
     if groups is not None and num_groups:
         raise ValueError("pass groups= or num_groups=, not both")
+    if shard_optimizer_state:
+        from roundel.torch import sharded_optimizer
+        sharded_optimizer.check_supported(optimizer, op, compression, groups if groups is not None else num_groups,
+                                          sparse_as_dense, process_set, Compression.none, global_process_set)
+        if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
+            raise ValueError("gradient_predivide_factor only applies to op=Average")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+        cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+                   dict(sharded_optimizer._ShardedOptimizer.__dict__))
+        names = _named_parameters(optimizer.param_groups, named_parameters)
+        sharded = cls(optimizer.param_groups, names, optimizer, op, gradient_predivide_factor)
+        sharded.backward_passes_per_step = backward_passes_per_step
+        return sharded
     if op == ReduceOp.Adasum and basics.size() > 1:
         if gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor only applies to op=Average")
