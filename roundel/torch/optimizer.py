@@ -37,6 +37,7 @@ from roundel.common.process_sets import global_process_set
 from roundel.common.settings import Settings
 from roundel.torch.compression import Compression
 from roundel.torch.adasum_optimizer import _DistributedAdasumOptimizer
+from roundel.torch.powersgd import PowerSGD
 from roundel.torch.mpi_ops import (allreduce_async_, broadcast_, grouped_allreduce_async_, sparse_allreduce_async,
                                    synchronize)
 
@@ -290,6 +291,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # a sparse gradient's place in a bucket carries zeros, so that the bucket is the same on every rank
         grads = [torch.zeros_like(p) if t is None else t for p, t in zip(bucket.params, targets)]
         compression = self._compression
+        if isinstance(compression, PowerSGD):
+            finish = compression.start(bucket.name, [self._parameter_names[p] for p in bucket.params], grads,
+                                       self._allreduce_async)
+            self._pending.append((bucket, lambda: _write_back(targets, finish())))
+            return
         if len(grads) == 1:
             compressed, ctx = compression.compress(grads[0])
             handle = self._allreduce_async(compressed, bucket.name)
@@ -418,6 +424,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     raise _with_context(exc, self._reducing(subject)) from exc
             for p in self._densified:
                 p.grad = p.grad.to_sparse()
+            if isinstance(self._compression, PowerSGD):
+                self._compression.end_step()
             if self._ready_order is not None:
                 self._rebuild_buckets()
             else:
@@ -516,6 +524,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     op = resolve_op(op)
     if groups is not None and num_groups:
         raise ValueError("pass groups= or num_groups=, not both")
+    if isinstance(compression, type) and issubclass(compression, PowerSGD):
+        raise ValueError("compression=hvd.PowerSGD needs an instance, e.g. hvd.PowerSGD(rank=4, start_iter=10)")
+    if isinstance(compression, PowerSGD) and op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"compression=PowerSGD reduces with op=Average or op=Sum, not {op}")
     if shard_optimizer_state:
         from roundel.torch import sharded_optimizer
         sharded_optimizer.check_supported(optimizer, op, compression, groups if groups is not None else num_groups,
