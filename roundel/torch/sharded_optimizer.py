@@ -60,6 +60,15 @@ class _Segment:
         torch.cat([t.reshape(-1) for t in tensors], out=out[:self.total])
         return out
 
+    def copy_slice(self, tensors, out: torch.Tensor) -> None:
+        """Copy this rank's slice of ``tensors`` laid end to end into ``out`` (padding left as it is)."""
+        lo, hi, offset = self.start, self.start + self.shard, 0
+        for t, n in zip(tensors, self.sizes):
+            a, b = max(lo, offset), min(hi, offset + n)
+            if a < b:
+                out[a - lo:b - lo].copy_(t.reshape(-1)[a - offset:b - offset])
+            offset += n
+
     def my_slice(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.start:self.start + self.shard]
 
@@ -171,7 +180,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         for seg, group in zip(self._segments, self._inner.param_groups):
             group.update({k: v for k, v in self.param_groups[seg.group].items() if k != "params"})
             with torch.no_grad():  # the parameters may have been changed (broadcast_parameters, a load)
-                seg.param.copy_(seg.my_slice(seg.flat([p.detach() for p in seg.params])))
+                seg.copy_slice([p.detach() for p in seg.params], seg.param)
         self._inner.step()
         handles = [allgather_async(seg.param.detach(), name=f"zero.allgather.{seg.name}")
                    for seg in self._segments]
