@@ -33,3 +33,26 @@ def test_unsupported_option_names_what_to_do():
     with pytest.raises(ValueError, match="groups"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), shard_optimizer_state=True,
                                  num_groups=2)
+
+
+def test_elastic_sharded_state_survives_resize_and_kill(tmp_path):
+    # tests/workers/torch_elastic.py with shard_optimizer_state=True: 2 ranks, then 3 (planned: the state is
+    # re-sharded from rank 0's commit), then a worker SIGKILLed (its slice is lost; the committed full state
+    # is restored and re-sharded over the survivors)
+    from elastic_util import ElasticJob, check_training
+    from launch_util import WORKERS_DIR
+
+    env = {"EPOCHS": 1000, "SAMPLES": 96, "BATCH": 4, "STEP_SLEEP": 0.05, "SHARDED": 1,
+           "STOP_FILE": tmp_path / "stop"}
+    job = ElasticJob(tmp_path, "localhost:2\n", str(WORKERS_DIR / "torch_elastic.py"),
+                     ("-np", "2", "--min-np", "1", "--elastic-timeout", "60"), env)
+    job.wait_count("COMMIT", 5)
+    job.set_hosts("localhost:3\n")
+    job.wait_count("generation 1: 3 worker(s)", 1)
+    job.wait_for(lambda lines: sum("COMMIT" in line for line in lines) >= 15, what="training at 3 ranks")
+    job.kill("localhost:1")
+    job.wait_count("generation 2:", 1, timeout=60)
+    job.wait_for(lambda lines: sum("COMMIT" in line for line in lines) >= 25, what="training after the kill")
+    (tmp_path / "stop").touch()
+    assert job.finish(timeout=90) == 0, job.describe()
+    check_training(job.text(), None, 96, 4, 1 * 2 * 4 * 3 + 3 * 3)
