@@ -78,8 +78,9 @@ class _ShardedOptimizer(torch.optim.Optimizer):
 
     _roundel_sharded = True
 
-    def __init__(self, params, names, original, op, gradient_predivide_factor):
+    def __init__(self, params, names, original, op, gradient_predivide_factor, bucket_cap_mb):
         super(self.__class__, self).__init__(params)
+        self._cap = bucket_cap_mb * 1024 * 1024
         self._parameter_names = names
         self._original_class = original.__class__
         self._original_defaults = dict(original.defaults)
@@ -91,6 +92,24 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         self._pending_full = None  # a full state dict to shard at the next use (load_state_dict)
         self._synchronized = False
         self._should_synchronize = True
+        self._segment_of: dict = {}
+        self._handles: dict = {}  # per segment started this step: its reduce-scatter's handle
+        self._ready: dict = {}  # per segment: gradients final for this step
+        self.backward_passes_per_step = 1
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def _on_grad_ready(self, p) -> None:
+        """Start a segment's reduce-scatter as soon as all its gradients are final (one backward pass a step)."""
+        if self.backward_passes_per_step != 1 or not basics.is_initialized():
+            return
+        self._ensure_layout()
+        seg = self._segment_of.get(p)
+        if seg is None or seg in self._handles:
+            return
+        self._ready[seg] = self._ready.get(seg, 0) + 1
+        if self._ready[seg] == len(seg.params):
+            self._start(seg)
 
     # ------------------------------------------------------------ layout
     def _layout_is_current(self) -> bool:
@@ -113,16 +132,17 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             self._load_full(full)
 
     def _make_layout(self) -> None:
+        from roundel.torch.optimizer import _split_by_size
         size, rank = basics.size(), basics.rank()
         segments = []
         for g, group in enumerate(self.param_groups):
             by_kind: dict = {}
-            for p in group["params"]:
+            for p in reversed(group["params"]):  # about the order backward produces gradients, as DDP buckets
                 if p.requires_grad:
                     by_kind.setdefault((p.dtype, p.device), []).append(p)
             for params in by_kind.values():
-                seg = _Segment(g, params, self._parameter_names, size, rank)
-                segments.append(seg)
+                for bucket in _split_by_size(params, self._cap):
+                    segments.append(_Segment(g, list(bucket), self._parameter_names, size, rank))
         inner_groups = []
         for seg in segments:
             with torch.no_grad():
@@ -132,6 +152,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             group["params"] = [seg.param]
             inner_groups.append(group)
         self._segments = segments
+        self._segment_of = {p: seg for seg in segments for p in seg.params}
+        self._handles, self._ready = {}, {}
         self._inner = self._new_inner(inner_groups)
         self._runtime = weakref.ref(basics.runtime())
 
@@ -144,27 +166,38 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             return inner
 
     # ------------------------------------------------------------ step
-    def synchronize(self) -> None:
-        """Reduce-scatter the gradients: each segment's slice of the average lands in its shard's ``.grad``."""
-        self._ensure_layout()
+    def _start(self, seg: _Segment) -> None:
         prescale, postscale = 1.0, 1.0
         if self.op == ReduceOp.Average:
             prescale, postscale = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        handles = []
-        for seg in self._segments:
-            grads = []
-            for p in seg.params:
-                if p.grad is not None and p.grad.is_sparse:
-                    raise ValueError(f"shard_optimizer_state=True does not support sparse gradients "
-                                     f"('{self._parameter_names[p]}'); use a dense embedding or the "
-                                     "unsharded DistributedOptimizer")
-                grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
-            with torch.no_grad():
-                flat = seg.flat(grads)
-            handles.append(reducescatter_async(flat, name=f"zero.reducescatter.{seg.name}", op=self.op,
-                                               prescale_factor=prescale, postscale_factor=postscale))
-        for seg, handle in zip(self._segments, handles):
-            seg.param.grad = synchronize(handle)
+        grads = []
+        for p in seg.params:
+            if p.grad is not None and p.grad.is_sparse:
+                raise ValueError(f"shard_optimizer_state=True does not support sparse gradients "
+                                 f"('{self._parameter_names[p]}'); use a dense embedding or the "
+                                 "unsharded DistributedOptimizer")
+            grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
+        with torch.no_grad():
+            flat = seg.flat(grads)
+        self._handles[seg] = reducescatter_async(flat, name=f"zero.reducescatter.{seg.name}", op=self.op,
+                                                 prescale_factor=prescale, postscale_factor=postscale)
+
+    def synchronize(self) -> None:
+        """Reduce-scatter the gradients: each segment's slice of the average lands in its shard's ``.grad``.
+
+        Segments whose gradients all became final during backward are already
+        on their way; the others (unused parameters, several backward passes)
+        start here. ``p.grad`` keeps this rank's own gradient.
+        """
+        self._ensure_layout()
+        try:
+            for seg in self._segments:
+                if seg not in self._handles:
+                    self._start(seg)
+            for seg in self._segments:
+                seg.param.grad = synchronize(self._handles[seg])
+        finally:
+            self._handles, self._ready = {}, {}
         self._synchronized = True
 
     def step(self, closure=None):
