@@ -224,6 +224,31 @@ class _ShardedOptimizer(torch.optim.Optimizer):
                     p.copy_(chunk.view_as(p))
         return loss
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the reduced gradients so that their norm over every rank's shard is at most ``max_norm``.
+
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would see
+        this rank's own, unreduced ``p.grad``; call this instead, before
+        ``step()`` (it synchronizes first if needed). Returns the total norm
+        before clipping (the same on every rank).
+        """
+        if not self._synchronized:
+            self.synchronize()
+        norm_type = float(norm_type)
+        grads = [seg.param.grad for seg in self._segments]
+        from roundel.torch.mpi_ops import allreduce
+        if norm_type == float("inf"):
+            local = torch.stack([g.abs().max() for g in grads]).max().to(torch.float64)
+            total = allreduce(local.reshape(1), name="zero.clip_norm", op=ReduceOp.Max)[0]
+        else:
+            local = sum((g.to(torch.float64).abs() ** norm_type).sum() for g in grads)
+            total = allreduce(local.reshape(1), name="zero.clip_norm", op=ReduceOp.Sum)[0] ** (1.0 / norm_type)
+        coef = max_norm / (float(total) + 1e-6)
+        if coef < 1:
+            for g in grads:
+                g.mul_(coef)
+        return total.to(grads[0].dtype)
+
     def _local_step(self, closure=None):
         """The update without reducing gradients (as ``broadcast_optimizer_state`` uses it): unsupported."""
         raise NotImplementedError("a sharded optimizer has no local update")

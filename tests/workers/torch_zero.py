@@ -141,6 +141,26 @@ def check_broadcast_and_elastic_state():
     assert_close(model, ref, "elastic TorchState restore + sync")
 
 
+def check_clip_grad_norm():
+    (model, opt), (ref, ref_opt) = pair(adam)
+    for step in range(5):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            x, y = batch(step)
+            o.zero_grad()
+            (10 * ((m(x) - y) ** 2).mean()).backward()
+            if o is opt:
+                norm = o.clip_grad_norm_(0.5)
+                o.step()
+            else:
+                o.synchronize()
+                ref_norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+                with o.skip_synchronize():
+                    o.step()
+        assert abs(norm.item() - ref_norm.item()) <= 1e-4 * ref_norm.item(), (norm, ref_norm)
+        assert norm.item() > 0.5  # the clipping took effect
+    assert_close(model, ref, "clip_grad_norm_")
+
+
 def check_errors():
     model = make_model()
     for kwargs, expect in ((dict(compression=hvd.Compression.fp16), "compression"),
@@ -161,5 +181,6 @@ if __name__ == "__main__":
     check_equivalence_and_bytes()
     check_state_dict_round_trip()
     check_broadcast_and_elastic_state()
+    check_clip_grad_norm()
     check_errors()
     print("CHECKS PASSED torch_zero")
