@@ -27,6 +27,7 @@ as it is then (so an elastic job can load a state saved before a resize).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 
@@ -34,7 +35,7 @@ import torch
 
 from roundel.common import basics
 from roundel.ops import ReduceOp
-from roundel.torch.mpi_ops import allgather_async, reducescatter_async, synchronize
+from roundel.torch.mpi_ops import allgather_async, allreduce, reducescatter_async, synchronize
 
 
 class _Segment:
@@ -236,7 +237,6 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         norm_type = float(norm_type)
         grads = [seg.param.grad for seg in self._segments]
-        from roundel.torch.mpi_ops import allreduce
         if norm_type == float("inf"):
             local = torch.stack([g.abs().max() for g in grads]).max().to(torch.float64)
             total = allreduce(local.reshape(1), name="zero.clip_norm", op=ReduceOp.Max)[0]
@@ -253,18 +253,23 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """The update without reducing gradients (as ``broadcast_optimizer_state`` uses it): unsupported."""
         raise NotImplementedError("a sharded optimizer has no local update")
 
+    @contextlib.contextmanager
     def skip_synchronize(self):
-        import contextlib
+        """Make ``step()`` skip its own synchronize (after ``synchronize()`` or ``clip_grad_norm_``)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
 
-        @contextlib.contextmanager
-        def skipping():
-            self._should_synchronize = False
-            try:
-                yield
-            finally:
-                self._should_synchronize = True
-
-        return skipping()
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear gradients; an error while reduce-scatters of this step are still in flight."""
+        if self._handles or self._ready:
+            from roundel.torch.optimizer import GradientSyncError
+            raise GradientSyncError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(); the gradient reductions of this step are still in flight")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Gradients accumulate in ``.grad`` until ``step()``; the count only matters to the unsharded optimizer."""

@@ -6,6 +6,7 @@ parameters; it also checks the per-rank state bytes, the state_dict round
 trip, broadcast_optimizer_state and elastic TorchState save/restore/sync.
 """
 
+import copy
 import math
 
 import torch
@@ -106,7 +107,6 @@ def check_state_dict_round_trip():
         train(copy_model, copy_opt, 5, first=5)
         ref_copy = make_model()
         ref_copy.load_state_dict(ref.state_dict())
-        ref_copy_opt = torch.optim.Adam(ref_copy.parameters())
         ref_copy_opt = hvd.DistributedOptimizer(adam([{"params": ref_copy[0].parameters()},
                                                       {"params": ref_copy[2].parameters(), "lr": 0.003}]),
                                                 named_parameters=ref_copy.named_parameters())
@@ -128,9 +128,7 @@ def check_broadcast_and_elastic_state():
     state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=3)
     state.save()
     ref_state = {k: v.clone() for k, v in ref.state_dict().items()}
-    ref_opt_state = ref_opt.state_dict()
-    import copy
-    ref_opt_state = copy.deepcopy(ref_opt_state)
+    ref_opt_state = copy.deepcopy(ref_opt.state_dict())
     train(model, opt, 4, first=3)  # lost on restore
     state.restore()
     state.sync()
