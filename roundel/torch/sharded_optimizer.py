@@ -106,8 +106,13 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             return
         self._ensure_layout()
         seg = self._segment_of.get(p)
-        if seg is None or seg in self._handles:
+        if seg is None:
             return
+        if seg in self._handles:
+            from roundel.torch.optimizer import GradientSyncError
+            raise GradientSyncError(
+                f"the gradient of '{self._parameter_names[p]}' was computed again before optimizer.step(); "
+                "pass backward_passes_per_step to accumulate several backward passes")
         self._ready[seg] = self._ready.get(seg, 0) + 1
         if self._ready[seg] == len(seg.params):
             self._start(seg)

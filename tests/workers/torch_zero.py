@@ -159,6 +159,22 @@ def check_clip_grad_norm():
     assert_close(model, ref, "clip_grad_norm_")
 
 
+def check_two_backward_passes():
+    models = []
+    for shard in (True, False):
+        model = make_model()
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
+                                       backward_passes_per_step=2, shard_optimizer_state=shard)
+        for step in range(4):
+            opt.zero_grad()
+            for k in range(2):
+                x, y = batch(10 * step + k)
+                (((model(x) - y) ** 2).mean() / 2).backward()
+            opt.step()
+        models.append(model)
+    assert_close(models[0], models[1], "backward_passes_per_step=2")
+
+
 def check_errors():
     model = make_model()
     for kwargs, expect in ((dict(compression=hvd.Compression.fp16), "compression"),
@@ -180,5 +196,6 @@ if __name__ == "__main__":
     check_state_dict_round_trip()
     check_broadcast_and_elastic_state()
     check_clip_grad_norm()
+    check_two_backward_passes()
     check_errors()
     print("CHECKS PASSED torch_zero")
