@@ -1,9 +1,15 @@
 """Gradient compression: samples/sec of DistributedOptimizer uncompressed, with fp16, and with PowerSGD.
 
-Run it under the launcher (CPU; loopback, or shaped links between hosts)::
+Run it under the launcher (CPU; one host's shared memory)::
 
     roundelrun -np 2 python benchmarks/powersgd.py
     roundelrun -np 2 python benchmarks/powersgd.py --width 2048 --layers 4 --rank 4 --spans 5
+
+or, as root on Linux, across two simulated hosts whose link is shaped (network
+namespaces with sshd and a ``tc`` token bucket, as tests/netns_util.py and
+benchmarks/hierarchical.py build them; one rank per host)::
+
+    python benchmarks/powersgd.py --netns --rate 1gbit
 
 One job holds three trainings of the same model (``--layers`` Linear layers of
 ``--width`` features with ReLU between them, SGD with momentum, cross-entropy
@@ -39,11 +45,47 @@ def parse():
     p.add_argument("--spans", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--netns", action="store_true", help="run on 2 network-namespace hosts, link shaped to --rate")
+    p.add_argument("--rate", default="1gbit", help="with --netns: what each host may send, as tc writes it")
     return p.parse_args()
+
+
+def drive_netns(args) -> int:
+    """Build 2 hosts, shape their link, and launch this script on them over ssh, one rank per host."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(repo / "tests"))
+    from netns_util import SSH_PORT, NetnsHosts, missing_tools
+
+    missing = missing_tools() + ([] if shutil.which("tc") else ["tc"])
+    if missing:
+        print(f"--netns needs {', '.join(missing)}", file=sys.stderr)
+        return 2
+    passed = [a for a in sys.argv[1:] if a != "--netns"]
+    with tempfile.TemporaryDirectory(prefix="roundel-powersgd-") as workdir:
+        hosts = NetnsHosts(2, Path(workdir))
+        try:
+            hosts.shape(args.rate)
+            h1, h2 = hosts.addrs
+            command = [sys.executable, "-m", "roundel.runner.launch", "-p", str(SSH_PORT), "-i", hosts.key,
+                       "-np", "2", "-H", f"{h1}:1,{h2}:1", sys.executable, str(Path(__file__).resolve()), *passed]
+            env = {**os.environ, **hosts.ssh_env(),
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+            return subprocess.run(command, env=env).returncode
+        finally:
+            hosts.close()
 
 
 def main():
     args = parse()
+    if args.netns:
+        raise SystemExit(drive_netns(args))
     import torch
 
     import roundel.torch as hvd
