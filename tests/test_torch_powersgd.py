@@ -38,3 +38,22 @@ def test_small_and_one_dimensional_gradients_stay_uncompressed():
     assert psgd._shape(torch.zeros(10, 10)) is None  # (10 + 10) * 4 * 2 >= 100
     assert psgd._shape(torch.zeros(256, 64)) == (256, 64, 4)
     assert psgd._shape(torch.zeros(32, 3, 3, 3)) == (32, 27, 4)
+
+
+def test_elastic_resize_with_powersgd(tmp_path):
+    # tests/workers/torch_elastic.py with PowerSGD(rank=1, start_iter=3): after the job grows from 2 to 3 ranks
+    # the survivors start over as the new rank does (plain steps first), so their requests match
+    from elastic_util import ElasticJob, check_training
+    from launch_util import WORKERS_DIR
+
+    env = {"EPOCHS": 1000, "SAMPLES": 96, "BATCH": 4, "STEP_SLEEP": 0.05, "POWERSGD": 1,
+           "STOP_FILE": tmp_path / "stop"}
+    job = ElasticJob(tmp_path, "localhost:2\n", str(WORKERS_DIR / "torch_elastic.py"),
+                     ("-np", "2", "--elastic-timeout", "60"), env)
+    job.wait_count("COMMIT", 6)
+    job.set_hosts("localhost:3\n")
+    job.wait_count("generation 1: 3 worker(s)", 1)
+    job.wait_for(lambda lines: sum("COMMIT" in line for line in lines) >= 16, what="training at 3 ranks")
+    (tmp_path / "stop").touch()
+    assert job.finish(timeout=90) == 0, job.describe()
+    check_training(job.text(), None, 96, 4, 2 * 3)

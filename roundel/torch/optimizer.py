@@ -237,6 +237,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._reset()
             self._cap = self._own_cap
             self._start_over()
+            if isinstance(self._compression, PowerSGD):  # as a joining rank's: plain steps first, new Q, no error
+                self._compression.reset()
             self._runtime = weakref.ref(current)
         else:
             return

@@ -20,7 +20,9 @@ allreduces of every gradient, as in DDP (a low-rank start hurts accuracy).
 
 State (Q and the error, one per compressed gradient) lives in the PowerSGD
 object: use one object per optimizer. The error doubles the memory of the
-compressed gradients, as in DDP.
+compressed gradients, as in DDP. After an elastic reset the optimizer
+resets it on every surviving rank, so that survivors and new ranks start
+over alike (``start_iter`` plain steps, the same first Q, no error).
 """
 
 from __future__ import annotations
