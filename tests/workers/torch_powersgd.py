@@ -16,7 +16,7 @@ import torch
 import roundel.torch as hvd
 import roundel.torch.optimizer as optimizer_module
 
-EPOCHS = 12
+EPOCHS = 8
 PER_RANK_BATCH = 32
 
 submitted = []  # bytes of each allreduce the optimizer started, this step
