@@ -515,9 +515,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     Compression applies to a bucket's flat buffer, so it must work element by
     element (as ``fp16`` and ``bf16`` do) unless ``bucket_cap_mb=0``.
     ``shard_optimizer_state=True`` shards the optimizer state across ranks
-    (ZeRO stage 1): gradients are reduce-scattered, each rank updates its
-    1/N slice of the parameters with its 1/N of the state, and the
-    parameters are allgathered (see ``roundel.torch.sharded_optimizer``).
+    (ZeRO stage 1): gradients are reduce-scattered in segments of about
+    ``bucket_cap_mb`` MiB (default: 8 at most) while backward runs, each rank
+    updates its 1/N slice of the parameters with its 1/N of the state, and
+    the parameters are allgathered (see ``roundel.torch.sharded_optimizer``).
     ``compression=hvd.PowerSGD(...)`` compresses gradients to low rank
     (see ``roundel.torch.powersgd``).
     Raises ValueError for missing or duplicate ``named_parameters``, a

@@ -1,13 +1,16 @@
 """Sharded optimizer state (ZeRO stage 1): ``DistributedOptimizer(..., shard_optimizer_state=True)``.
 
-Each parameter group's trainable parameters of one dtype and device form a
-*segment*: their values laid end to end, padded with zeros to a multiple of
-the number of ranks N. Rank r owns the r-th of N equal slices of every
+Each parameter group's trainable parameters of one dtype and device, in
+backward order, are split into *segments* of about ``bucket_cap_mb`` MiB:
+their values laid end to end, padded with zeros to a multiple of the number
+of ranks N. Rank r owns the r-th of N equal slices of every
 segment. The wrapped optimizer's class is instantiated a second time (the
 *inner* optimizer) over one flat tensor per segment holding this rank's
 slice, so its state (Adam's moments, SGD's momentum) takes 1/N of the memory.
 
-``step()`` reduce-scatters each segment's flat gradient (average, or sum),
+A segment's flat gradient is reduce-scattered (average, or sum) from the
+gradient hooks as soon as all its gradients are final (in ``step()`` with
+several backward passes per step); ``step()`` waits for them,
 copies the outer parameter groups' hyper-parameters (learning rate, ...) into
 the inner ones, lets the inner optimizer update this rank's slice, and
 allgathers the slices back into the parameters. For an optimizer whose update
@@ -23,6 +26,8 @@ state dict on every rank and keeps this rank's slices; it communicates
 nothing, and it is applied at the next use, with the shard layout of the job
 as it is then (so an elastic job can load a state saved before a resize).
 ``local_state_dict()`` is this rank's slice alone, without communication.
+``p.grad`` keeps this rank's own gradient (the reduced slice is the inner
+optimizer's): clip with ``clip_grad_norm_``, which uses the reduced slices.
 """
 
 from __future__ import annotations
