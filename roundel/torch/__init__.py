@@ -26,4 +26,5 @@ from roundel.torch.mpi_ops import (
     reducescatter_async, sparse_allreduce_async, synchronize,
 )
 from roundel.torch.optimizer import DistributedOptimizer
+from roundel.torch.powersgd import PowerSGD
 from roundel.torch.sync_batch_norm import SyncBatchNorm

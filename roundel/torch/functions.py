@@ -122,11 +122,26 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=gl
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state (it holds closures and history); "
                          "construct it identically on every rank instead")
+    if getattr(optimizer, "_roundel_sharded", False):  # shard_optimizer_state=True: gather, then as below
+        full = broadcast_state_dict(optimizer.state_dict(), root_rank, process_set)
+        optimizer.load_state_dict(full)
+        return
     if not optimizer.state_dict()["state"]:
         _create_state(optimizer, model)
     is_root = basics.rank() == root_rank
+    full = broadcast_state_dict(optimizer.state_dict() if is_root else None, root_rank, process_set)
+    if not is_root:
+        optimizer.load_state_dict(full)
+
+
+def broadcast_state_dict(state_dict, root_rank=0, process_set=global_process_set) -> dict:
+    """The root's ``state_dict`` (nested dicts and lists with tensors) on every rank; others pass anything.
+
+    Tensors travel as broadcasts, the rest pickled; returns the root's own dict on the root.
+    """
+    is_root = basics.rank() == root_rank
     tensors: list = []
-    skeleton = _split_tensors(optimizer.state_dict(), tensors) if is_root else None
+    skeleton = _split_tensors(state_dict, tensors) if is_root else None
     skeleton = broadcast_object(skeleton, root_rank, name="optimizer_state", process_set=process_set)
     if not is_root:
         slots: list = []
@@ -136,8 +151,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=gl
                                 process_set=process_set) for i, t in enumerate(tensors)]
     for handle in handles:
         synchronize(handle)
-    if not is_root:
-        optimizer.load_state_dict(_join_tensors(skeleton, tensors))
+    return state_dict if is_root else _join_tensors(skeleton, tensors)
 
 
 def _collect_slots(obj, slots: list) -> None:

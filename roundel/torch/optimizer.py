@@ -37,11 +37,13 @@ from roundel.common.process_sets import global_process_set
 from roundel.common.settings import Settings
 from roundel.torch.compression import Compression
 from roundel.torch.adasum_optimizer import _DistributedAdasumOptimizer
+from roundel.torch.powersgd import PowerSGD
 from roundel.torch.mpi_ops import (allreduce_async_, broadcast_, grouped_allreduce_async_, sparse_allreduce_async,
                                    synchronize)
 
 _FIRST_BUCKET_BYTES = 1024 * 1024
 _MIB = 1024 * 1024
+_SHARDED_CAP_MB = 8  # default segment size of shard_optimizer_state=True
 
 
 class GradientSyncError(RoundelError, AssertionError):
@@ -235,6 +237,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._reset()
             self._cap = self._own_cap
             self._start_over()
+            if isinstance(self._compression, PowerSGD):  # as a joining rank's: plain steps first, new Q, no error
+                self._compression.reset()
             self._runtime = weakref.ref(current)
         else:
             return
@@ -290,6 +294,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # a sparse gradient's place in a bucket carries zeros, so that the bucket is the same on every rank
         grads = [torch.zeros_like(p) if t is None else t for p, t in zip(bucket.params, targets)]
         compression = self._compression
+        if isinstance(compression, PowerSGD):
+            finish = compression.start(bucket.name, [self._parameter_names[p] for p in bucket.params], grads,
+                                       self._allreduce_async)
+            self._pending.append((bucket, lambda: _write_back(targets, finish())))
+            return
         if len(grads) == 1:
             compressed, ctx = compression.compress(grads[0])
             handle = self._allreduce_async(compressed, bucket.name)
@@ -418,6 +427,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     raise _with_context(exc, self._reducing(subject)) from exc
             for p in self._densified:
                 p.grad = p.grad.to_sparse()
+            if isinstance(self._compression, PowerSGD):
+                self._compression.end_step()
             if self._ready_order is not None:
                 self._rebuild_buckets()
             else:
@@ -484,7 +495,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=ReduceOp.Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=global_process_set,
-                         bucket_cap_mb=None):
+                         bucket_cap_mb=None, shard_optimizer_state=False):
     """Wrap ``optimizer`` so that gradients are averaged (or summed, or Adasum-combined) across ranks.
 
     Returns an instance of a subclass of the optimizer's own class, built on
@@ -503,12 +514,42 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     every rank's parameter change (see ``roundel.torch.adasum_optimizer``).
     Compression applies to a bucket's flat buffer, so it must work element by
     element (as ``fp16`` and ``bf16`` do) unless ``bucket_cap_mb=0``.
+    ``shard_optimizer_state=True`` shards the optimizer state across ranks
+    (ZeRO stage 1): gradients are reduce-scattered in segments of about
+    ``bucket_cap_mb`` MiB (default: 8 at most) while backward runs, each rank
+    updates its 1/N slice of the parameters with its 1/N of the state, and
+    the parameters are allgathered (see ``roundel.torch.sharded_optimizer``).
+    ``compression=hvd.PowerSGD(...)`` compresses gradients to low rank
+    (see ``roundel.torch.powersgd``).
     Raises ValueError for missing or duplicate ``named_parameters``, a
-    parameter in two ``groups``, or a negative ``bucket_cap_mb``.
+    parameter in two ``groups``, a negative ``bucket_cap_mb``, or an option
+    that ``shard_optimizer_state=True`` does not support.
     """
     op = resolve_op(op)
     if groups is not None and num_groups:
         raise ValueError("pass groups= or num_groups=, not both")
+    if isinstance(compression, type) and issubclass(compression, PowerSGD):
+        raise ValueError("compression=hvd.PowerSGD needs an instance, e.g. hvd.PowerSGD(rank=4, start_iter=10)")
+    if isinstance(compression, PowerSGD) and op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"compression=PowerSGD reduces with op=Average or op=Sum, not {op}")
+    if shard_optimizer_state:
+        from roundel.torch import sharded_optimizer
+        sharded_optimizer.check_supported(optimizer, op, compression, groups if groups is not None else num_groups,
+                                          sparse_as_dense, process_set, Compression.none, global_process_set)
+        if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
+            raise ValueError("gradient_predivide_factor only applies to op=Average")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+        cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+                   dict(sharded_optimizer._ShardedOptimizer.__dict__))
+        names = _named_parameters(optimizer.param_groups, named_parameters)
+        if bucket_cap_mb is None:  # smaller than for allreduce: the update of a shard runs faster in cache
+            bucket_cap_mb = min(Settings.from_env().bucket_cap_mb, _SHARDED_CAP_MB)
+        if isinstance(bucket_cap_mb, bool) or not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb >= 0):
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number >= 0")
+        sharded = cls(optimizer.param_groups, names, optimizer, op, gradient_predivide_factor, bucket_cap_mb)
+        sharded.backward_passes_per_step = backward_passes_per_step
+        return sharded
     if op == ReduceOp.Adasum and basics.size() > 1:
         if gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor only applies to op=Average")

@@ -10,7 +10,9 @@ and what an unnamed ``hvd.allgather`` of the ranks returned after training).
 Settings come from the environment: ``EPOCHS``,
 ``SAMPLES``, ``BATCH``, ``COMMIT_EVERY``, ``STEP_SLEEP``, and ``STOP_FILE``:
 once that file exists, training ends after the current epoch (rank 0
-decides, all ranks follow). ``LOST_AT_STEP``: in the first generation, at
+decides, all ranks follow). ``SHARDED=1``: the optimizer shards its state
+(``shard_optimizer_state=True``). ``POWERSGD=1``: PowerSGD(rank=1,
+start_iter=3) compression. ``LOST_AT_STEP``: in the first generation, at
 that step the last rank stops itself (SIGSTOP) and rank 0 reports it lost in
 the rendezvous store, as a rank's heartbeat check does.
 """
@@ -44,7 +46,10 @@ with torch.no_grad():
     for p in model.parameters():
         p.normal_()
 optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9),
-                                     named_parameters=model.named_parameters())
+                                     named_parameters=model.named_parameters(),
+                                     shard_optimizer_state=os.environ.get("SHARDED") == "1",
+                                     compression=(hvd.PowerSGD(rank=1, start_iter=3) if os.environ.get("POWERSGD")
+                                                  == "1" else hvd.Compression.none))
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=3)
 loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler)
 state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)

@@ -8,7 +8,8 @@ import torch
 
 from roundel.common import elastic as common
 from roundel.torch.elastic.sampler import ElasticSampler
-from roundel.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from roundel.torch.functions import (broadcast_object, broadcast_optimizer_state, broadcast_parameters,
+                                     broadcast_state_dict)
 
 __all__ = ["ObjectState", "State", "StateHandler", "TorchState", "get_handler_registry", "set_handler_registry"]
 
@@ -75,8 +76,26 @@ class _ModelHandler(_StateDictHandler):
 
 
 class _OptimizerHandler(_StateDictHandler):
+    """An optimizer; one with ``shard_optimizer_state=True`` is saved as its full state (gathered at
+    ``commit()``, so that a lost rank's slice survives) and re-sharded for the new ranks at ``sync()``."""
+
+    def _sharded(self) -> bool:
+        return getattr(self.value, "_roundel_sharded", False)
+
+    def save(self) -> None:
+        if self._sharded():
+            self._saved = self.value.state_dict()  # a collective; new tensors, no copy needed
+        else:
+            super().save()
+
     def sync(self) -> None:
-        broadcast_optimizer_state(self.value, root_rank=0)
+        if self._sharded():
+            # rank 0's saved state is its current one here (just restored, or committed before a planned
+            # change, or taken at start); the survivors' slices were laid out for the old ranks
+            self._saved = broadcast_state_dict(self._saved, root_rank=0)
+            self.value.load_state_dict(self._saved)
+        else:
+            broadcast_optimizer_state(self.value, root_rank=0)
 
 
 class _SamplerHandler(_StateDictHandler):
