@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import select
 import signal
 import subprocess
@@ -142,7 +143,7 @@ def test_verbose_shows_the_traceback_and_each_start():
     result = run_job(2, WORKER, "before_init", launcher_args=["--verbose"], timeout=60)
     assert result.returncode != 0
     for rank in (0, 1):
-        assert f"roundelrun: started rank {rank} on localhost (pid " in result.stderr
+        assert f"roundelrun: started rank {rank} on localhost (watchdog pid " in result.stderr
         lines = rank_lines(result.stderr, rank, "stderr")
         assert "Traceback (most recent call last):" in lines, result.stderr
         assert any("roundel/common/basics.py" in line for line in lines), result.stderr
@@ -157,7 +158,8 @@ def _launcher_lines(stderr: str) -> list[str]:
 
 
 def test_verbose_reports_rendezvous_starts_and_joins_in_order():
-    result = run_command([*LAUNCHER, "--verbose", "-np", "2", sys.executable, "-c", INIT_AND_SHUTDOWN], timeout=60)
+    code = "import os; print(os.getppid(), flush=True); " + INIT_AND_SHUTDOWN
+    result = run_command([*LAUNCHER, "--verbose", "-np", "2", sys.executable, "-c", code], timeout=60)
     assert result.returncode == 0, result.stderr
     lines = _launcher_lines(result.stderr)
 
@@ -169,10 +171,12 @@ def test_verbose_reports_rendezvous_starts_and_joins_in_order():
     listening = where("roundelrun: rendezvous server at 127.0.0.1:")
     assert "secret" not in lines[listening].lower() and lines[listening].rsplit(":", 1)[1].isdigit(), lines[listening]
     for rank in (0, 1):
-        started = where(f"roundelrun: started rank {rank} on localhost (pid ")
-        pid = lines[started].rsplit("pid ", 1)[1].rstrip(")")
+        started = where(f"roundelrun: started rank {rank} on localhost (watchdog pid ")
+        watchdog = lines[started].rsplit("pid ", 1)[1].rstrip(")")
+        assert rank_lines(result.stdout, rank, "stdout") == [watchdog], result.stdout  # the rank's parent
         joined = where(f"roundelrun: rank {rank} joined the rendezvous from ")
-        assert lines[joined].endswith(f"(pid {pid})"), (lines[started], lines[joined])
+        assert re.search(r"\(pid \d+\)$", lines[joined]) and not lines[joined].endswith(f"(pid {watchdog})"), \
+            (lines[started], lines[joined])
         assert listening < started < joined, lines
     assert where("roundelrun: all 2 rank(s) joined") == len(lines) - 1, lines
 

@@ -131,6 +131,29 @@ def _plan(args: argparse.Namespace) -> _Plan:
     return _Plan(slots, settings_env, remote, bind, addresses)
 
 
+def _check_command(command: list[str]) -> tuple[int, str] | None:
+    """Why ``command`` cannot start on this machine, with a hint, as (exit status, message); None if it can.
+
+    A script that is not executable (or not on PATH) gets "did you mean `python SCRIPT`?".
+    """
+    program = command[0]
+    on_path = "/" not in program and shutil.which(program) is not None
+    if on_path or (os.path.isfile(program) and os.access(program, os.X_OK) and "/" in program):
+        return None
+    if os.path.isfile(program):
+        if program.endswith(".py"):
+            hint = f"did you mean `{shlex.join(['python', *command])}`?"
+        elif "/" not in program and os.access(program, os.X_OK):
+            hint = f"did you mean `./{program}`? (a command without a slash is looked up on PATH)"
+        else:
+            hint = f"make it executable (chmod +x {shlex.quote(program)}) or name its interpreter first"
+        why = "is not executable" if not os.access(program, os.X_OK) else "is not on PATH"
+        return 126, f"cannot run {program}: it {why}; {hint}"
+    if os.path.isdir(program):
+        return 126, f"cannot run {program}: it is a directory"
+    return 127, f"cannot run {program}: no such file or command"
+
+
 def _print_plan(slots: list[hostlib.SlotInfo], command: list[str], port: int, plan: "_Plan | None" = None) -> None:
     err = sys.stderr
     bind = plan.bind if plan is not None else "127.0.0.1"
@@ -208,8 +231,10 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
                 else:
                     job.add(spawn.start_local(slot, args.command, env, args.output_filename))
                 if args.verbose:
-                    print(f"roundelrun: started rank {slot.rank} on {slot.hostname} "
-                          f"(pid {job.workers[-1].process.pid})", file=sys.stderr, flush=True)
+                    started = job.workers[-1]
+                    where = "over ssh" if started.remote else f"watchdog pid {started.process.pid}"
+                    print(f"roundelrun: started rank {slot.rank} on {slot.hostname} ({where})",
+                          file=sys.stderr, flush=True)
             except OSError as exc:
                 job.stop()
                 job.drain_output()
@@ -531,6 +556,10 @@ def run(argv: list[str], on_store: StoreHook | None = None) -> int:
     except (UsageError, ValueError, SettingsError, configlib.ConfigError) as exc:
         print(f"roundelrun: error: {exc}", file=sys.stderr)
         return 2
+    problem = _check_command(args.command) if len(plan.remote) < len({s.hostname for s in plan.slots}) else None
+    if problem is not None:  # every local rank would fail to start
+        print(f"roundelrun: error: {problem[1]}", file=sys.stderr)
+        return problem[0]
     if args.mpi:
         return _launch_mpi(args, plan, on_store)
     return _launch(args, plan, on_store)

@@ -4,6 +4,8 @@ Every line a worker writes comes out of the launcher as
 ``[<rank>]<stdout>:<line>`` on stdout or ``[<rank>]<stderr>:<line>`` on
 stderr, as Horovod's gloo launcher prints it. Each worker runs in its own
 process group so that the whole tree it starts can be signalled at once.
+A local worker's command runs under :mod:`roundel.runner.reaper`, which stops its
+process group when the launcher goes, even by ``kill -9``.
 Workers on other hosts are started over ssh (:func:`start_remote`) through
 :mod:`roundel.runner.remote`, and are stopped by closing the connection.
 With an output directory, each rank's lines also go, unprefixed, to
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Mapping, TextIO
 
-from roundel.rendezvous.identity import LAUNCHER_PID, rendezvous_env
+from roundel.rendezvous.identity import rendezvous_env
 from roundel.runner.hosts import SlotInfo, validate_hostname
 from roundel.runner.redraw import LineAssembler, LivePrefixer
 
@@ -207,16 +209,16 @@ def start_local(slot: SlotInfo, command: list[str], env: Mapping[str, str],
                 output_dir: str | None = None, label: str | None = None) -> Worker:
     """Start ``command`` on this machine as the worker of ``slot``, in a new process group.
 
+    The command runs under :mod:`roundel.runner.reaper`, in the same group,
+    which stops the whole group when this process ends, however it ends.
     Its output lines are prefixed with ``label`` (an elastic worker's id) instead of its rank.
 
     Raises OSError if the command cannot be started or the output directory not created.
     """
-    env = dict(env)
-    env[LAUNCHER_PID] = str(os.getpid())  # the worker follows this process when it dies
     process = subprocess.Popen(
-        command,
-        env=env,
-        stdin=subprocess.DEVNULL,
+        [sys.executable, "-m", "roundel.runner.reaper", *command],
+        env=dict(env),
+        stdin=subprocess.PIPE,  # never written: its end of file tells the reaper this process is gone
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
