@@ -146,6 +146,29 @@ def test_failing_rank_stops_the_others(tmp_path):
     assert len(pids) == 6 and not any(alive(p) for p in pids)
 
 
+RAISE_ON_RANK_1 = """
+import torch, roundel.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(3), name="before")
+if hvd.rank() == 1:
+    raise ValueError("only rank 1 fails")
+hvd.allreduce(torch.ones(3), name="after")  # rank 0 fails here, having lost rank 1
+"""
+
+
+def test_the_rank_that_failed_first_is_blamed(tmp_path):
+    # rank 0's error (it lost rank 1) may reach the launcher before rank 1's own exit; rank 1 is named
+    script = tmp_path / "fail.py"
+    script.write_text(RAISE_ON_RANK_1)
+    for _ in range(4):
+        result = roundelrun("-np", "2", sys.executable, str(script), timeout=60)
+        assert result.returncode == 1, result.stderr
+        last = lines(result.stderr)[-1]
+        assert last in ("roundelrun: rank 1 (host localhost) exited with code 1; stopped the other ranks",
+                        "roundelrun: rank 1 (host localhost) failed first: ValueError: only rank 1 fails; "
+                        "stopped the other ranks"), result.stderr
+
+
 def test_rank_killed_by_signal(tmp_path):
     result = roundelrun("-np", "2", sys.executable, WORKER, str(tmp_path), "sleep", "sigkill")
     assert result.returncode == 128 + signal.SIGKILL

@@ -272,6 +272,16 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
                   "stopped all ranks", file=sys.stderr)
             return 1
         others = "; stopped the other ranks" if len(job.workers) > 1 else ""
+        # the first exit may be a rank that failed because another did: if both recorded their exception,
+        # blame the earlier (a rank that died without one, e.g. killed, cannot be ordered: it stays named)
+        first = lost_ranks.first_failure(server, by_rank)
+        if first is not None and first[0] != item.slot.rank and \
+                lost_ranks.first_failure(server, [item.slot.rank]) is not None:
+            item, why = by_rank[first[0]], first[1]
+            print(f"roundelrun: rank {item.slot.rank} (host {item.slot.hostname}) failed first: {why}{others}",
+                  file=sys.stderr)
+            code = spawn.own_exit_code(item, server)
+            return spawn.exit_status(code if code and code > 0 else 1)  # not the signal that stopped it
         print(f"roundelrun: {spawn.describe_exit(item, server)}{others}", file=sys.stderr)
         for record in lost_ranks.lost_ranks(server, [slot.rank for slot in plan.slots]):
             print(f"roundelrun: {lost_ranks.describe_lost(record)}", file=sys.stderr)
