@@ -43,6 +43,29 @@ def test_config_file_settings_and_command_line_precedence(tmp_path):
     assert float(env["ROUNDEL_START_TIMEOUT"]) == 11.0
 
 
+def test_command_line_beats_the_config_file(tmp_path):
+    # the file's log level does not cancel --verbose; a flag given at its default value still wins
+    config = tmp_path / "roundel.yaml"
+    config.write_text("logging:\n  level: WARNING\nstall_check:\n  enabled: false\n")
+    result = roundelrun("-np", 1, "--config-file", config, "--verbose", "--stall-check", sys.executable, "-c", DUMP)
+    assert result.returncode == 0, result.stderr
+    env = worker_env(result)
+    assert env["ROUNDEL_LOG_LEVEL"] == "debug" and env["ROUNDEL_STALL_CHECK_DISABLE"] == "0", env
+    assert "roundelrun: rank 0 on localhost" in result.stderr  # --verbose's launch plan
+    result = roundelrun("-np", 1, "--config-file", config, sys.executable, "-c", DUMP)
+    assert worker_env(result)["ROUNDEL_LOG_LEVEL"].lower() == "warning"
+
+
+def test_a_mistyped_flag_gets_the_closest_one_in_one_line():
+    result = roundelrun("-np", 2, "--fusion-treshold-mb", 3, "true")
+    assert result.returncode == 2
+    assert result.stderr == ("roundelrun: error: unrecognized arguments: --fusion-treshold-mb; did you mean "
+                             "--fusion-threshold-mb? (roundelrun --help lists the flags)\n")
+    result = roundelrun("-np", 2, "-H", "localhost:1", "true")
+    assert result.returncode == 2
+    assert "requested -np 2 but the hosts offer only 1 slot (localhost:1)" in result.stderr
+
+
 def test_config_file_errors(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("params:\n  fusion_treshold_mb: 2\n")

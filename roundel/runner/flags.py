@@ -10,6 +10,7 @@ roundel, for the launcher's one-line notice.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 
 from roundel import __version__
@@ -17,7 +18,8 @@ from roundel.errors import SettingsError
 from roundel.common.settings import MIB, Settings
 from roundel.runner.spawn import FORWARD_VARS, STRICT_HOST_KEY_CHECKING
 
-__all__ = ["NO_EFFECT", "NOT_YET", "UsageError", "exports", "ignored_flags", "parser", "settings_env"]
+__all__ = ["NO_EFFECT", "NOT_YET", "UsageError", "exports", "given_flags", "ignored_flags", "parser",
+           "settings_env"]
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
@@ -64,9 +66,24 @@ def _pair(group, name: str, dest: str, help: str) -> None:
     both.add_argument(f"--no-{name}", dest=dest, action="store_const", const=False, help=argparse.SUPPRESS)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: a mistyped flag gets the closest real one, not the usage block."""
+
+    def error(self, message):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            known = [o for action in self._actions for o in action.option_strings]
+            for word in message[len(prefix):].split():
+                close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+                if word.startswith("-") and close:
+                    message += f"; did you mean {close[0]}?"
+                    break
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
 def parser() -> argparse.ArgumentParser:
     """The ``roundelrun`` argument parser (every ``horovodrun`` 0.28.1 flag, plus ``-x`` and ssh policy)."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="roundelrun",
         description="Run a command as the ranks of a roundel (Horovod-style) distributed job.",
         allow_abbrev=False,
@@ -262,6 +279,15 @@ def settings_env(args: argparse.Namespace) -> dict[str, str]:
     except SettingsError as exc:
         raise UsageError(str(exc)) from None
     return env
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """The ``dest`` of every flag ``argv`` sets (before the command), whatever its value."""
+    p = parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    args, _ = p.parse_known_args(argv)
+    return set(vars(args)) - {"command"}
 
 
 def ignored_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:

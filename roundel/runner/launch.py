@@ -553,7 +553,7 @@ def run(argv: list[str], on_store: StoreHook | None = None) -> int:
         return 2
     try:
         if args.config_file:
-            configlib.apply(args, configlib.load(args.config_file))
+            configlib.apply(args, configlib.load(args.config_file), flags.given_flags(argv))
         if args.mpi and args.gloo:
             raise UsageError("--mpi and --gloo exclude each other")
         _print_ignored(args)
