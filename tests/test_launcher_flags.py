@@ -1,6 +1,7 @@
 """roundelrun's Horovod flags beyond the basics: config file, output files, check-build, ssh options."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -64,6 +65,15 @@ def test_a_mistyped_flag_gets_the_closest_one_in_one_line():
     result = roundelrun("-np", 2, "-H", "localhost:1", "true")
     assert result.returncode == 2
     assert "requested -np 2 but the hosts offer only 1 slot (localhost:1)" in result.stderr
+
+
+def test_tensorflow_logs_warnings_and_up_unless_the_user_says_otherwise():
+    code = "import os; print(os.environ['TF_CPP_MIN_LOG_LEVEL'])"
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    for given, seen in ((None, "1"), ("0", "0")):
+        result = subprocess.run([*LAUNCHER, "-np", "1", sys.executable, "-c", code], capture_output=True, text=True,
+                                timeout=60, env=env if given is None else {**env, "TF_CPP_MIN_LOG_LEVEL": given})
+        assert result.stdout == f"[0]<stdout>:{seen}\n", result.stderr
 
 
 def test_config_file_errors(tmp_path):

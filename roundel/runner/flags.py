@@ -50,6 +50,20 @@ def _level(raw: str) -> str:
     return raw.upper()
 
 
+def _ranks(raw: str) -> frozenset:
+    """``0,2-3`` -> {0, 2, 3}."""
+    ranks = set()
+    try:
+        for part in raw.split(","):
+            first, _, last = part.strip().partition("-")
+            ranks.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r}: expected ranks such as 0 or 0,2-3") from None
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"{raw!r}: expected ranks such as 0 or 0,2-3")
+    return frozenset(ranks)
+
+
 class _NicsAction(argparse.Action):
     """``--network-interfaces eth0,ib0`` (may repeat): a list of interface names."""
 
@@ -102,6 +116,9 @@ def parser() -> argparse.ArgumentParser:
                                         "each host uses the first of them that it has")
     p.add_argument("--output-filename", metavar="DIR",
                    help="also write each rank's output to DIR/rank.<N>/stdout and stderr")
+    p.add_argument("--ranks-filter", type=_ranks, metavar="RANKS",
+                   help="show only these ranks' output on the console, e.g. 0 or 0,2-3 (torchrun's "
+                        "--local-ranks-filter; --output-filename still gets every rank's)")
     p.add_argument("--verbose", action="store_true", help="print the launch plan and log at debug level")
     p.add_argument("--config-file", help="YAML file of settings (flags given on the command line win)")
     ssh = p.add_argument_group("ssh")

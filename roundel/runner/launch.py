@@ -115,6 +115,9 @@ def _plan(args: argparse.Namespace) -> _Plan:
     if args.np < 1:
         raise UsageError(f"-np must be at least 1, not {args.np}")
     settings_env = flags.settings_env(args)
+    if args.ranks_filter and max(args.ranks_filter) >= args.np:
+        raise UsageError(f"--ranks-filter names rank {max(args.ranks_filter)}, but -np {args.np} has ranks "
+                         f"0 to {args.np - 1}")
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
         raise UsageError(f"--ssh-identity-file {args.ssh_identity_file}: no such file")
     if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
@@ -278,10 +281,12 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
         if first is not None and first[0] != item.slot.rank and \
                 lost_ranks.first_failure(server, [item.slot.rank]) is not None:
             item, why = by_rank[first[0]], first[1]
+            _show_hidden_tail(item)
             print(f"roundelrun: rank {item.slot.rank} (host {item.slot.hostname}) failed first: {why}{others}",
                   file=sys.stderr)
             code = spawn.own_exit_code(item, server)
             return spawn.exit_status(code if code and code > 0 else 1)  # not the signal that stopped it
+        _show_hidden_tail(item)
         print(f"roundelrun: {spawn.describe_exit(item, server)}{others}", file=sys.stderr)
         for record in lost_ranks.lost_ranks(server, [slot.rank for slot in plan.slots]):
             print(f"roundelrun: {lost_ranks.describe_lost(record)}", file=sys.stderr)
@@ -290,6 +295,16 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
         server.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _show_hidden_tail(worker: spawn.Worker) -> None:
+    """The last lines of stderr of the rank blamed for the failure, when --ranks-filter kept them off screen."""
+    if spawn.is_shown(worker.slot.rank) or not worker.stderr_tail:
+        return
+    print(f"roundelrun: the last lines of rank {worker.slot.rank}'s stderr (hidden by --ranks-filter):",
+          file=sys.stderr)
+    for line in worker.stderr_tail:
+        print(f"[{worker.slot.rank}]<stderr>:{line.decode(errors='replace').rstrip()}", file=sys.stderr)
 
 
 def _elastic_settings(args: argparse.Namespace) -> elastic_driver.ElasticSettings:
@@ -560,6 +575,7 @@ def run(argv: list[str], on_store: StoreHook | None = None) -> int:
         if args.verbose:
             _show_launcher_debug_log()
         spawn.prefix_output_with_timestamp(args.prefix_output_with_timestamp)
+        spawn.show_ranks(args.ranks_filter)
         if args.host_discovery_script:
             return _launch_elastic(args, _elastic_settings(args), on_store)
         plan = _plan(args)
