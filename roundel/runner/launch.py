@@ -234,9 +234,7 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
                 else:
                     job.add(spawn.start_local(slot, args.command, env, args.output_filename))
                 if args.verbose:
-                    started = job.workers[-1]
-                    where = "over ssh" if started.remote else f"watchdog pid {started.process.pid}"
-                    print(f"roundelrun: started rank {slot.rank} on {slot.hostname} ({where})",
+                    print(f"roundelrun: started rank {slot.rank} on {slot.hostname} ({job.workers[-1].where})",
                           file=sys.stderr, flush=True)
             except OSError as exc:
                 job.stop()
@@ -346,6 +344,10 @@ def _launch_elastic(args: argparse.Namespace, settings: elastic_driver.ElasticSe
     when all are on this machine (a remote host appearing later then needs --network-interface)."""
     first = settings.discovery.poll()
     remote = {h for h in first if not hostlib.is_local_host(h)}
+    problem = _check_command(settings.command) if len(remote) < len(first) else None
+    if problem is not None:  # every worker on this machine would fail to start
+        print(f"roundelrun: error: {problem[1]}", file=sys.stderr)
+        return problem[0]
     bind, addresses = _addresses(args, list(first) or ["localhost"], remote)
 
     def address_for(host: str) -> str:

@@ -95,7 +95,8 @@ def main(argv: list[str]) -> int:
     try:  # the command must not inherit the ignored signals
         process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_default_signals)
     except OSError as exc:
-        print(f"roundelrun: cannot start rank {os.environ.get('ROUNDEL_RANK', '?')}: {exc}", file=sys.stderr)
+        rank = os.environ.get("ROUNDEL_RANK")
+        print(f"roundelrun: cannot start {f'rank {rank}' if rank else 'the worker'}: {exc}", file=sys.stderr)
         return 127
     threading.Thread(target=_watch_launcher, args=(process,), daemon=True).start()
     code = process.wait()

@@ -178,8 +178,8 @@ class Worker:
 
     @property
     def where(self) -> str:
-        """Where the worker runs, for the launcher's messages."""
-        return f"pid {self.process.pid}"
+        """Where the worker runs, for the launcher's messages: the pid of its watchdog (its parent)."""
+        return f"watchdog pid {self.process.pid}"
 
     def wait(self) -> int:
         """Block until the worker has ended; return its exit status."""
