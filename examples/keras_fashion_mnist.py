@@ -42,6 +42,10 @@ from keras_data import DATASETS, load_numpy  # noqa: E402
 from keras_throughput import SamplesPerSecond  # noqa: E402
 
 
+DESCRIBED = {"digits": "digits (the default: scikit-learn's 8x8 handwritten digits scaled to 28x28, no download; "
+                      "for Fashion-MNIST pass --dataset fashion-mnist --data-dir DIR)"}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="roundel Keras Fashion-MNIST walkthrough",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -98,6 +102,8 @@ def main(argv=None):
     keras.utils.set_random_seed(1234 + hvd.rank())  # different init per rank: step 5 makes them equal
 
     (x_train, y_train), (x_test, y_test) = load_numpy(args.dataset, args.data_dir)
+    if verbose:
+        print(f"data set: {DESCRIBED.get(args.dataset, args.dataset)}", flush=True)
     # step 6: each rank trains on its own shard, so an epoch has size-times fewer steps
     shard = len(x_train) // hvd.size()
     x_train = x_train[hvd.rank() * shard:(hvd.rank() + 1) * shard]
@@ -158,7 +164,7 @@ def main(argv=None):
     loss, accuracy = model.evaluate(x_test[lo:lo + part], y_test[lo:lo + part], verbose=0)
     loss, accuracy = hvd.allreduce(np.array([loss, accuracy]), name="test_metrics")
     if verbose:
-        print(f"test loss: {loss:.4f}  test accuracy: {accuracy:.4f}", flush=True)
+        print(f"test loss: {loss:.4f}  test accuracy: {accuracy:.4f}  (data set: {args.dataset})", flush=True)
     return accuracy
 
 

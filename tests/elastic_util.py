@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 from launch_util import LAUNCHER, clean_env
 
 _LINE = re.compile(r"^\[([^\]]+)\]<(stdout|stderr)>:(.*)$")
@@ -88,11 +90,22 @@ class ElasticJob:
                       f"{count} line(s) containing {text!r}")
 
     def pid(self, label: str) -> int:
-        """The process id of the latest worker started with ``label`` on this machine."""
-        started = re.compile(rf"^roundelrun: started worker {re.escape(label)} \(#\d+, pid (\d+)\)$")
+        """The process id of the latest worker started with ``label`` on this machine (the command itself,
+        the child of the watchdog the launcher names)."""
+        started = re.compile(rf"^roundelrun: started worker {re.escape(label)} \(#\d+, watchdog pid (\d+)\)$")
         pids = [int(m.group(1)) for line in self.output() if (m := started.match(line))]
         assert pids, f"no worker {label} was started\n{self.describe()}"
-        return pids[-1]
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                children = psutil.Process(pids[-1]).children()
+            except psutil.NoSuchProcess:
+                children = []
+            if children or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert children, f"worker {label} (watchdog pid {pids[-1]}) is not running\n{self.describe()}"
+        return children[0].pid
 
     def kill(self, label: str) -> None:
         """SIGKILL the worker with ``label``."""

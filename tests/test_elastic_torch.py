@@ -206,4 +206,5 @@ def test_command_not_found(tmp_path):
     result = run_command([*LAUNCHER, "-np", "1", "--host-discovery-script", script, "no-such-command-xyz"],
                          timeout=60)
     assert result.returncode == 127, describe(result)
-    assert "cannot start a worker: [Errno 2] No such file or directory" in result.stderr, describe(result)
+    assert "roundelrun: error: cannot run no-such-command-xyz: no such file or command" in result.stderr, \
+        describe(result)

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -145,6 +146,29 @@ def test_failing_rank_stops_the_others(tmp_path):
     assert len(pids) == 6 and not any(alive(p) for p in pids)
 
 
+RAISE_ON_RANK_1 = """
+import torch, roundel.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(3), name="before")
+if hvd.rank() == 1:
+    raise ValueError("only rank 1 fails")
+hvd.allreduce(torch.ones(3), name="after")  # rank 0 fails here, having lost rank 1
+"""
+
+
+def test_the_rank_that_failed_first_is_blamed(tmp_path):
+    # rank 0's error (it lost rank 1) may reach the launcher before rank 1's own exit; rank 1 is named
+    script = tmp_path / "fail.py"
+    script.write_text(RAISE_ON_RANK_1)
+    for _ in range(4):
+        result = roundelrun("-np", "2", sys.executable, str(script), timeout=60)
+        assert result.returncode == 1, result.stderr
+        last = lines(result.stderr)[-1]
+        assert last in ("roundelrun: rank 1 (host localhost) exited with code 1; stopped the other ranks",
+                        "roundelrun: rank 1 (host localhost) failed first: ValueError: only rank 1 fails; "
+                        "stopped the other ranks"), result.stderr
+
+
 def test_rank_killed_by_signal(tmp_path):
     result = roundelrun("-np", "2", sys.executable, WORKER, str(tmp_path), "sleep", "sigkill")
     assert result.returncode == 128 + signal.SIGKILL
@@ -241,7 +265,18 @@ def test_missing_command():
 def test_command_not_found():
     result = roundelrun("-np", "2", "/nonexistent/program")
     assert result.returncode == 127
-    assert "roundelrun: cannot start rank 0" in result.stderr.decode()
+    assert result.stderr.decode() == "roundelrun: error: cannot run /nonexistent/program: no such file or command\n"
+
+
+def test_a_script_that_is_not_executable_gets_a_hint(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('trained')\n")
+    result = roundelrun("-np", "2", str(script), "--epochs", "1")
+    assert result.returncode == 126
+    assert result.stderr.decode() == (f"roundelrun: error: cannot run {script}: it is not executable; "
+                                      f"did you mean `python {script} --epochs 1`?\n")
+    result = roundelrun("-np", "1", "train.py", cwd=tmp_path)  # not on PATH either
+    assert "did you mean `python train.py`?" in result.stderr.decode()
 
 
 def test_command_options_are_not_launcher_options():
@@ -276,22 +311,30 @@ def test_launcher_does_not_import_frameworks():
     assert result.stdout == b"[]\n", result.stderr
 
 
-@pytest.mark.parametrize("elastic", [False, True])
-def test_workers_end_when_the_launcher_is_killed(tmp_path, elastic):
-    # SIGKILL gives roundelrun no chance to stop its workers; they must not train on forever
+@pytest.mark.parametrize("how", ["python", "elastic", "wrapper"])
+def test_workers_end_when_the_launcher_is_killed(tmp_path, how):
+    # SIGKILL gives roundelrun no chance to stop its workers; they must not train on forever. With a
+    # wrapper script (roundelrun -np 2 ./train.sh), the script, its Python and what it runs in the
+    # background all go.
     code = ("import os, time, roundel.torch as hvd; hvd.init(); "
             "open(os.path.join(%r, str(os.getpid())), 'w').close(); time.sleep(120)" % str(tmp_path))
-    launcher_args = ["-np", "2"]
-    if elastic:
+    launcher_args, command, expected = ["-np", "2"], [sys.executable, "-c", code], 2
+    if how == "elastic":
         script = tmp_path / "discover.sh"
         script.write_text("#!/bin/sh\necho localhost:2\n")
         script.chmod(0o755)
         launcher_args += ["--host-discovery-script", str(script)]
-    proc = subprocess.Popen([*LAUNCHER, *launcher_args, sys.executable, "-c", code],
+    if how == "wrapper":
+        wrapper = tmp_path / "train.sh"
+        wrapper.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/$$\nsleep 120 &\necho $! > {tmp_path}/$!\n"
+                           f"{shlex.join(command)}\n")
+        wrapper.chmod(0o755)
+        command, expected = [str(wrapper)], 6  # per rank: the script, its background sleep, its Python
+    proc = subprocess.Popen([*LAUNCHER, *launcher_args, *command],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < 2:
+        while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < expected:
             assert time.monotonic() < deadline and proc.poll() is None, "the workers did not start"
             time.sleep(0.1)
         pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]

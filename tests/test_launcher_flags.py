@@ -1,6 +1,7 @@
 """roundelrun's Horovod flags beyond the basics: config file, output files, check-build, ssh options."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -41,6 +42,38 @@ def test_config_file_settings_and_command_line_precedence(tmp_path):
     assert env["ROUNDEL_TIMELINE"] == "/tmp/t.json"
     assert env["ROUNDEL_STALL_CHECK_DISABLE"] == "1" and env["ROUNDEL_STALL_CHECK_TIME_SECONDS"] == "5.0"
     assert float(env["ROUNDEL_START_TIMEOUT"]) == 11.0
+
+
+def test_command_line_beats_the_config_file(tmp_path):
+    # the file's log level does not cancel --verbose; a flag given at its default value still wins
+    config = tmp_path / "roundel.yaml"
+    config.write_text("logging:\n  level: WARNING\nstall_check:\n  enabled: false\n")
+    result = roundelrun("-np", 1, "--config-file", config, "--verbose", "--stall-check", sys.executable, "-c", DUMP)
+    assert result.returncode == 0, result.stderr
+    env = worker_env(result)
+    assert env["ROUNDEL_LOG_LEVEL"] == "debug" and env["ROUNDEL_STALL_CHECK_DISABLE"] == "0", env
+    assert "roundelrun: rank 0 on localhost" in result.stderr  # --verbose's launch plan
+    result = roundelrun("-np", 1, "--config-file", config, sys.executable, "-c", DUMP)
+    assert worker_env(result)["ROUNDEL_LOG_LEVEL"].lower() == "warning"
+
+
+def test_a_mistyped_flag_gets_the_closest_one_in_one_line():
+    result = roundelrun("-np", 2, "--fusion-treshold-mb", 3, "true")
+    assert result.returncode == 2
+    assert result.stderr == ("roundelrun: error: unrecognized arguments: --fusion-treshold-mb; did you mean "
+                             "--fusion-threshold-mb? (roundelrun --help lists the flags)\n")
+    result = roundelrun("-np", 2, "-H", "localhost:1", "true")
+    assert result.returncode == 2
+    assert "requested -np 2 but the hosts offer only 1 slot (localhost:1)" in result.stderr
+
+
+def test_tensorflow_logs_warnings_and_up_unless_the_user_says_otherwise():
+    code = "import os; print(os.environ['TF_CPP_MIN_LOG_LEVEL'])"
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    for given, seen in ((None, "1"), ("0", "0")):
+        result = subprocess.run([*LAUNCHER, "-np", "1", sys.executable, "-c", code], capture_output=True, text=True,
+                                timeout=60, env=env if given is None else {**env, "TF_CPP_MIN_LOG_LEVEL": given})
+        assert result.stdout == f"[0]<stdout>:{seen}\n", result.stderr
 
 
 def test_config_file_errors(tmp_path):

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import select
 import signal
 import subprocess
 import sys
 import termios
 import time
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +25,7 @@ from launch_util import LAUNCHER, WORKERS_DIR, clean_env, rank_lines, run_comman
 from roundel.runner.redraw import LineAssembler, LivePrefixer
 
 WORKER = WORKERS_DIR / "output_worker.py"
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 REDRAW_DEBRIS = (b"\r", b"\x1b", b"\x08")
 
 
@@ -128,6 +131,34 @@ def test_tqdm_bar_through_a_pipe_gives_finished_lines_only(tmp_path):
         assert written.decode() == bars[0] + "\n"
 
 
+@pytest.mark.skipif(importlib.util.find_spec("tqdm") is None, reason="needs tqdm (pip install tqdm)")
+def test_ranks_are_told_of_a_terminal_and_the_examples_bar_draws_live():
+    code = ("import os, sys, time; sys.path.insert(0, %r); from progress_bar import sample_bar; "
+            "print('terminal', os.environ.get('ROUNDEL_TERMINAL'), flush=True); bar = sample_bar(3, 'x', 0)\n"
+            "for _ in range(3): time.sleep(0.3); bar.update(1)\nbar.close()" % str(EXAMPLES_DIR))
+    status, chunks = _run_in_terminal([*LAUNCHER, "-np", "1", sys.executable, "-c", code], timeout=60)
+    shown = b"".join(data for _, data in chunks)
+    assert status == 0 and b"[0]<stdout>:terminal 1\n" in shown, shown
+    assert shown.count(b"\r[0]<stderr>:") >= 2, shown  # redrawn in place, live
+    piped = run_command([*LAUNCHER, "-np", "1", sys.executable, "-c", code], timeout=60)
+    assert piped.returncode == 0 and "[0]<stdout>:terminal None" in piped.stdout, piped.stderr
+    assert "\r" not in piped.stderr and "100%" in rank_lines(piped.stderr, 0, "stderr")[-1], piped.stderr
+
+
+def test_ranks_filter_shows_some_ranks_and_the_hidden_failing_ranks_last_lines():
+    code = ("import os, sys; r = os.environ['ROUNDEL_RANK']; print('out', r, flush=True)\n"
+            "if r == '1': sys.exit('rank 1 gives up')")
+    result = run_command([*LAUNCHER, "-np", "3", "--ranks-filter", "0,2", sys.executable, "-c", code], timeout=60)
+    assert result.returncode == 1
+    assert sorted(result.stdout.splitlines()) == ["[0]<stdout>:out 0", "[2]<stdout>:out 2"], result.stdout
+    assert result.stderr.splitlines()[-3:] == [
+        "roundelrun: the last lines of rank 1's stderr (hidden by --ranks-filter):",
+        "[1]<stderr>:rank 1 gives up",
+        "roundelrun: rank 1 (host localhost) exited with code 1; stopped the other ranks"], result.stderr
+    bad = run_command([*LAUNCHER, "-np", "2", "--ranks-filter", "0,2", "true"], timeout=30)
+    assert bad.returncode == 2 and "--ranks-filter names rank 2, but -np 2 has ranks 0 to 1" in bad.stderr
+
+
 def test_op_before_init_prints_one_line_per_rank():
     result = run_job(2, WORKER, "before_init", timeout=60)
     assert result.returncode != 0
@@ -142,7 +173,7 @@ def test_verbose_shows_the_traceback_and_each_start():
     result = run_job(2, WORKER, "before_init", launcher_args=["--verbose"], timeout=60)
     assert result.returncode != 0
     for rank in (0, 1):
-        assert f"roundelrun: started rank {rank} on localhost (pid " in result.stderr
+        assert f"roundelrun: started rank {rank} on localhost (watchdog pid " in result.stderr
         lines = rank_lines(result.stderr, rank, "stderr")
         assert "Traceback (most recent call last):" in lines, result.stderr
         assert any("roundel/common/basics.py" in line for line in lines), result.stderr
@@ -157,7 +188,8 @@ def _launcher_lines(stderr: str) -> list[str]:
 
 
 def test_verbose_reports_rendezvous_starts_and_joins_in_order():
-    result = run_command([*LAUNCHER, "--verbose", "-np", "2", sys.executable, "-c", INIT_AND_SHUTDOWN], timeout=60)
+    code = "import os; print(os.getppid(), flush=True); " + INIT_AND_SHUTDOWN
+    result = run_command([*LAUNCHER, "--verbose", "-np", "2", sys.executable, "-c", code], timeout=60)
     assert result.returncode == 0, result.stderr
     lines = _launcher_lines(result.stderr)
 
@@ -169,10 +201,12 @@ def test_verbose_reports_rendezvous_starts_and_joins_in_order():
     listening = where("roundelrun: rendezvous server at 127.0.0.1:")
     assert "secret" not in lines[listening].lower() and lines[listening].rsplit(":", 1)[1].isdigit(), lines[listening]
     for rank in (0, 1):
-        started = where(f"roundelrun: started rank {rank} on localhost (pid ")
-        pid = lines[started].rsplit("pid ", 1)[1].rstrip(")")
+        started = where(f"roundelrun: started rank {rank} on localhost (watchdog pid ")
+        watchdog = lines[started].rsplit("pid ", 1)[1].rstrip(")")
+        assert rank_lines(result.stdout, rank, "stdout") == [watchdog], result.stdout  # the rank's parent
         joined = where(f"roundelrun: rank {rank} joined the rendezvous from ")
-        assert lines[joined].endswith(f"(pid {pid})"), (lines[started], lines[joined])
+        assert re.search(r"\(pid \d+\)$", lines[joined]) and not lines[joined].endswith(f"(pid {watchdog})"), \
+            (lines[started], lines[joined])
         assert listening < started < joined, lines
     assert where("roundelrun: all 2 rank(s) joined") == len(lines) - 1, lines
 

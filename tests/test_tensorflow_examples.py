@@ -44,6 +44,8 @@ def test_keras_fashion_mnist_with_resume(tmp_path):
                     "--optimizer", "novograd", "--checkpoint-dir", tmp_path, timeout=180)
     accuracy = _accuracy(first)
     assert accuracy >= MIN_ACCURACY, f"test accuracy {accuracy} < {MIN_ACCURACY}\n" + describe(first)
+    said = rank_lines(first.stdout, 0, "stdout")  # it names the data set it trained on: digits by default
+    assert said[0].startswith("data set: digits (the default") and "(data set: digits)" in said[-1], said
     # Keras' epoch line on rank 0 carries the job's samples/s, once per epoch
     rates = [float(m.group(1)) for line in rank_lines(first.stdout, 0, "stdout")
              if (m := re.search(r"samples/s: (\d+\.\d+)", line))]

@@ -23,10 +23,12 @@ from roundel.timeline import load
 
 ENV = {"HOROVOD_STALL_CHECK_DISABLE": "1"}
 # the job runs on one host: allgather, broadcast and allreduce go through shared memory
-KINDS = {"gather": ("NEGOTIATE_ALLGATHER", "ALLGATHER", "SHM_ALLGATHER"),
-         "bcast": ("NEGOTIATE_BROADCAST", "BROADCAST", "SHM_BCAST"),
-         "a2a": ("NEGOTIATE_ALLTOALL", "ALLTOALL", "GLOO_ALLTOALL"),
-         "rs": ("NEGOTIATE_REDUCESCATTER", "REDUCESCATTER", "GLOO_REDUCESCATTER")}
+# rows are named as in Horovod: the op kind, a dot, the tensor's name
+KINDS = {"allgather.gather": ("NEGOTIATE_ALLGATHER", "ALLGATHER", "SHM_ALLGATHER"),
+         "broadcast.bcast": ("NEGOTIATE_BROADCAST", "BROADCAST", "SHM_BCAST"),
+         "alltoall.a2a": ("NEGOTIATE_ALLTOALL", "ALLTOALL", "GLOO_ALLTOALL"),
+         "reducescatter.rs": ("NEGOTIATE_REDUCESCATTER", "REDUCESCATTER", "GLOO_REDUCESCATTER")}
+GRADS = ("allreduce.grad.a", "allreduce.grad.b", "allreduce.grad.late")
 STEPS = 3
 
 
@@ -78,12 +80,11 @@ def steps_timeline(tmp_path_factory):
 def test_timeline_file_has_a_row_per_name_and_horovods_phases_in_order(steps_timeline):
     events = json.loads(steps_timeline.read_text())  # complete JSON: the array was closed at shutdown
     rows = _rows(events)
-    expected = {"grad.a", "grad.b", "grad.late", *KINDS, "allreduce.noname.1", "allreduce.noname.2",
-                "allreduce.noname.3"}
+    expected = {*GRADS, *KINDS, "allreduce.noname.1", "allreduce.noname.2", "allreduce.noname.3"}
     assert expected <= set(rows), sorted(rows)
-    for name in ("grad.a", "grad.b", "grad.late", *KINDS):
+    for name in (*GRADS, *KINDS):
         # grad.a goes through shared memory; the small grad.b and grad.late are reduced by the coordinator
-        reduced_by = "SHM_ALLREDUCE" if name == "grad.a" else "COORDINATOR_ALLREDUCE"
+        reduced_by = "SHM_ALLREDUCE" if name == "allreduce.grad.a" else "COORDINATOR_ALLREDUCE"
         negotiate_op, op, transport = KINDS.get(name, ("NEGOTIATE_ALLREDUCE", "ALLREDUCE", reduced_by))
         negotiations, executions = _spans(rows[name], 1), _spans(rows[name], 2)
         assert len(negotiations) == len(executions) == STEPS, (name, negotiations, executions)
@@ -99,7 +100,7 @@ def test_timeline_file_has_a_row_per_name_and_horovods_phases_in_order(steps_tim
             order = {a: i for i, a in enumerate(activities)}
             assert order.get("MEMCPY_IN_FUSION_BUFFER", 0) < order[transport] < \
                 order.get("MEMCPY_OUT_FUSION_BUFFER", len(activities)), activities
-    for negotiation in _spans(rows["grad.late"], 1):  # rank 1 sleeps 50 ms before submitting it
+    for negotiation in _spans(rows["allreduce.grad.late"], 1):  # rank 1 sleeps 50 ms before submitting it
         arrival = {e["name"]: e["ts"] for e in negotiation[4]}
         assert arrival["1"] - arrival["0"] >= 20_000, negotiation
     assert any(e.get("ph") == "i" and e.get("name") == "CYCLE_START" for e in events)
@@ -113,12 +114,19 @@ def test_summarize_prints_phases_and_slowest_ranks_and_writes_a_png(steps_timeli
                              "--png", str(png)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, describe(result)
     out = result.stdout
-    for text in ("grad.late", "NEGOTIATE_ALLREDUCE", "SHM_ALLREDUCE", "GLOO_ALLTOALL", "QUEUE", "total ms", "mean ms",
+    for text in ("allreduce.grad.late", "NEGOTIATE_ALLREDUCE", "SHM_ALLREDUCE", "GLOO_ALLTOALL", "QUEUE", "total ms", "mean ms",
                  "slowest ranks to submit"):
         assert text in out, out
     ranks_table = out.split("slowest ranks to submit")[1].splitlines()[2:]
     assert ranks_table[0].split()[0] == "1", out  # rank 1 is late every step on 'grad.late'
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_horovods_timeline_test(tmp_path):
+    # Horovod's test_timeline: HOROVOD_TIMELINE set in the script before init(); 0.1 s after an allreduce
+    # named 'test_allreduce', rank 0 finds its row 'allreduce.test_allreduce' and the phases in the file
+    result = run_job(2, "torch_timeline.py", "horovod", tmp_path, env=ENV, timeout=60)
+    assert_checks_passed(result, 2, "horovod")
 
 
 def test_start_and_stop_timeline_at_run_time(tmp_path):
@@ -127,7 +135,7 @@ def test_start_and_stop_timeline_at_run_time(tmp_path):
     assert not (tmp_path / "early.json").exists()
     events = json.loads((tmp_path / "dynamic.json").read_text())
     rows = _rows(events)
-    for name in ("grad.a", "grad.late", *KINDS):  # step 1 only: started after step 0, stopped before step 2
+    for name in ("allreduce.grad.a", "allreduce.grad.late", *KINDS):  # step 1 only: started after step 0, stopped before step 2
         assert len(_spans(rows[name], 2)) == 1, (name, rows[name])
     assert any(e.get("name") == "CYCLE_START" for e in events)
 
@@ -138,7 +146,7 @@ def test_init_after_shutdown_continues_the_same_file(tmp_path):
                      timeout=90)
     assert_checks_passed(result, 2, "reinit")
     rows = _rows(json.loads(path.read_text()))
-    for name in ("grad.a", "grad.late", *KINDS):
+    for name in ("allreduce.grad.a", "allreduce.grad.late", *KINDS):
         executions = _spans(rows[name], 2)
         assert len(executions) == 2 and executions[0][2] < executions[1][1], (name, executions)
 
@@ -154,7 +162,7 @@ def test_a_killed_job_leaves_a_timeline_that_load_reads(tmp_path):
         json.loads(text)
     events = load(str(path))
     rows = _rows(events)
-    assert len(_spans(rows["grad.a"], 2)) >= 5, rows["grad.a"][-6:]
+    assert len(_spans(rows["allreduce.grad.a"], 2)) >= 5, rows["allreduce.grad.a"][-6:]
     cut = tmp_path / "cut.json"  # a writer killed in the middle of a line
     shutil.copy(path, cut)
     with open(cut, "a") as f:

@@ -39,6 +39,12 @@ def test_bucket_cap_from_environment_and_flag(how):
                          "torch_optimizer")
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_optimizer_process_sets(np_):
+    # Horovod's test: on a rank outside the optimizer's set, step() reduces nothing; removing the sets completes
+    assert_checks_passed(run_job(np_, "torch_optimizer.py", "process-sets", timeout=60), np_, "torch_optimizer")
+
+
 def _bucket_names(model, **kwargs):
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), **kwargs)

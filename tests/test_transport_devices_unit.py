@@ -97,6 +97,19 @@ def test_host_staging_hands_host_tensors_over_and_copies_results_back():
                              ("alltoall", (1, 2), (2, 1)), ("reducescatter", ReduceOp.Max), ("barrier",)]
 
 
+def test_host_staging_takes_tensors_that_require_grad_out_of_autograd():
+    # the host copy of a CUDA tensor that requires grad requires it too, and the host backend's in-place
+    # and out= ops refuse it; a CPU leaf that requires grad (its .cpu() is itself) takes the same path
+    staged = HostStaged(Recorder())
+    x = torch.arange(4.0, requires_grad=True)
+    staged.allreduce(x, ReduceOp.Sum)
+    staged.broadcast(x, root=1)
+    gathered = torch.empty(8, requires_grad=True)
+    staged.allgather(gathered, torch.arange(4.0, requires_grad=True))
+    assert x.tolist() == [7.0] * 4 and gathered.tolist() == [0.0, 1.0, 2.0, 3.0] * 2
+    assert x.requires_grad and x.grad_fn is None  # still the user's leaf, no operation recorded on it
+
+
 def test_closing_a_communicator_closes_the_cuda_one_beside_it():
     backend, cuda = Recorder(), Recorder()
     backend.make_cuda = lambda: cuda

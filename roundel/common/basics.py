@@ -17,7 +17,7 @@ import sys
 import threading
 from datetime import timedelta
 
-from roundel.common import communicator
+from roundel.common import communicator, failures
 from roundel.common.engine import Engine
 from roundel.common.process_sets import ProcessSet, global_process_set
 from roundel.common.requests import OpKind, ProcessSetChange, Request
@@ -191,6 +191,7 @@ def init(comm=None, process_sets=None) -> None:
         global_process_set._bind(0, range(ident.size), ident.rank)
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
+            failures.install(lambda: _runtime.client if _runtime is not None else None)
             _atexit_registered = True
     for process_set in process_sets or ():
         add_process_set(process_set)

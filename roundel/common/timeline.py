@@ -1,8 +1,9 @@
 """Horovod's timeline: a Chrome-trace JSON file of what each named collective went through.
 
 Only rank 0 records (its coordinator sees every rank's requests arrive).
-Each tensor name is a row (a trace "process" named after the tensor, as in
-Horovod) with two tracks: "negotiation" and "execution" (a tensor's next
+Each tensor name is a row (a trace "process" named, as in Horovod, after the
+op kind and the tensor: ``allreduce.grad.w1``; a name that already starts
+with its kind, such as ``allreduce.noname.3``, is kept) with two tracks: "negotiation" and "execution" (a tensor's next
 negotiation may begin while rank 0 still executes its last one). Per
 collective, in order:
 
@@ -49,6 +50,11 @@ _ROWS_BY_PATH: dict[str, dict[str, int]] = {}  # the files this process wrote: t
 def transport_activity(backend_name: str, op_label: str) -> str:
     """Horovod's name for a transport call, e.g. ``GLOO_ALLREDUCE`` or ``MPI_BCAST``."""
     return f"{backend_name.upper()}_{_TRANSPORT_OPS.get(op_label, op_label.upper())}"
+
+
+def row_name(name: str, op_label: str) -> str:
+    """Horovod's timeline row for tensor ``name`` of op kind ``op_label``: ``<kind>.<name>``."""
+    return name if name.startswith(op_label + ".") else f"{op_label}.{name}"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -163,8 +169,8 @@ class Timeline:
         self.mark_cycles = False
         self._writer: _Writer | None = None
         self._lock = threading.Lock()
-        self._negotiating: set[str] = set()
-        self._executing: dict[str, int] = {}
+        self._negotiating: dict[str, str] = {}  # tensor name -> its row, while negotiated
+        self._executing: dict[str, tuple[int, str]] = {}  # tensor name -> (_TOP_LEVEL or _ACTIVITY, its row)
 
     @property
     def dropped(self) -> int:
@@ -194,8 +200,8 @@ class Timeline:
         if writer is not None:
             writer.close()
 
-    def _record(self, name, tid: int, phase: str, label: str = "", args=None) -> None:
-        self._writer.put((name, tid, phase, label, (time.perf_counter_ns() - _T0_NS) // 1000, args))
+    def _record(self, row, tid: int, phase: str, label: str = "", args=None) -> None:
+        self._writer.put((row, tid, phase, label, (time.perf_counter_ns() - _T0_NS) // 1000, args))
 
     # ----------------------------------------------------- negotiation (coordinator)
     def rank_ready(self, name: str, op_label: str, rank: int) -> None:
@@ -203,17 +209,18 @@ class Timeline:
         with self._lock:
             if not self.active:
                 return
-            if name not in self._negotiating:
-                self._negotiating.add(name)
-                self._record(name, NEGOTIATION_TID, "B", "NEGOTIATE_" + op_label.upper())
-            self._record(name, NEGOTIATION_TID, "X", str(rank))
+            row = self._negotiating.get(name)
+            if row is None:
+                row = self._negotiating[name] = row_name(name, op_label)
+                self._record(row, NEGOTIATION_TID, "B", "NEGOTIATE_" + op_label.upper())
+            self._record(row, NEGOTIATION_TID, "X", str(rank))
 
     def negotiated(self, name: str) -> None:
         """Every rank agreed on ``name``: close its negotiation."""
         with self._lock:
-            if self.active and name in self._negotiating:
-                self._negotiating.discard(name)
-                self._record(name, NEGOTIATION_TID, "E")
+            row = self._negotiating.pop(name, None) if self.active else None
+            if row is not None:
+                self._record(row, NEGOTIATION_TID, "E")
 
     # ------------------------------------------------------------- execution
     def begin(self, names, op_label: str, activity: str = "") -> None:
@@ -223,11 +230,11 @@ class Timeline:
                 return
             for name in names:
                 self._end_open(name)
-                self._executing[name] = _TOP_LEVEL
-                self._record(name, EXECUTION_TID, "B", op_label.upper())
+                row = row_name(name, op_label)
+                self._executing[name] = (_ACTIVITY if activity else _TOP_LEVEL, row)
+                self._record(row, EXECUTION_TID, "B", op_label.upper())
                 if activity:
-                    self._executing[name] = _ACTIVITY
-                    self._record(name, EXECUTION_TID, "B", activity)
+                    self._record(row, EXECUTION_TID, "B", activity)
 
     def activity(self, names, activity: str) -> None:
         """``names`` move to ``activity`` inside their collective, ending the previous one ("" starts none)."""
@@ -235,14 +242,14 @@ class Timeline:
             if not self.active:
                 return
             for name in names:
-                state = self._executing.get(name)
+                state, row = self._executing.get(name, (None, None))
                 if state is None:
                     continue  # began before this file was opened
                 if state == _ACTIVITY:
-                    self._record(name, EXECUTION_TID, "E")
-                self._executing[name] = _ACTIVITY if activity else _TOP_LEVEL
+                    self._record(row, EXECUTION_TID, "E")
+                self._executing[name] = (_ACTIVITY if activity else _TOP_LEVEL, row)
                 if activity:
-                    self._record(name, EXECUTION_TID, "B", activity)
+                    self._record(row, EXECUTION_TID, "B", activity)
 
     def end(self, names, outputs=None) -> None:
         """The collective on ``names`` finished; ``outputs`` (tensors or None) give dtype and shape."""
@@ -250,16 +257,16 @@ class Timeline:
             if not self.active:
                 return
             for i, name in enumerate(names):
-                state = self._executing.pop(name, None)
+                state, row = self._executing.pop(name, (None, None))
                 if state is None:
                     continue
                 if state == _ACTIVITY:
-                    self._record(name, EXECUTION_TID, "E")
+                    self._record(row, EXECUTION_TID, "E")
                 output = outputs[i] if outputs is not None and i < len(outputs) else None
                 args = None
                 if hasattr(output, "dtype") and hasattr(output, "shape"):
                     args = {"dtype": str(output.dtype).replace("torch.", ""), "shape": str(list(output.shape))}
-                self._record(name, EXECUTION_TID, "E", "", args)
+                self._record(row, EXECUTION_TID, "E", "", args)
 
     def cycle(self) -> None:
         """A ``CYCLE_START`` marker when cycles are marked."""
@@ -270,8 +277,8 @@ class Timeline:
 
     def _end_open(self, name: str) -> None:
         """Close spans left open for ``name`` (e.g. a collective that failed before it ended)."""
-        state = self._executing.pop(name, None)
+        state, row = self._executing.pop(name, (None, None))
         if state == _ACTIVITY:
-            self._record(name, EXECUTION_TID, "E")
+            self._record(row, EXECUTION_TID, "E")
         if state is not None:
-            self._record(name, EXECUTION_TID, "E")
+            self._record(row, EXECUTION_TID, "E")

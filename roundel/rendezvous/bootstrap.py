@@ -138,11 +138,11 @@ class Bootstrap:
 
 
 def follow_launcher(env: Mapping[str, str]) -> None:
-    """Make this worker get SIGTERM when the roundelrun that started it dies, even by SIGKILL (Linux).
+    """Make this worker get SIGTERM when the process that started it dies, even by SIGKILL (Linux).
 
-    Only for a worker whose parent is that roundelrun (not one started
-    through a wrapper such as a shell, nor over ssh, where the remote side
-    stops the worker when the connection closes).
+    Only for a worker whose parent is the process named in ``ROUNDEL_LAUNCHER_PID``: roundelrun's
+    watchdog (:mod:`roundel.runner.reaper`, which also stops whatever a wrapper script started) or a
+    Spark task; over ssh the remote side stops the worker when the connection closes.
     """
     launcher = env.get(identity_env.LAUNCHER_PID)
     if not launcher or not sys.platform.startswith("linux") or os.getppid() != int(launcher):

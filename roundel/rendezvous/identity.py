@@ -17,7 +17,7 @@ RENDEZVOUS_ADDR = "ROUNDEL_RENDEZVOUS_ADDR"
 RENDEZVOUS_PORT = "ROUNDEL_RENDEZVOUS_PORT"
 SECRET = "ROUNDEL_SECRET"
 RENDEZVOUS_BIND = "ROUNDEL_RENDEZVOUS_BIND"  # where rank 0's store listens under another launcher
-LAUNCHER_PID = "ROUNDEL_LAUNCHER_PID"  # set for the workers roundelrun starts on its own machine
+LAUNCHER_PID = "ROUNDEL_LAUNCHER_PID"  # the worker's parent it follows: roundelrun's watchdog, a Spark task
 
 _FIELDS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
 

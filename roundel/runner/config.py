@@ -124,11 +124,17 @@ def load(path: str) -> dict:
     return flags
 
 
-def apply(args: argparse.Namespace, config: dict) -> None:
-    """Fill ``args`` from ``config`` (from :func:`load`) where the command line left the flag unset."""
+def apply(args: argparse.Namespace, config: dict, given: set[str] = frozenset()) -> None:
+    """Fill ``args`` from ``config`` (from :func:`load`) where the command line left the flag unset.
+
+    ``given`` holds the flags (their ``dest``) the command line set, even to their default value: those
+    win; so does ``--verbose`` over the file's log level.
+    """
     for dest, value in config.items():
         if dest in _CONTROLLERS and (args.gloo or args.mpi):
             continue  # a controller chosen on the command line wins
+        if dest in given or (dest == "log_level" and "verbose" in given):
+            continue
         current = getattr(args, dest, None)
         if current is None or current is False or current == "":
             setattr(args, dest, value)

@@ -10,6 +10,7 @@ roundel, for the launcher's one-line notice.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 
 from roundel import __version__
@@ -17,7 +18,8 @@ from roundel.errors import SettingsError
 from roundel.common.settings import MIB, Settings
 from roundel.runner.spawn import FORWARD_VARS, STRICT_HOST_KEY_CHECKING
 
-__all__ = ["NO_EFFECT", "NOT_YET", "UsageError", "exports", "ignored_flags", "parser", "settings_env"]
+__all__ = ["NO_EFFECT", "NOT_YET", "UsageError", "exports", "given_flags", "ignored_flags", "parser",
+           "settings_env"]
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
@@ -48,6 +50,20 @@ def _level(raw: str) -> str:
     return raw.upper()
 
 
+def _ranks(raw: str) -> frozenset:
+    """``0,2-3`` -> {0, 2, 3}."""
+    ranks = set()
+    try:
+        for part in raw.split(","):
+            first, _, last = part.strip().partition("-")
+            ranks.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r}: expected ranks such as 0 or 0,2-3") from None
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"{raw!r}: expected ranks such as 0 or 0,2-3")
+    return frozenset(ranks)
+
+
 class _NicsAction(argparse.Action):
     """``--network-interfaces eth0,ib0`` (may repeat): a list of interface names."""
 
@@ -64,9 +80,24 @@ def _pair(group, name: str, dest: str, help: str) -> None:
     both.add_argument(f"--no-{name}", dest=dest, action="store_const", const=False, help=argparse.SUPPRESS)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: a mistyped flag gets the closest real one, not the usage block."""
+
+    def error(self, message):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            known = [o for action in self._actions for o in action.option_strings]
+            for word in message[len(prefix):].split():
+                close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+                if word.startswith("-") and close:
+                    message += f"; did you mean {close[0]}?"
+                    break
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
 def parser() -> argparse.ArgumentParser:
     """The ``roundelrun`` argument parser (every ``horovodrun`` 0.28.1 flag, plus ``-x`` and ssh policy)."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="roundelrun",
         description="Run a command as the ranks of a roundel (Horovod-style) distributed job.",
         allow_abbrev=False,
@@ -85,6 +116,9 @@ def parser() -> argparse.ArgumentParser:
                                         "each host uses the first of them that it has")
     p.add_argument("--output-filename", metavar="DIR",
                    help="also write each rank's output to DIR/rank.<N>/stdout and stderr")
+    p.add_argument("--ranks-filter", type=_ranks, metavar="RANKS",
+                   help="show only these ranks' output on the console, e.g. 0 or 0,2-3 (torchrun's "
+                        "--local-ranks-filter; --output-filename still gets every rank's)")
     p.add_argument("--verbose", action="store_true", help="print the launch plan and log at debug level")
     p.add_argument("--config-file", help="YAML file of settings (flags given on the command line win)")
     ssh = p.add_argument_group("ssh")
@@ -274,6 +308,15 @@ def settings_env(args: argparse.Namespace) -> dict[str, str]:
     except SettingsError as exc:
         raise UsageError(str(exc)) from None
     return env
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """The ``dest`` of every flag ``argv`` sets (before the command), whatever its value."""
+    p = parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    args, _ = p.parse_known_args(argv)
+    return set(vars(args)) - {"command"}
 
 
 def ignored_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:

@@ -141,7 +141,8 @@ def assign_slots(hosts: list[tuple[str, int]], np: int) -> list[SlotInfo]:
     if np < 1:
         raise ValueError(f"-np must be at least 1, not {np}")
     if np > total:
-        raise ValueError(f"requested -np {np} but the hosts offer only {total} slots ({format_hosts(hosts)})")
+        raise ValueError(f"requested -np {np} but the hosts offer only {total} slot{'s' if total != 1 else ''} "
+                         f"({format_hosts(hosts)})")
     used = []  # (hostname, ranks placed on it), for hosts that get at least one rank
     remaining = np
     for name, slots in hosts:

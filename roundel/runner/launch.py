@@ -115,6 +115,9 @@ def _plan(args: argparse.Namespace) -> _Plan:
     if args.np < 1:
         raise UsageError(f"-np must be at least 1, not {args.np}")
     settings_env = flags.settings_env(args)
+    if args.ranks_filter and max(args.ranks_filter) >= args.np:
+        raise UsageError(f"--ranks-filter names rank {max(args.ranks_filter)}, but -np {args.np} has ranks "
+                         f"0 to {args.np - 1}")
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
         raise UsageError(f"--ssh-identity-file {args.ssh_identity_file}: no such file")
     if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
@@ -129,6 +132,29 @@ def _plan(args: argparse.Namespace) -> _Plan:
             remote.add(host)
     bind, addresses = _addresses(args, hostnames, remote)
     return _Plan(slots, settings_env, remote, bind, addresses)
+
+
+def _check_command(command: list[str]) -> tuple[int, str] | None:
+    """Why ``command`` cannot start on this machine, with a hint, as (exit status, message); None if it can.
+
+    A script that is not executable (or not on PATH) gets "did you mean `python SCRIPT`?".
+    """
+    program = command[0]
+    on_path = "/" not in program and shutil.which(program) is not None
+    if on_path or (os.path.isfile(program) and os.access(program, os.X_OK) and "/" in program):
+        return None
+    if os.path.isfile(program):
+        if program.endswith(".py"):
+            hint = f"did you mean `{shlex.join(['python', *command])}`?"
+        elif "/" not in program and os.access(program, os.X_OK):
+            hint = f"did you mean `./{program}`? (a command without a slash is looked up on PATH)"
+        else:
+            hint = f"make it executable (chmod +x {shlex.quote(program)}) or name its interpreter first"
+        why = "is not executable" if not os.access(program, os.X_OK) else "is not on PATH"
+        return 126, f"cannot run {program}: it {why}; {hint}"
+    if os.path.isdir(program):
+        return 126, f"cannot run {program}: it is a directory"
+    return 127, f"cannot run {program}: no such file or command"
 
 
 def _print_plan(slots: list[hostlib.SlotInfo], command: list[str], port: int, plan: "_Plan | None" = None) -> None:
@@ -208,8 +234,8 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
                 else:
                     job.add(spawn.start_local(slot, args.command, env, args.output_filename))
                 if args.verbose:
-                    print(f"roundelrun: started rank {slot.rank} on {slot.hostname} "
-                          f"(pid {job.workers[-1].process.pid})", file=sys.stderr, flush=True)
+                    print(f"roundelrun: started rank {slot.rank} on {slot.hostname} ({job.workers[-1].where})",
+                          file=sys.stderr, flush=True)
             except OSError as exc:
                 job.stop()
                 job.drain_output()
@@ -247,6 +273,18 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
                   "stopped all ranks", file=sys.stderr)
             return 1
         others = "; stopped the other ranks" if len(job.workers) > 1 else ""
+        # the first exit may be a rank that failed because another did: if both recorded their exception,
+        # blame the earlier (a rank that died without one, e.g. killed, cannot be ordered: it stays named)
+        first = lost_ranks.first_failure(server, by_rank)
+        if first is not None and first[0] != item.slot.rank and \
+                lost_ranks.first_failure(server, [item.slot.rank]) is not None:
+            item, why = by_rank[first[0]], first[1]
+            _show_hidden_tail(item)
+            print(f"roundelrun: rank {item.slot.rank} (host {item.slot.hostname}) failed first: {why}{others}",
+                  file=sys.stderr)
+            code = spawn.own_exit_code(item, server)
+            return spawn.exit_status(code if code and code > 0 else 1)  # not the signal that stopped it
+        _show_hidden_tail(item)
         print(f"roundelrun: {spawn.describe_exit(item, server)}{others}", file=sys.stderr)
         for record in lost_ranks.lost_ranks(server, [slot.rank for slot in plan.slots]):
             print(f"roundelrun: {lost_ranks.describe_lost(record)}", file=sys.stderr)
@@ -255,6 +293,16 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
         server.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _show_hidden_tail(worker: spawn.Worker) -> None:
+    """The last lines of stderr of the rank blamed for the failure, when --ranks-filter kept them off screen."""
+    if spawn.is_shown(worker.slot.rank) or not worker.stderr_tail:
+        return
+    print(f"roundelrun: the last lines of rank {worker.slot.rank}'s stderr (hidden by --ranks-filter):",
+          file=sys.stderr)
+    for line in worker.stderr_tail:
+        print(f"[{worker.slot.rank}]<stderr>:{line.decode(errors='replace').rstrip()}", file=sys.stderr)
 
 
 def _elastic_settings(args: argparse.Namespace) -> elastic_driver.ElasticSettings:
@@ -296,6 +344,10 @@ def _launch_elastic(args: argparse.Namespace, settings: elastic_driver.ElasticSe
     when all are on this machine (a remote host appearing later then needs --network-interface)."""
     first = settings.discovery.poll()
     remote = {h for h in first if not hostlib.is_local_host(h)}
+    problem = _check_command(settings.command) if len(remote) < len(first) else None
+    if problem is not None:  # every worker on this machine would fail to start
+        print(f"roundelrun: error: {problem[1]}", file=sys.stderr)
+        return problem[0]
     bind, addresses = _addresses(args, list(first) or ["localhost"], remote)
 
     def address_for(host: str) -> str:
@@ -518,19 +570,24 @@ def run(argv: list[str], on_store: StoreHook | None = None) -> int:
         return 2
     try:
         if args.config_file:
-            configlib.apply(args, configlib.load(args.config_file))
+            configlib.apply(args, configlib.load(args.config_file), flags.given_flags(argv))
         if args.mpi and args.gloo:
             raise UsageError("--mpi and --gloo exclude each other")
         _print_ignored(args)
         if args.verbose:
             _show_launcher_debug_log()
         spawn.prefix_output_with_timestamp(args.prefix_output_with_timestamp)
+        spawn.show_ranks(args.ranks_filter)
         if args.host_discovery_script:
             return _launch_elastic(args, _elastic_settings(args), on_store)
         plan = _plan(args)
     except (UsageError, ValueError, SettingsError, configlib.ConfigError) as exc:
         print(f"roundelrun: error: {exc}", file=sys.stderr)
         return 2
+    problem = _check_command(args.command) if len(plan.remote) < len({s.hostname for s in plan.slots}) else None
+    if problem is not None:  # every local rank would fail to start
+        print(f"roundelrun: error: {problem[1]}", file=sys.stderr)
+        return problem[0]
     if args.mpi:
         return _launch_mpi(args, plan, on_store)
     return _launch(args, plan, on_store)

@@ -1,4 +1,5 @@
-"""What the workers recorded about ranks they declared lost (stopped, hung, or cut off).
+"""What the workers recorded about ranks they declared lost (stopped, hung, or cut off), and which
+rank's uncaught exception came first (:mod:`roundel.common.failures`).
 
 A rank whose peers stop hearing its heartbeats is declared lost by the rank
 that noticed; that rank writes ``<prefix>lost/<rank>`` to the rendezvous
@@ -9,6 +10,8 @@ fails, to name the lost rank rather than the survivor that exited first.
 from __future__ import annotations
 
 import json
+
+from roundel.common import failures
 
 
 def lost_ranks(server, ranks, prefix: str = "init0/") -> list[dict]:
@@ -30,3 +33,16 @@ def lost_ranks(server, ranks, prefix: str = "init0/") -> list[dict]:
 def describe_lost(record: dict) -> str:
     """'rank 1 (host node2) was lost: <reason>' for one record."""
     return f"rank {record.get('rank')} (host {record.get('host')}) was lost: {record.get('reason')}"
+
+
+def first_failure(server, ranks) -> tuple[int, str] | None:
+    """(rank, "<Type>: <message>") of the earliest failure recorded among ``ranks``, or None."""
+    found = []
+    for rank in ranks:
+        raw = server.get(failures.failed_key(rank))
+        try:
+            record = json.loads(raw) if raw is not None else None
+            found.append((int(record["order"]), rank, str(record["error"])))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return min(found)[1:] if found else None

@@ -4,6 +4,8 @@ Every line a worker writes comes out of the launcher as
 ``[<rank>]<stdout>:<line>`` on stdout or ``[<rank>]<stderr>:<line>`` on
 stderr, as Horovod's gloo launcher prints it. Each worker runs in its own
 process group so that the whole tree it starts can be signalled at once.
+A local worker's command runs under :mod:`roundel.runner.reaper`, which stops its
+process group when the launcher goes, even by ``kill -9``.
 Workers on other hosts are started over ssh (:func:`start_remote`) through
 :mod:`roundel.runner.remote`, and are stopped by closing the connection.
 With an output directory, each rank's lines also go, unprefixed, to
@@ -27,13 +29,13 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Mapping, TextIO
 
-from roundel.rendezvous.identity import LAUNCHER_PID, rendezvous_env
+from roundel.rendezvous.identity import rendezvous_env
 from roundel.runner.hosts import SlotInfo, validate_hostname
 from roundel.runner.redraw import LineAssembler, LivePrefixer
 
-__all__ = ["FORWARDED_NAMES", "FORWARDED_PREFIXES", "FORWARD_VARS", "GRACE_SECONDS", "RemoteWorker", "STRICT_HOST_KEY_CHECKING", "Worker", "WorkerGroup",
-           "describe_exit", "exit_status", "prefix_output_with_timestamp", "rank_output_dir", "remote_env",
-           "signal_name", "ssh_command", "start_local", "start_remote", "strict_host_key_args", "worker_env"]
+__all__ = ["FORWARDED_NAMES", "FORWARDED_PREFIXES", "FORWARD_VARS", "GRACE_SECONDS", "RemoteWorker", "STRICT_HOST_KEY_CHECKING", "TERMINAL", "Worker", "WorkerGroup",
+           "describe_exit", "exit_status", "is_shown", "prefix_output_with_timestamp", "rank_output_dir", "remote_env",
+           "show_ranks", "signal_name", "ssh_command", "start_local", "start_remote", "strict_host_key_args", "worker_env"]
 
 GRACE_SECONDS = 5.0
 """How long workers get between SIGTERM and SIGKILL when the job is stopped."""
@@ -43,6 +45,19 @@ _READ_SIZE = 65536
 
 _write_lock = threading.Lock()
 _timestamps = threading.Event()
+_shown_ranks: frozenset | None = None  # None: every rank's output is shown
+
+
+def show_ranks(ranks: frozenset | None) -> None:
+    """Relay only ``ranks``' output to this process's stdout and stderr from now on (None: every
+    rank's); the others' output still goes to ``--output-filename`` and is kept for error reports."""
+    global _shown_ranks
+    _shown_ranks = ranks
+
+
+def is_shown(rank: int) -> bool:
+    """Whether ``rank``'s output is relayed to this process's console."""
+    return _shown_ranks is None or rank in _shown_ranks
 
 
 def prefix_output_with_timestamp(enabled: bool) -> None:
@@ -54,6 +69,11 @@ def prefix_output_with_timestamp(enabled: bool) -> None:
         _timestamps.clear()
 
 
+TERMINAL = "ROUNDEL_TERMINAL"
+"""Set to 1 for the ranks when roundelrun's stderr is a terminal: their redrawn lines (progress bars,
+``\r``) are then shown live, though each rank's own stderr is a pipe."""
+
+
 def worker_env(
     slot: SlotInfo,
     rendezvous_host: str,
@@ -63,8 +83,14 @@ def worker_env(
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of the worker in ``slot``: ``base`` (default os.environ) plus
-    its identity, the rendezvous address and secret, the settings, and unbuffered output."""
+    its identity, the rendezvous address and secret, the settings, unbuffered output, TERMINAL
+    when this process's stderr is a terminal, and TensorFlow's C++ log level at warnings
+    (``TF_CPP_MIN_LOG_LEVEL=1``) unless the environment sets one."""
     env = dict(os.environ if base is None else base)
+    env.pop(TERMINAL, None)
+    if _is_terminal(sys.stderr):
+        env[TERMINAL] = "1"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     env.update(slot.to_identity().to_env())
     env.update(rendezvous_env(rendezvous_host, rendezvous_port, secret_hex))
     env.update(settings_env)
@@ -100,15 +126,15 @@ def _emit(stream: TextIO, data: bytes) -> None:
         pass  # our own output is gone (closed pipe); keep draining so the worker never blocks
 
 
-def _relay(pipe: BinaryIO, prefix: bytes, stream: TextIO, log: BinaryIO | None = None,
+def _relay(pipe: BinaryIO, prefix: bytes, stream: TextIO | None, log: BinaryIO | None = None,
            tail: collections.deque | None = None) -> None:
-    """Copy ``pipe`` to ``stream`` with ``prefix`` before every line, and its finished lines,
-    unprefixed, to ``log``; keep the last finished lines in ``tail``; never raises.
+    """Copy ``pipe`` to ``stream`` (None: nowhere) with ``prefix`` before every line, and its finished
+    lines, unprefixed, to ``log``; keep the last finished lines in ``tail``; never raises.
 
     A terminal gets redrawn lines (progress bars) live, the prefix repeated after each
     carriage return; anything else gets each line once, in the last state it was drawn in.
     """
-    live = LivePrefixer(prefix) if _is_terminal(stream) else None
+    live = LivePrefixer(prefix) if stream is not None and _is_terminal(stream) else None
     lines = LineAssembler()
     with pipe:
         while True:
@@ -127,7 +153,7 @@ def _relay(pipe: BinaryIO, prefix: bytes, stream: TextIO, log: BinaryIO | None =
                     pass
             if live is not None:
                 _emit(stream, live.feed(data, _stamp(prefix)) if data else live.finish())
-            else:
+            elif stream is not None:
                 _emit(stream, b"".join(_stamp(prefix) + line for line in finished))
             if not data:
                 return
@@ -152,8 +178,8 @@ class Worker:
 
     @property
     def where(self) -> str:
-        """Where the worker runs, for the launcher's messages."""
-        return f"pid {self.process.pid}"
+        """Where the worker runs, for the launcher's messages: the pid of its watchdog (its parent)."""
+        return f"watchdog pid {self.process.pid}"
 
     def wait(self) -> int:
         """Block until the worker has ended; return its exit status."""
@@ -186,8 +212,10 @@ def _start_relays(slot: SlotInfo, process: subprocess.Popen, output_dir: str | N
         logs = {name: open(where / name, "wb") for name in ("stdout", "stderr")}
     tail: collections.deque = collections.deque(maxlen=5)
     relays = []
+    shown = is_shown(slot.rank)
     for pipe, name, stream in ((process.stdout, "stdout", sys.stdout), (process.stderr, "stderr", sys.stderr)):
         prefix = f"[{label or slot.rank}]<{name}>:".encode()
+        stream = stream if shown else None
         log = logs.get(name)
 
         def run(pipe=pipe, prefix=prefix, stream=stream, log=log, name=name):
@@ -207,16 +235,16 @@ def start_local(slot: SlotInfo, command: list[str], env: Mapping[str, str],
                 output_dir: str | None = None, label: str | None = None) -> Worker:
     """Start ``command`` on this machine as the worker of ``slot``, in a new process group.
 
+    The command runs under :mod:`roundel.runner.reaper`, in the same group,
+    which stops the whole group when this process ends, however it ends.
     Its output lines are prefixed with ``label`` (an elastic worker's id) instead of its rank.
 
     Raises OSError if the command cannot be started or the output directory not created.
     """
-    env = dict(env)
-    env[LAUNCHER_PID] = str(os.getpid())  # the worker follows this process when it dies
     process = subprocess.Popen(
-        command,
-        env=env,
-        stdin=subprocess.DEVNULL,
+        [sys.executable, "-m", "roundel.runner.reaper", *command],
+        env=dict(env),
+        stdin=subprocess.PIPE,  # never written: its end of file tells the reaper this process is gone
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
@@ -290,7 +318,7 @@ FORWARD_VARS = "ROUNDEL_FORWARD_ENV"
 
 FORWARDED_NAMES = frozenset({
     "PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "PYTHONUNBUFFERED", "VIRTUAL_ENV", "LANG", "LC_ALL", "TZ",
-    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TF_CPP_MIN_LOG_LEVEL",
 })
 """Variables of the launcher's environment every remote worker gets (when set), besides the prefixes below."""
 

@@ -246,8 +246,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             collectives.note_gradient_buckets()
 
     # ---------------------------------------------------------------- hooks
+    def _outside_process_set(self) -> bool:
+        """Whether this rank is not a member of the optimizer's process set (it then reduces nothing, as Horovod)."""
+        return self._process_set.included() is False
+
     def _on_grad_ready(self, p) -> None:
         self._follow_runtime()
+        if self._outside_process_set():
+            return
         left = self._passes_left[p]
         if left <= 0:
             raise GradientSyncError(
@@ -414,8 +420,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------- public API
     def synchronize(self) -> None:
-        """Wait for every gradient reduction of this step (starting those whose hooks did not fire)."""
+        """Wait for every gradient reduction of this step (starting those whose hooks did not fire).
+
+        On a rank outside the optimizer's process set there is nothing to wait for: the gradients stay local.
+        """
         self._follow_runtime()
+        if self._outside_process_set():
+            self._synchronized = True
+            return
         try:
             for bucket in self._buckets:
                 if not bucket.started:  # unused parameters: every rank must still take part
@@ -458,9 +470,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Wait for the gradient reductions, then apply the wrapped optimizer's update."""
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() was called after optimizer.synchronize() without the "
-                              "optimizer.skip_synchronize() context; the gradients are not reduced twice, "
-                              "but wrap step() in skip_synchronize() to make the intent explicit")
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code. (roundel does not reduce the gradients "
+                              "twice.)")
             else:
                 self.synchronize()
         self._synchronized = False

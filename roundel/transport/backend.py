@@ -164,6 +164,12 @@ class Backend(abc.ABC):
         """Release the communicator; later calls are undefined."""
 
 
+def _host_copy(tensor):
+    """``tensor`` in host memory, outside autograd: a copy of a device tensor that requires grad would
+    otherwise require it too, and the host backend's ``out=`` and in-place ops refuse such tensors."""
+    return tensor.detach().cpu()
+
+
 class HostStaged(Backend):
     """Device tensors copied to host memory, moved by a host backend, and copied back."""
 
@@ -176,29 +182,29 @@ class HostStaged(Backend):
         return self.host.carrier(op_label)
 
     def allreduce(self, tensor, op):
-        staged = tensor.cpu()
+        staged = _host_copy(tensor)
         self.host.allreduce(staged, op)
-        tensor.copy_(staged)
+        tensor.detach().copy_(staged)
 
     def allgather(self, output, tensor):
         staged = torch.empty(output.shape, dtype=output.dtype)
-        self.host.allgather(staged, tensor.cpu())
-        output.copy_(staged)
+        self.host.allgather(staged, _host_copy(tensor))
+        output.detach().copy_(staged)
 
     def broadcast(self, tensor, root):
-        staged = tensor.cpu()
+        staged = _host_copy(tensor)
         self.host.broadcast(staged, root)
-        tensor.copy_(staged)
+        tensor.detach().copy_(staged)
 
     def alltoall(self, output, tensor, output_splits, input_splits):
         staged = torch.empty(output.shape, dtype=output.dtype)
-        self.host.alltoall(staged, tensor.cpu(), output_splits, input_splits)
-        output.copy_(staged)
+        self.host.alltoall(staged, _host_copy(tensor), output_splits, input_splits)
+        output.detach().copy_(staged)
 
     def reducescatter(self, output, tensor, op):
         staged = torch.empty(output.shape, dtype=output.dtype)
-        self.host.reducescatter(staged, tensor.cpu(), op)
-        output.copy_(staged)
+        self.host.reducescatter(staged, _host_copy(tensor), op)
+        output.detach().copy_(staged)
 
     def barrier(self):
         self.host.barrier()

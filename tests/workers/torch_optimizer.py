@@ -278,6 +278,13 @@ def check_training_loop_rules():
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
     with opt.skip_synchronize():
         opt.step()
+    loss_fn(model, torch.randn(4, 6), torch.randn(4, 3)).backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:  # Horovod's test_synchronize_step_warning
+        warnings.simplefilter("always")
+        opt.step()
+    assert len(caught) == 1 and "optimizer.step() called without optimizer.skip_synchronize() context after " \
+        "optimizer.synchronize(). This can cause training slowdown." in str(caught[0].message), caught
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.zero_grad()
@@ -351,8 +358,45 @@ def check_sparse():
         assert diff < 1e-6, f"sparse gradient (sparse_as_dense={dense}) update off by {diff}"
 
 
+def check_process_sets():
+    """Horovod's test_optimizer_process_sets: an optimizer on the even ranks beside two disjoint sets.
+
+    The even ranks average their gradients; an odd rank steps on its own gradient alone (no reduction, no
+    error), and removing both sets afterwards completes.
+    """
+    evens = hvd.add_process_set(range(0, hvd.size(), 2))
+    odds = hvd.add_process_set(range(1, hvd.size(), 2))
+    mine_set = evens if hvd.rank() % 2 == 0 else odds
+    model, ref = make_model(), make_model()
+    torch.manual_seed(hvd.rank())
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
+                                   process_set=evens)
+    for step in range(2):
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+    gathered = hvd.allgather(model[2].weight.detach().reshape(1, -1), process_set=mine_set)
+    if mine_set is evens:
+        assert all(torch.equal(row, gathered[0]) for row in gathered), "even ranks' parameters differ"
+    else:
+        ref_opt = sgd(ref.parameters())
+        for step in range(2):
+            ref_opt.zero_grad()
+            loss_fn(ref, x, y).backward()
+            ref_opt.step()
+        assert_close(model, ref, TOL, "a rank outside the optimizer's process set (local step)")
+        assert all(not torch.equal(row, gathered[mine_set.rank()]) for i, row in enumerate(gathered)
+                   if i != mine_set.rank()), "odd ranks' parameters agree though never reduced"
+    assert hvd.remove_process_set(odds) and hvd.remove_process_set(evens)
+
+
 if __name__ == "__main__":
     hvd.init()
+    if sys.argv[1:] == ["process-sets"]:
+        check_process_sets()
+        print("CHECKS PASSED torch_optimizer")
+        sys.exit(0)
     if len(sys.argv) > 1:  # cap-from-environment EXPECTED_MB
         check_cap_from_environment(float(sys.argv[2]))
         print("CHECKS PASSED torch_optimizer")

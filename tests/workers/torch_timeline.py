@@ -8,6 +8,9 @@
   file); ``start_timeline`` before ``init()`` raises ValueError.
 * ``reinit``: the timeline comes from the environment; a step, ``shutdown()``,
   ``init()`` again (as an elastic reset does), another step: one file.
+* ``horovod``: Horovod's test_timeline: HOROVOD_TIMELINE set here before
+  ``init()``; 0.1 s after an allreduce named 'test_allreduce' the file holds
+  its row ``allreduce.test_allreduce`` and its phases.
 * ``kill``: the timeline comes from the environment; rank 0 SIGKILLs itself
   after several steps, mid-run, while the writer thread streams events.
 """
@@ -57,8 +60,19 @@ def main() -> None:
             assert "init" in str(exc), exc
         else:
             raise AssertionError("start_timeline before init() did not raise")
+    if mode == "horovod":
+        os.environ["HOROVOD_TIMELINE"] = path = os.path.join(directory, "horovod.json")
+        os.environ["HOROVOD_TIMELINE_MARK_CYCLES"] = "1"
     hvd.init()
-    if mode == "steps":
+    if mode == "horovod":
+        hvd.allreduce(torch.tensor([1, 2, 3], dtype=torch.float32), name="test_allreduce")
+        time.sleep(0.1)
+        if hvd.rank() == 0:
+            with open(path) as f:
+                text = f.read()
+            for needle in ("allreduce.test_allreduce", "NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"):
+                assert needle in text, (needle, text)
+    elif mode == "steps":
         for n in range(STEPS):
             step(n)
     elif mode == "dynamic":
