@@ -54,6 +54,10 @@ IN_FUNCTION = {
     ("roundel.timeline.__main__", "roundel.timeline.plot"): "matplotlib only when a plot is asked for",
     ("roundel.keras.core", "roundel.tensorflow.gradient_tape"): "TensorFlow backend only",
     ("roundel.keras.elastic", "roundel.tensorflow.elastic"): "TensorFlow backend only",
+    ("roundel.torch.optimizer", "roundel.torch.sharded_optimizer"):
+        "the sharded optimizer builds on the optimizer module's classes: the cycle is broken at call time",
+    ("roundel.torch.sharded_optimizer", "roundel.torch.optimizer"):
+        "the sharded optimizer builds on the optimizer module's classes: the cycle is broken at call time",
 }
 
 

@@ -145,10 +145,18 @@ def test_ranks_are_told_of_a_terminal_and_the_examples_bar_draws_live():
     assert "\r" not in piped.stderr and "100%" in rank_lines(piped.stderr, 0, "stderr")[-1], piped.stderr
 
 
-def test_ranks_filter_shows_some_ranks_and_the_hidden_failing_ranks_last_lines():
-    code = ("import os, sys; r = os.environ['ROUNDEL_RANK']; print('out', r, flush=True)\n"
-            "if r == '1': sys.exit('rank 1 gives up')")
-    result = run_command([*LAUNCHER, "-np", "3", "--ranks-filter", "0,2", sys.executable, "-c", code], timeout=60)
+def test_ranks_filter_shows_some_ranks_and_the_hidden_failing_ranks_last_lines(tmp_path):
+    # rank 1 gives up once the others have printed (each marks it with a file), so that their lines are
+    # out before the launcher stops them
+    code = ("import os, sys, time; r = os.environ['ROUNDEL_RANK']; print('out', r, flush=True)\n"
+            "open(os.path.join(sys.argv[1], r), 'w').close()\n"
+            "if r == '1':\n"
+            "    while not all(os.path.exists(os.path.join(sys.argv[1], x)) for x in '02'): time.sleep(0.01)\n"
+            "    time.sleep(0.5)\n"
+            "    sys.exit('rank 1 gives up')\n"
+            "time.sleep(60)")
+    result = run_command([*LAUNCHER, "-np", "3", "--ranks-filter", "0,2", sys.executable, "-c", code, tmp_path],
+                         timeout=90)
     assert result.returncode == 1
     assert sorted(result.stdout.splitlines()) == ["[0]<stdout>:out 0", "[2]<stdout>:out 2"], result.stdout
     assert result.stderr.splitlines()[-3:] == [

@@ -27,7 +27,7 @@ ENV = {"HOROVOD_STALL_CHECK_DISABLE": "1"}
 KINDS = {"allgather.gather": ("NEGOTIATE_ALLGATHER", "ALLGATHER", "SHM_ALLGATHER"),
          "broadcast.bcast": ("NEGOTIATE_BROADCAST", "BROADCAST", "SHM_BCAST"),
          "alltoall.a2a": ("NEGOTIATE_ALLTOALL", "ALLTOALL", "GLOO_ALLTOALL"),
-         "reducescatter.rs": ("NEGOTIATE_REDUCESCATTER", "REDUCESCATTER", "GLOO_REDUCESCATTER")}
+         "reducescatter.rs": ("NEGOTIATE_REDUCESCATTER", "REDUCESCATTER", "SHM_REDUCESCATTER")}
 GRADS = ("allreduce.grad.a", "allreduce.grad.b", "allreduce.grad.late")
 STEPS = 3
 
