@@ -28,14 +28,19 @@ _LINE = re.compile(r"^\[([^\]]+)\]<(stdout|stderr)>:(.*)$")
 class ElasticJob:
     """One elastic ``roundelrun`` job; see the module docstring."""
 
-    def __init__(self, tmp_path: Path, hosts: str, script: str, launcher_args=(), env: dict | None = None,
+    def __init__(self, tmp_path: Path, hosts: str | None, script: str, launcher_args=(), env: dict | None = None,
                  script_args=()):
+        """``hosts``: what the discovery script prints first; None for a job without one (``-H`` hosts
+        with ``--min-np`` in ``launcher_args``)."""
         self.hosts_file = tmp_path / "hosts.txt"
-        self.set_hosts(hosts)
-        discover = tmp_path / "discover.sh"
-        discover.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
-        discover.chmod(0o755)
-        command = [*LAUNCHER, "--host-discovery-script", str(discover), *map(str, launcher_args),
+        hosts_args = []
+        if hosts is not None:
+            self.set_hosts(hosts)
+            discover = tmp_path / "discover.sh"
+            discover.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
+            discover.chmod(0o755)
+            hosts_args = ["--host-discovery-script", str(discover)]
+        command = [*LAUNCHER, *hosts_args, *map(str, launcher_args),
                    sys.executable, script, *map(str, script_args)]
         self.lines: list[tuple[float, str]] = []  # (time, line) from stdout and stderr, in arrival order
         self._cond = threading.Condition()
