@@ -15,9 +15,11 @@ entry this machine has, or of the interface that routes to the other hosts
 
 Over ssh, host names are validated (nothing that ssh or a shell could read
 as an option or syntax), host keys follow ``--ssh-strict-host-key-checking``
-when given and the user's ssh configuration otherwise, and a remote worker gets only the variables
-:func:`roundel.runner.spawn.remote_env` lets through, never this
-environment as a whole. The command line is :mod:`roundel.runner.flags`.
+when given and the user's ssh configuration otherwise, and a remote worker gets, over ssh's stdin,
+what :func:`roundel.runner.spawn.remote_env` lets through (this environment less this host's own
+variables, as horovodrun; or an allow-list with ``--remote-env listed``). ``--min-np`` (or
+``--host-discovery-script``) makes the job elastic (:mod:`roundel.runner.elastic_driver`).
+The command line is :mod:`roundel.runner.flags`.
 """
 
 from __future__ import annotations
