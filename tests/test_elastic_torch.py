@@ -189,11 +189,13 @@ def test_bad_elastic_flags_are_refused(tmp_path, hosts, args, message):
 
 def test_elastic_mnist_example_survives_a_killed_worker(tmp_path):
     example = str(WORKERS_DIR.parent.parent / "examples" / "pytorch_mnist_elastic.py")
-    job = ElasticJob(tmp_path, "localhost:2\n", example, ["-np", "2", "--min-np", "1", "--elastic-timeout", "60"],
+    # one slot per host: a failure takes its whole host out
+    job = ElasticJob(tmp_path, "localhost:1\n127.0.0.2:1\n", example,
+                     ["-np", "2", "--min-np", "1", "--elastic-timeout", "60"],
                      script_args=["--epochs", "3", "--checkpoint-dir", tmp_path / "ckpt"])
     job.wait_for(lambda lines: any("epoch 1: train loss" in line for line in lines), timeout=120,
                  what="epoch 1")
-    job.kill("localhost:1")
+    job.kill("127.0.0.2:0")
     assert job.finish(timeout=240) == 0, job.describe()
     text = job.text()
     assert "reset: now 1 rank(s), lr 0.05" in text, job.describe()
