@@ -73,7 +73,7 @@ def test_worker_killed_mid_epoch_ten_times(tmp_path):
     kills = 10
     stop = tmp_path / "stop"
     # one slot per host: a failure takes its whole host out
-    job = _job(tmp_path, "127.0.0.2:1\n127.0.0.3:1\n127.0.0.4:1\n", "-np", "2", "--blacklist-cooldown-range", "1", "2",
+    job = _job(tmp_path, "127.0.0.2:1\n127.0.0.3:1\n127.0.0.4:1\n", "-np", "2", "--blacklist-cooldown-range", "0.5", "1",
                "--elastic-timeout", "60", epochs=1000, step_sleep=0.1, STOP_FILE=stop)
 
     def full_and_training(lines, after):
@@ -95,8 +95,8 @@ def test_worker_killed_mid_epoch_ten_times(tmp_path):
     assert job.finish(timeout=120) == 0, job.describe()
     text = job.text()
     assert text.count("blacklisted for") == kills and "for the rest of the job" not in text, job.describe()
-    # Horovod's cooldown: 1 * 2**k plus a fraction of 1 after the k-th listing, kept within [1, 2]
-    assert text.count("blacklisted for 2.0 s") == kills, job.describe()
+    # Horovod's cooldown: 0.5 * 2**k plus a fraction of 0.5 after the k-th listing, kept within [0.5, 1]
+    assert text.count("blacklisted for 1.0 s") == kills, job.describe()
     check_training(text, None, SAMPLES, BATCH, _repeats_allowed(kills, 2 * kills + 1))
 
 
