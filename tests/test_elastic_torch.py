@@ -149,6 +149,12 @@ def test_every_host_blacklisted_ends_the_job(tmp_path):
     assert "FINAL" not in text
 
 
+def test_fixed_hosts_with_fewer_slots_than_min_np_fail_at_once(tmp_path):
+    job = _job(tmp_path, None, "-H", "127.0.0.2:1,127.0.0.3:1", "--min-np", "3")
+    assert job.finish(timeout=60) == 1, job.describe()
+    assert "the fixed hosts not blacklisted offer 2 slot(s), fewer than --min-np 3" in job.text(), job.describe()
+
+
 def test_min_np_not_reached_before_the_elastic_timeout(tmp_path):
     job = _job(tmp_path, "localhost:1\n", "-np", "2", "--elastic-timeout", "3")
     assert job.finish(timeout=60) == 1, job.describe()

@@ -40,7 +40,7 @@ from typing import Callable
 from roundel.rendezvous.identity import cross_ranks, rendezvous_env
 from roundel.rendezvous import elastic_join as protocol
 from roundel.runner import spawn
-from roundel.runner.discovery import Blacklist, HostDiscovery
+from roundel.runner.discovery import Blacklist, FixedHosts, HostDiscovery
 from roundel.runner.hosts import SlotInfo, is_local_host
 from roundel.runner.lost_ranks import describe_lost, lost_ranks
 from roundel.rendezvous.store import RendezvousServer
@@ -262,6 +262,11 @@ class _Driver:
         kept = [m for m in self.members.values() if not m.leaving]
         now = time.monotonic()
         if len(kept) < self.s.min_np:
+            usable = sum(self._usable_hosts().values())
+            if isinstance(self.s.discovery, FixedHosts) and self.s.blacklist.cooldown_range is None \
+                    and usable < self.s.min_np:  # no host comes back and no other is ever discovered
+                raise _JobFailed(f"the fixed hosts not blacklisted offer {usable} slot(s), fewer than --min-np "
+                                 f"{self.s.min_np}, and none can come back (no --blacklist-cooldown-range)")
             self.short_since = self.short_since or now
             if now - self.short_since > self.s.elastic_timeout_s:
                 raise _JobFailed(f"only {len(kept)} worker slot(s) for {self.s.elastic_timeout_s:g} s "
