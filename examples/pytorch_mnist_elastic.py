@@ -4,9 +4,12 @@ Workers may fail, and hosts may come and go while it trains; the job rolls
 back to the last commit, re-forms and goes on. Run it with a host discovery
 script that prints one ``host:slots`` line per usable host::
 
-    printf '#!/bin/sh\\necho localhost:2\\n' > discover.sh && chmod +x discover.sh
+    printf '#!/bin/sh\\necho localhost:1\\necho 127.0.0.2:1\\n' > discover.sh && chmod +x discover.sh
     roundelrun -np 2 --min-np 1 --max-np 4 --host-discovery-script ./discover.sh \\
         python examples/pytorch_mnist_elastic.py --epochs 5
+
+(two names of this machine, so that a failed worker, which takes its whole
+host out of the job as in Horovod, leaves the other one training).
 
 Data as in pytorch_mnist.py: scikit-learn's digits by default, or the
 MNIST / Fashion-MNIST IDX files with ``--dataset ... --data-dir ...``.

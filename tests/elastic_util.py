@@ -30,14 +30,19 @@ _LINE = re.compile(r"^\[([^\]]+)\]<(stdout|stderr)>:(.*)$")
 class ElasticJob:
     """One elastic ``roundelrun`` job; see the module docstring."""
 
-    def __init__(self, tmp_path: Path, hosts: str, script: str, launcher_args=(), env: dict | None = None,
+    def __init__(self, tmp_path: Path, hosts: str | None, script: str, launcher_args=(), env: dict | None = None,
                  script_args=()):
+        """``hosts``: what the discovery script prints first; None for a job without one (``-H`` hosts
+        with ``--min-np`` in ``launcher_args``)."""
         self.hosts_file = tmp_path / "hosts.txt"
-        self.set_hosts(hosts)
-        discover = tmp_path / "discover.sh"
-        discover.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
-        discover.chmod(0o755)
-        command = [*LAUNCHER, "--host-discovery-script", str(discover), *map(str, launcher_args),
+        hosts_args = []
+        if hosts is not None:
+            self.set_hosts(hosts)
+            discover = tmp_path / "discover.sh"
+            discover.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
+            discover.chmod(0o755)
+            hosts_args = ["--host-discovery-script", str(discover)]
+        command = [*LAUNCHER, *hosts_args, *map(str, launcher_args),
                    sys.executable, script, *map(str, script_args)]
         self.lines: list[tuple[float, str]] = []  # (time, line) from stdout and stderr, in arrival order
         self._cond = threading.Condition()
@@ -184,12 +189,28 @@ def check_training(text: str, epochs: int | None, samples: int, batch: int, max_
     assert committed, "rank 0 never committed"
     assert all(b > a for a, b in zip(committed, committed[1:])), f"committed steps went backwards: {committed}"
     check_resumed_from_commits(text)
+    check_identity_variables(text)
     for epoch in range(epochs):
         seen = [i for _, r in records(text, "SEEN") if r["epoch"] == epoch for i in r["indices"]]
         assert set(seen) == set(range(samples)), f"epoch {epoch} missed samples {set(range(samples)) - set(seen)}"
         repeats = len(seen) - samples
         assert repeats <= max_repeats, f"epoch {epoch}: {repeats} samples processed again (allowed {max_repeats})"
     return finals
+
+
+def check_identity_variables(text: str) -> None:
+    """Assert that at every (re)start the worker's ``os.environ`` held its identity in that generation:
+    ``HOROVOD_*`` and ``ROUNDEL_*`` rank, size, local and cross rank and size, and the host it was
+    started on (for ``START`` records that carry ``env``)."""
+    for label, r in records(text, "START"):
+        if "env" not in r:
+            continue
+        expected = {"RANK": r["rank"], "SIZE": r["size"], "LOCAL_RANK": r["local_rank"],
+                    "LOCAL_SIZE": r["local_size"], "CROSS_RANK": r["cross_rank"], "CROSS_SIZE": r["cross_size"],
+                    "HOSTNAME": label.rsplit(":", 1)[0]}
+        for name, value in expected.items():
+            for prefix in ("HOROVOD_", "ROUNDEL_"):
+                assert r["env"][prefix + name] == str(value), f"{label}: {prefix}{name} in {r['env']}, wanted {value}"
 
 
 def check_resumed_from_commits(text: str) -> None:

@@ -60,9 +60,10 @@ def test_host_added_mid_training_retraces_the_step(tmp_path):
 
 
 def test_worker_killed_mid_epoch(tmp_path):
-    job = _job(tmp_path, "localhost:2\n", "--min-np", "1")
+    # one slot per host: a failure takes its whole host out (as Horovod)
+    job = _job(tmp_path, "localhost:1\n127.0.0.2:1\n", "--min-np", "1")
     job.wait_count("COMMIT", 6)
-    job.kill("localhost:1")
+    job.kill("127.0.0.2:0")
     job.wait_count("generation 1: 1 worker(s)", 1)
     committed = _check(job, 3, 1)
     text = job.text()

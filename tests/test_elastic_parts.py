@@ -35,14 +35,25 @@ def test_blacklist_forever_and_with_cooldown():
     now[0] += 1e6
     assert forever.contains("a") and not forever.contains("b")
 
-    cooling = Blacklist((2.0, 4.0), clock=lambda: now[0])
-    first = cooling.add("a")
-    assert 2.0 <= first <= 4.0
+    # Horovod's cooldown: LO * 2**k plus a random fraction of LO after the k-th listing, within [LO, HI]
+    fraction = [0.5]
+    cooling = Blacklist((1.0, 10.0), clock=lambda: now[0], uniform=lambda a, b: fraction[0])
+    assert cooling.add("a") == 2.5  # 1 * 2 + 0.5
     assert cooling.contains("a")
-    now[0] += first
+    now[0] += 1.0
+    assert cooling.add("a") == 1.5, "a failure while cooling down neither counts nor extends"
+    now[0] += 1.5
     assert not cooling.contains("a"), "the host is re-admitted after its cooldown"
-    second = cooling.add("a")
-    assert 2.0 <= second <= 4.0 and second >= min(4.0, 2 * 2.0), "a repeat failure cools down longer (capped)"
+    fraction[0] = 0.25
+    assert cooling.add("a") == 4.25  # second listing: 1 * 4 + 0.25
+    now[0] += 5
+    assert cooling.add("a") == 8.25
+    now[0] += 9
+    assert cooling.add("a") == 10.0, "capped at HI"
+    assert Blacklist.cooldown(3.0, 5.0, 1, 0.0) == 5.0 and Blacklist.cooldown(3.0, 3.0, 1, 0.9) == 3.0
+    assert Blacklist.cooldown(0.5, 0.5, 1, 0.0) == 0.5, "never below LO"
+    real = Blacklist((2.0, 4.0), clock=lambda: now[0])
+    assert 4.0 >= real.add("b") >= 4.0  # 2 * 2 + up to 2, capped at 4
 
 
 @pytest.fixture

@@ -6,7 +6,9 @@ rewrites the discovery script's output or kills workers, then checks with
 ``check_training``: the requested epochs were completed, every rank ended
 with the same parameters, rank 0's committed step only went forward, and
 each epoch covered every sample, repeating at most the work since the last
-commit and the padding of the shards.
+commit and the padding of the shards, and every (re)start of the training
+function found its identity for that generation in ``os.environ``
+(``HOROVOD_RANK``, ``HOROVOD_HOSTNAME``, ... and the ``ROUNDEL_*`` names).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ SAMPLES, BATCH = 96, 4
 
 
 def _job(tmp_path, hosts, *launcher_args, epochs=3, step_sleep=0.05, **env):
+    """An elastic job of the training worker; ``hosts`` None: no discovery script (``-H`` in the args)."""
     env = {"EPOCHS": epochs, "SAMPLES": SAMPLES, "BATCH": BATCH, "STEP_SLEEP": step_sleep, **env}
     return ElasticJob(tmp_path, hosts, WORKER, launcher_args, env)
 
@@ -69,7 +72,8 @@ def _generations(lines) -> list[tuple[int, list[str]]]:
 def test_worker_killed_mid_epoch_ten_times(tmp_path):
     kills = 10
     stop = tmp_path / "stop"
-    job = _job(tmp_path, "localhost:3\n", "-np", "2", "--blacklist-cooldown-range", "1", "2",
+    # one slot per host: a failure takes its whole host out
+    job = _job(tmp_path, "127.0.0.2:1\n127.0.0.3:1\n127.0.0.4:1\n", "-np", "2", "--blacklist-cooldown-range", "0.5", "1",
                "--elastic-timeout", "60", epochs=1000, step_sleep=0.1, STOP_FILE=stop)
 
     def full_and_training(lines, after):
@@ -91,31 +95,64 @@ def test_worker_killed_mid_epoch_ten_times(tmp_path):
     assert job.finish(timeout=120) == 0, job.describe()
     text = job.text()
     assert text.count("blacklisted for") == kills and "for the rest of the job" not in text, job.describe()
+    # Horovod's cooldown: 0.5 * 2**k plus a fraction of 0.5 after the k-th listing, kept within [0.5, 1]
+    assert text.count("blacklisted for 1.0 s") == kills, job.describe()
     check_training(text, None, SAMPLES, BATCH, _repeats_allowed(kills, 2 * kills + 1))
 
 
 def test_permanent_blacklist_trains_on_with_the_survivor(tmp_path):
-    job = _job(tmp_path, "localhost:2\n", "--min-np", "1", "--elastic-timeout", "60", epochs=2, step_sleep=0.1)
+    job = _job(tmp_path, "localhost:1\n127.0.0.2:1\n", "--min-np", "1", "--elastic-timeout", "60", epochs=2,
+               step_sleep=0.1)
     job.wait_count("COMMIT", 4)
-    job.kill("localhost:1")
+    job.kill("127.0.0.2:0")
     job.wait_count("generation 1: 1 worker(s)", 1)
     assert job.finish() == 0, job.describe()
     text = job.text()
-    assert "host localhost blacklisted for the rest of the job" in text, job.describe()
+    assert "host 127.0.0.2 blacklisted for the rest of the job" in text, job.describe()
     assert text.count("started worker") == 2, "a worker was started on the blacklisted host"
     finals = check_training(text, 2, SAMPLES, BATCH, _repeats_allowed(1, 2))
     assert finals[0]["size"] == 1
 
 
-def test_all_workers_failing_ends_the_job(tmp_path):
-    job = _job(tmp_path, "localhost:2\n", "-np", "2", "--elastic-timeout", "60", step_sleep=0.2)
-    job.wait_count("COMMIT", 3)
-    job.kill("localhost:0")
-    job.kill("localhost:1")
+FIXED = ("-np", "4", "-H", "127.0.0.2:2,127.0.0.3:2", "--min-np", "2", "--max-np", "4", "--elastic-timeout", "60")
+"""horovodrun's fixed-host elastic job (Horovod's test_fault_tolerance_without_scaling): -H with --min-np."""
+
+
+def test_a_failure_takes_its_whole_host_out_on_fixed_hosts(tmp_path):
+    # rank 0 fails in the first generation: its host is blacklisted and its other worker stopped (Horovod ends
+    # at size 2, not 3); the identity variables follow every generation
+    job = _job(tmp_path, None, *FIXED, epochs=2, EXIT_SCHEDULE='{"0": [0]}')
+    assert job.finish(timeout=120) == 0, job.describe()
+    text = job.text()
+    assert "generation 0: 4 worker(s), ranks 127.0.0.2:0=0, 127.0.0.2:1=1, 127.0.0.3:0=2, 127.0.0.3:1=3" in text, \
+        job.describe()
+    assert "worker 127.0.0.2:0 exited with code 1; host 127.0.0.2 blacklisted for the rest of the job" in text
+    assert "worker 127.0.0.2:1 stopped: its host 127.0.0.2 is blacklisted" in text, job.describe()
+    assert "generation 1: 2 worker(s), ranks 127.0.0.3:0=0, 127.0.0.3:1=1" in text, job.describe()
+    assert text.count("started worker") == 4, job.describe()
+    starts = records(text, "START")  # check_training below checks every start's identity variables
+    moved = [(r["rank"], r["size"], r["env"]["HOROVOD_RANK"]) for label, r in starts if label == "127.0.0.3:1"]
+    assert moved == [(3, 4, "3"), (1, 2, "1")], moved
+    finals = check_training(text, 2, SAMPLES, BATCH, _repeats_allowed(1, 2, 4))
+    assert len(finals) == 2
+
+
+def test_every_host_blacklisted_ends_the_job(tmp_path):
+    # Horovod's test_all_hosts_blacklisted: after a failure on each host no host is left to train on
+    job = _job(tmp_path, None, *FIXED, epochs=5, EXIT_SCHEDULE='{"0": [0], "1": [0]}')
     start = time.monotonic()
+    assert job.finish(timeout=120) == 1, job.describe()
+    assert time.monotonic() - start < 60
+    text = job.text()
+    assert "worker 127.0.0.3:1 stopped: its host 127.0.0.3 is blacklisted" in text, job.describe()
+    assert "error: every host of the job is blacklisted (127.0.0.2, 127.0.0.3)" in text, job.describe()
+    assert "FINAL" not in text
+
+
+def test_fixed_hosts_with_fewer_slots_than_min_np_fail_at_once(tmp_path):
+    job = _job(tmp_path, None, "-H", "127.0.0.2:1,127.0.0.3:1", "--min-np", "3")
     assert job.finish(timeout=60) == 1, job.describe()
-    assert time.monotonic() - start < 30
-    assert "every worker of the job failed, so no committed state survives" in job.text(), job.describe()
+    assert "the fixed hosts not blacklisted offer 2 slot(s), fewer than --min-np 3" in job.text(), job.describe()
 
 
 def test_min_np_not_reached_before_the_elastic_timeout(tmp_path):
@@ -137,25 +174,29 @@ def test_reset_limit_exceeded(tmp_path):
     assert "the job needed reset number 2, more than --reset-limit 1" in job.text(), job.describe()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--min-np", "3", "--max-np", "2"], "--max-np 2 is below -np/--min-np 3"),
-    (["-np", "2", "-H", "localhost:2"], "-H/--hosts: not allowed with argument --host-discovery-script"),
-    (["-np", "2", "--blacklist-cooldown-range", "5", "1"], "need 0 <= LO <= HI"),
-    (["--max-np", "2"], "elastic training needs -np or --min-np"),
+@pytest.mark.parametrize("hosts, args, message", [
+    ("localhost:2\n", ["--min-np", "3", "--max-np", "2"], "--max-np 2 is below -np/--min-np 3"),
+    ("localhost:2\n", ["-np", "2", "-H", "localhost:2"], "-H/--hosts: not allowed with argument --host-discovery-script"),
+    ("localhost:2\n", ["-np", "2", "--blacklist-cooldown-range", "5", "1"], "need 0 <= LO <= HI"),
+    ("localhost:2\n", ["--max-np", "2"], "elastic training needs -np or --min-np"),
+    # horovodrun: --min-np makes the job elastic, and fixed hosts must be at least two
+    (None, ["-np", "2", "--min-np", "1"], "on fixed hosts (--min-np with -H/--hostfile) needs at least 2 hosts"),
 ])
-def test_bad_elastic_flags_are_refused(tmp_path, args, message):
-    job = ElasticJob(tmp_path, "localhost:2\n", WORKER, args)
+def test_bad_elastic_flags_are_refused(tmp_path, hosts, args, message):
+    job = ElasticJob(tmp_path, hosts, WORKER, args)
     assert job.finish(timeout=60) == 2, job.describe()
     assert message in job.text(), job.describe()
 
 
 def test_elastic_mnist_example_survives_a_killed_worker(tmp_path):
     example = str(WORKERS_DIR.parent.parent / "examples" / "pytorch_mnist_elastic.py")
-    job = ElasticJob(tmp_path, "localhost:2\n", example, ["-np", "2", "--min-np", "1", "--elastic-timeout", "60"],
+    # one slot per host: a failure takes its whole host out
+    job = ElasticJob(tmp_path, "localhost:1\n127.0.0.2:1\n", example,
+                     ["-np", "2", "--min-np", "1", "--elastic-timeout", "60"],
                      script_args=["--epochs", "3", "--checkpoint-dir", tmp_path / "ckpt"])
     job.wait_for(lambda lines: any("epoch 1: train loss" in line for line in lines), timeout=120,
                  what="epoch 1")
-    job.kill("localhost:1")
+    job.kill("127.0.0.2:0")
     assert job.finish(timeout=240) == 0, job.describe()
     text = job.text()
     assert "reset: now 1 rank(s), lr 0.05" in text, job.describe()

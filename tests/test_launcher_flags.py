@@ -123,5 +123,9 @@ def test_ssh_command_line():
                    "-o", "LogLevel=ERROR", "--", "h1", "cd /x && exec py"]
     env = spawn.remote_env({"HOME": "/root", "PATH": "/bin", "ROUNDEL_RANK": "1", "SSH_AUTH_SOCK": "s"})
     assert env == {"PATH": "/bin", "ROUNDEL_RANK": "1"}
+    mine = {"MY_VAR": "v", "HOSTNAME": "a", "PWD": "/x", "ROUNDEL_RANK": "1", "OTHER": "o", "ROUNDEL_FORWARD_ENV": "OTHER"}
+    assert spawn.remote_env(mine) == {"MY_VAR": "v", "ROUNDEL_RANK": "1", "OTHER": "o", "ROUNDEL_FORWARD_ENV": "OTHER"}
+    assert spawn.remote_env({**mine, "ROUNDEL_REMOTE_ENV": "listed"}) == {
+        "ROUNDEL_RANK": "1", "OTHER": "o", "ROUNDEL_FORWARD_ENV": "OTHER", "ROUNDEL_REMOTE_ENV": "listed"}
     slot = SlotInfo("h1", 0, 1, 0, 1, 0, 1)
     assert spawn.worker_env(slot, "10.0.0.1", 5, "ab", {})["ROUNDEL_RENDEZVOUS_ADDR"] == "10.0.0.1"

@@ -128,12 +128,30 @@ def test_unknown_host_key_failure_names_the_flag(tmp_path):
     assert "--ssh-strict-host-key-checking accept-new" in result.stderr, describe(result)
 
 
-def test_only_needed_variables_are_sent_to_remote_hosts(fake_ssh):
+def test_the_launchers_environment_goes_to_remote_hosts_on_stdin_as_horovodrun(fake_ssh):
+    env, record = fake_ssh
+    env.update({"MY_DATA_PATH": "/data/only-in-the-launcher", "NCCL_DEBUG": "INFO", "HOSTNAME": "launcher-box",
+                "PWD": "/launcher/cwd", "SSH_AUTH_SOCK": "/tmp/agent", "DISPLAY": ":0", "SHELL": "/bin/zsh",
+                "BASH_FUNC_f%%": "() { :; }", "XDG_RUNTIME_DIR": "/run/user/0"})
+    result = run_command([*LAUNCHER, "--start-timeout", "5", "-np", "1", "-H", f"{REMOTE}:1", "true"],
+                         env=env, timeout=60)
+    assert result.returncode == 255, describe(result)
+    seen = json.loads(record.read_text())
+    sent = seen["spec"]["env"]
+    assert sent["MY_DATA_PATH"] == "/data/only-in-the-launcher" and sent["NCCL_DEBUG"] == "INFO"
+    assert sent["ROUNDEL_RANK"] == "0" and "ROUNDEL_SECRET" in sent and "PATH" in sent
+    for name in ("HOSTNAME", "PWD", "SSH_AUTH_SOCK", "DISPLAY", "SHELL", "BASH_FUNC_f%%", "XDG_RUNTIME_DIR", "HOME"):
+        assert name not in sent, f"{name} of the launcher's host was sent"
+    argv = " ".join(seen["argv"])
+    assert "only-in-the-launcher" not in argv and sent["ROUNDEL_SECRET"] not in argv
+
+
+def test_remote_env_listed_sends_only_needed_variables(fake_ssh):
     env, record = fake_ssh
     env.update({"AWS_SECRET_ACCESS_KEY": "x", "GITHUB_TOKEN": "t", "MY_SETTING": "kept", "NCCL_DEBUG": "INFO",
                 "OMP_NUM_THREADS": "3", "HOROVOD_FUSION_THRESHOLD": "1024"})
-    result = run_command([*LAUNCHER, "--start-timeout", "5", "-np", "1", "-H", f"{REMOTE}:1",
-                          "-x", "MY_SETTING", "-x", "MY_OTHER=2", "true"], env=env, timeout=60)
+    result = run_command([*LAUNCHER, "--start-timeout", "5", "--remote-env", "listed", "-np", "1",
+                          "-H", f"{REMOTE}:1", "-x", "MY_SETTING", "-x", "MY_OTHER=2", "true"], env=env, timeout=60)
     assert result.returncode == 255, describe(result)
     sent = json.loads(record.read_text())["spec"]["env"]
     assert "AWS_SECRET_ACCESS_KEY" not in sent and "GITHUB_TOKEN" not in sent
@@ -143,6 +161,9 @@ def test_only_needed_variables_are_sent_to_remote_hosts(fake_ssh):
     assert "PATH" in sent
     assert set(sent) <= {*spawn.FORWARDED_NAMES, "MY_SETTING", "MY_OTHER"} | \
         {k for k in sent if k.startswith(spawn.FORWARDED_PREFIXES)}
+    bad = run_command([*LAUNCHER, "-np", "1", "-H", f"{REMOTE}:1", "true"],
+                      env={**env, "ROUNDEL_REMOTE_ENV": "some"}, timeout=60)
+    assert bad.returncode == 2 and "ROUNDEL_REMOTE_ENV='some': use one of all, listed" in bad.stderr, describe(bad)
 
 
 STOPPER = """

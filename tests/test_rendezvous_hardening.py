@@ -235,7 +235,7 @@ def _generations(lines) -> list[tuple[int, int]]:
 
 def test_elastic_job_recovers_after_its_store_is_flooded(tmp_path):
     stop = tmp_path / "stop"
-    job = ElasticJob(tmp_path, "localhost:2\n", str(WORKERS_DIR / "elastic_store_port.py"),
+    job = ElasticJob(tmp_path, "localhost:1\n127.0.0.2:1\n", str(WORKERS_DIR / "elastic_store_port.py"),
                      ["-np", "2", "--blacklist-cooldown-range", "1", "2", "--elastic-timeout", "60"],
                      {"EPOCHS": 1000, "SAMPLES": 96, "BATCH": 4, "STEP_SLEEP": 0.05, "STOP_FILE": stop})
     socks = []

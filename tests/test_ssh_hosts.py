@@ -129,14 +129,31 @@ def test_interrupt_stops_every_host(hosts, tmp_path, signum):
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
-def test_only_needed_variables_reach_a_remote_worker(hosts):
+def test_the_launchers_environment_reaches_a_remote_worker_never_on_a_command_line(hosts):
     h1 = hosts.addrs[0]
-    code = ("import os; print('ENV', os.environ.get('AWS_SECRET_ACCESS_KEY'), os.environ.get('MY_EXPORT'), "
-            "os.environ.get('MY_VALUE'), os.environ.get('HOROVOD_RANK'), os.environ.get('OMP_NUM_THREADS'))")
-    result = run(hosts, "-np", 1, "-H", f"{h1}:1", "-x", "MY_EXPORT", "-x", "MY_VALUE=v", sys.executable, "-c", code,
-                 env={"AWS_SECRET_ACCESS_KEY": "x", "MY_EXPORT": "exported", "OMP_NUM_THREADS": "2"})
-    assert result.returncode == 0, describe(result)
-    assert rank_lines(result.stdout, 0, "stdout") == ["ENV None exported v 0 2"]
+    value = f"only-in-the-launcher-{time.monotonic_ns()}"
+    code = ("import os, time; print('ENV', os.environ.get('MY_DATA_PATH'), os.environ.get('MY_VALUE'), "
+            "os.environ.get('HOROVOD_RANK'), os.environ.get('OMP_NUM_THREADS'), "
+            "os.environ.get('SSH_CLIENT', '').split()[:1], flush=True); time.sleep(3)")
+    proc = subprocess.Popen(launch_args(hosts, "-np", "1", "-H", f"{h1}:1", "-x", "MY_VALUE=v", sys.executable,
+                                        "-c", code),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env({**hosts.ssh_env(), "MY_DATA_PATH": value, "OMP_NUM_THREADS": "2",
+                                           "SSH_CLIENT": "launcher-session 1 2"}))
+    listings = []
+    try:
+        while proc.poll() is None:  # every process's command line, as ps shows them, while the job runs
+            listings.append(subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout)
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    # set only in the launcher's environment (no -x), as horovodrun exports it; ssh's own SSH_CLIENT kept
+    assert rank_lines(out, 0, "stdout") == [f"ENV {value} v 0 2 ['{LAUNCHER_ADDR}']"], out + err
+    assert len(listings) >= 5 and any("roundel.runner.remote" in listing for listing in listings)
+    assert not [listing for listing in listings if value in listing], "the variable was on a command line"
 
 
 def test_strict_host_key_checking_yes_with_a_known_key(hosts, tmp_path):

@@ -144,6 +144,8 @@ def init(comm=None, process_sets=None) -> None:
             raise
         try:
             ident = boot.complete(client, prefix, settings.start_timeout_s)
+            if boot.elastic:  # scripts read HOROVOD_RANK, HOROVOD_HOSTNAME, ...: this generation's identity
+                os.environ.update(ident.to_env())
             members = communicator.member_ranks(comm, ident.rank, ident.size)
             if members is not None:  # a job of some of the launched ranks: its own numbering and keys
                 ident, prefix = communicator.sub_identity(client, prefix, ident, members, settings.start_timeout_s)

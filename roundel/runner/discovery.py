@@ -1,4 +1,4 @@
-"""Finding an elastic job's hosts: the user's ``--host-discovery-script``, and the blacklist.
+"""Finding an elastic job's hosts: the user's ``--host-discovery-script`` (or fixed ``-H`` hosts), and the blacklist.
 
 The script is run (with no arguments) every time the driver polls; each line
 it prints names a host that may run workers now, as ``host`` or
@@ -15,7 +15,7 @@ import time
 
 from roundel.runner.hosts import parse_hosts
 
-__all__ = ["Blacklist", "DiscoveryError", "HostDiscovery", "parse_discovery_output"]
+__all__ = ["Blacklist", "DiscoveryError", "FixedHosts", "HostDiscovery", "parse_discovery_output"]
 
 log = logging.getLogger("roundel")
 
@@ -69,29 +69,52 @@ class HostDiscovery:
         return dict(self.hosts)
 
 
+class FixedHosts:
+    """The hosts of ``-H``/``--hostfile`` in an elastic job (``--min-np`` without a discovery script):
+    the same answer at every poll, as horovodrun's fixed-host elastic mode."""
+
+    def __init__(self, hosts: dict[str, int]):
+        self.hosts = dict(hosts)
+
+    def poll(self) -> dict[str, int]:
+        """The fixed ``{host: slots}``."""
+        return dict(self.hosts)
+
+
 class Blacklist:
-    """Hosts whose workers failed: no new worker is placed there while a host is listed.
+    """Hosts whose workers failed: no worker runs on a host while it is listed.
 
     Without a cooldown range a host stays listed for the rest of the job.
-    With ``(lo, hi)`` its n-th failure lists it for a random time in
-    ``[lo, hi]`` seconds scaled by 2**(n-1), capped at ``hi``; then it is
-    re-admitted.
+    With ``(lo, hi)``, as Horovod: the k-th time a host is listed it stays so
+    for ``lo * 2**k`` seconds plus a random fraction of ``lo``, kept within
+    ``[lo, hi]``; then it is re-admitted. A failure while the host is still
+    listed changes nothing.
     """
 
-    def __init__(self, cooldown_range: tuple[float, float] | None = None, clock=time.monotonic):
+    def __init__(self, cooldown_range: tuple[float, float] | None = None, clock=time.monotonic,
+                 uniform=random.uniform):
         self.cooldown_range = cooldown_range
         self._clock = clock
-        self._failures: dict[str, int] = {}
+        self._uniform = uniform
+        self._count: dict[str, int] = {}
         self._until: dict[str, float] = {}
+
+    @staticmethod
+    def cooldown(lo: float, hi: float, count: int, fraction: float) -> float:
+        """Seconds of cooldown after a host's ``count``-th listing, ``fraction`` in [0, 1) being the
+        random part: ``lo * 2**count + fraction * lo`` kept within ``[lo, hi]``."""
+        return max(lo, min(hi, lo * 2 ** count + fraction * lo))
 
     def add(self, host: str) -> float:
         """List ``host`` after a failure there; return how many seconds it stays listed (inf: for good)."""
-        count = self._failures[host] = self._failures.get(host, 0) + 1
         if self.cooldown_range is None:
             self._until[host] = float("inf")
             return float("inf")
+        if self.contains(host):  # already cooling down: Horovod neither counts nor extends it
+            return self._until[host] - self._clock()
         lo, hi = self.cooldown_range
-        seconds = min(hi, random.uniform(lo, hi) * 2 ** (count - 1))
+        count = self._count[host] = self._count.get(host, 0) + 1
+        seconds = self.cooldown(lo, hi, count, self._uniform(0.0, 1.0))
         self._until[host] = self._clock() + seconds
         return seconds
 

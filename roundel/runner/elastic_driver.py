@@ -6,10 +6,12 @@ rendezvous store (see :mod:`roundel.rendezvous.elastic_join`):
 
 * at the start, once at least ``--min-np`` slots exist;
 * after a worker fails, or a peer reports it lost (silent, e.g. SIGSTOPped:
-  the driver SIGKILLs it): its host is blacklisted (no new workers there, for
-  good or for a cooldown), a replacement is started on a free slot if there
-  is one, and the survivors, which see the failure as an error in their
-  training loop, roll back to their last commit and join again;
+  the driver SIGKILLs it): its host is blacklisted (no workers there, for
+  good or for a cooldown), and, as in Horovod, the other workers on that host
+  are taken out of the job too (SIGTERM; their exits are not failures); a
+  replacement is started on a free slot of another host if there is one,
+  and the survivors, which see the failure as an error in their training
+  loop, roll back to their last commit and join again;
 * after discovery adds or removes hosts: new workers are started, workers on
   removed hosts are told to leave, and ``hosts_version`` is bumped so that
   every rank stops at the same ``commit()`` and joins again.
@@ -19,7 +21,7 @@ joined; survivors keep their relative order, so rank 0 always holds current
 state. The job ends with status 0 once the workers of the last generation
 have all exited 0 (or every worker exited 0 without ever joining one; once
 a worker has exited 0 no new one is started), and with an error (never a hang) when the workers of a
-generation all fail, fewer than ``--min-np`` slots remain for
+generation fail or every host they ran on is blacklisted, fewer than ``--min-np`` slots remain for
 ``--elastic-timeout`` seconds, workers do not rejoin within that time, or
 more resets than ``--reset-limit`` are needed.
 """
@@ -38,7 +40,7 @@ from typing import Callable
 from roundel.rendezvous.identity import cross_ranks, rendezvous_env
 from roundel.rendezvous import elastic_join as protocol
 from roundel.runner import spawn
-from roundel.runner.discovery import Blacklist, HostDiscovery
+from roundel.runner.discovery import Blacklist, FixedHosts, HostDiscovery
 from roundel.runner.hosts import SlotInfo, is_local_host
 from roundel.runner.lost_ranks import describe_lost, lost_ranks
 from roundel.rendezvous.store import RendezvousServer
@@ -68,6 +70,8 @@ class ElasticSettings:
     ssh_args: str = ""
     # starts a worker some other way than as a process (roundel.ray's actors): (slot, env, label) -> Worker
     start_worker: Callable[[SlotInfo, dict[str, str], str], spawn.Worker] | None = None
+    # as Horovod: a failure takes every worker on its host out of the job (the host gets no slots)
+    evict_host_on_failure: bool = True
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,6 +86,7 @@ class _Member:
     answered: int = 0  # join count already answered
     leaving: bool = False  # told (or to be told) to leave: its host was removed
     lost: bool = False  # a peer reported it silent and the driver killed it
+    evicted: bool = False  # its host was blacklisted after another worker's failure: stopped, exit ignored
 
     @property
     def label(self) -> str:
@@ -153,7 +158,7 @@ class _Driver:
     def _on_exit(self, member: _Member) -> None:
         self.members.pop(member.serial, None)
         code = spawn.own_exit_code(member.worker, self.server)
-        if member.leaving and code == 0:
+        if member.evicted or (member.leaving and code == 0):
             return
         if code == 0:
             self.succeeded = True
@@ -162,20 +167,37 @@ class _Driver:
             return
         who = f"worker {member.label}"
         cooldown = self.s.blacklist.add(member.host)
-        until = "for the rest of the job" if cooldown == float("inf") else f"for {cooldown:.0f} s"
+        until = "for the rest of the job" if cooldown == float("inf") else f"for {cooldown:.1f} s"
         self._say(f"{spawn.describe_exit(member.worker, self.server, who)}; host {member.host} "
                   f"blacklisted {until}")
+        evicted = self._evict(member.host) if self.s.evict_host_on_failure else []
         if self.generation < 0:
-            if not self.members:
+            if not [m for m in self.members.values() if not m.leaving]:
                 raise _JobFailed("every worker failed before the job could start; see their output above")
             return
-        if member in self.current:
+        if member in self.current or any(m in self.current for m in evicted):
             if self.finished:
                 raise _JobFailed(f"{who} failed after other workers had finished")
-            survivors = [m for m in self.current if m.serial in self.members]
+            survivors = [m for m in self.current if m.serial in self.members and not m.leaving]
             if not survivors:
+                if any(m.evicted for m in self.current):
+                    hosts = ", ".join(sorted(h for h in {*self.hosts, *(m.host for m in self.current)}
+                                             if self.s.blacklist.contains(h)))
+                    raise _JobFailed(f"every host of the job is blacklisted ({hosts}) after worker failures "
+                                     "there, so no worker with committed state is left")
                 raise _JobFailed("every worker of the job failed, so no committed state survives")
             self._want_generation()
+
+    def _evict(self, host: str) -> list[_Member]:
+        """Take every other live worker on ``host`` (just blacklisted) out of the job, as Horovod does:
+        SIGTERM its process group; it is answered 'removed' if it joins first; its exit is no failure."""
+        evicted = [m for m in self.members.values() if m.host == host and not m.evicted]
+        for m in evicted:
+            m.leaving = m.evicted = True
+            self._say(f"worker {m.label} stopped: its host {host} is blacklisted")
+            m.worker.signal_group(signal.SIGTERM)
+            m.worker.signal_group(signal.SIGCONT)
+        return evicted
 
     def _kill_lost(self) -> None:
         """SIGKILL every worker of the current generation that a peer reported lost (it stopped answering).
@@ -233,12 +255,18 @@ class _Driver:
         for m in self.members.values():
             count = self._joined(m)
             if m.leaving and count > m.answered:
+                why = "is blacklisted" if m.evicted else "left the job"
                 self.server.set(protocol.assign_key(m.worker_id, count),
-                                protocol.removal(f"host {m.host} left the job"))
+                                protocol.removal(f"host {m.host} {why}"))
                 m.answered = count
         kept = [m for m in self.members.values() if not m.leaving]
         now = time.monotonic()
         if len(kept) < self.s.min_np:
+            usable = sum(self._usable_hosts().values())
+            if isinstance(self.s.discovery, FixedHosts) and self.s.blacklist.cooldown_range is None \
+                    and usable < self.s.min_np:  # no host comes back and no other is ever discovered
+                raise _JobFailed(f"the fixed hosts not blacklisted offer {usable} slot(s), fewer than --min-np "
+                                 f"{self.s.min_np}, and none can come back (no --blacklist-cooldown-range)")
             self.short_since = self.short_since or now
             if now - self.short_since > self.s.elastic_timeout_s:
                 raise _JobFailed(f"only {len(kept)} worker slot(s) for {self.s.elastic_timeout_s:g} s "

@@ -16,7 +16,7 @@ import os
 from roundel import __version__
 from roundel.errors import SettingsError
 from roundel.common.settings import MIB, Settings
-from roundel.runner.spawn import FORWARD_VARS, STRICT_HOST_KEY_CHECKING
+from roundel.runner.spawn import FORWARD_VARS, REMOTE_ENV, REMOTE_ENV_MODES, STRICT_HOST_KEY_CHECKING
 
 __all__ = ["NO_EFFECT", "NOT_YET", "UsageError", "exports", "given_flags", "ignored_flags", "parser",
            "settings_env"]
@@ -145,9 +145,10 @@ def parser() -> argparse.ArgumentParser:
     autotune.add_argument("--autotune-steps-per-sample", type=int, help="steps per autotune sample")
     autotune.add_argument("--autotune-bayes-opt-max-samples", type=int, help="most Bayesian optimisation samples")
     autotune.add_argument("--autotune-gaussian-process-noise", type=float, help="noise of the Gaussian process")
-    elastic = p.add_argument_group("elastic training (enabled by --host-discovery-script)")
+    elastic = p.add_argument_group("elastic training (enabled by --host-discovery-script, or by --min-np with -H)")
     elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
-                         help="fewest workers to train with (default -np)")
+                         help="fewest workers to train with (default -np); with -H/--hostfile it makes the job elastic "
+                              "on those fixed hosts, as in horovodrun")
     elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
                          help="most workers to train with (default: every discovered slot)")
     elastic.add_argument("--slots-per-host", "--slots", dest="slots", type=int, default=1,
@@ -215,6 +216,10 @@ def parser() -> argparse.ArgumentParser:
     controller.add_argument("--mpi", action="store_true", help="start the ranks with mpirun/mpiexec instead of ssh")
     controller.add_argument("--jsrun", dest="use_jsrun", action="store_true",
                             help="no effect in roundel (ranks start over ssh)")
+    p.add_argument("--remote-env", choices=REMOTE_ENV_MODES,
+                   help="what of this environment ranks on other hosts get: all (the default, as horovodrun) but "
+                        "this host's own variables (HOSTNAME, PWD, HOME, SSH_*, DISPLAY, ...), or listed: only "
+                        "roundel's, Horovod's, NCCL's and Gloo's variables, PATH and the like, and the -x ones")
     p.add_argument("-x", dest="export", action="append", default=[], metavar="VAR[=VALUE]",
                    help="pass VAR (from this environment, or set to VALUE) to the workers, also over ssh; may repeat")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
@@ -299,6 +304,11 @@ def settings_env(args: argparse.Namespace) -> dict[str, str]:
         env["ROUNDEL_LOG_LEVEL"] = "debug"
     if args.nics:
         env["ROUNDEL_NETWORK_INTERFACE"] = ",".join(args.nics)
+    if getattr(args, "remote_env", None):
+        env[REMOTE_ENV] = args.remote_env
+    mode = env.get(REMOTE_ENV) or os.environ.get(REMOTE_ENV)
+    if mode and mode not in REMOTE_ENV_MODES:
+        raise UsageError(f"{REMOTE_ENV}={mode!r}: use one of {', '.join(REMOTE_ENV_MODES)}")
     exported = exports(args.export)
     env.update(exported)
     if exported:

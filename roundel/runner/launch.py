@@ -15,9 +15,11 @@ entry this machine has, or of the interface that routes to the other hosts
 
 Over ssh, host names are validated (nothing that ssh or a shell could read
 as an option or syntax), host keys follow ``--ssh-strict-host-key-checking``
-when given and the user's ssh configuration otherwise, and a remote worker gets only the variables
-:func:`roundel.runner.spawn.remote_env` lets through, never this
-environment as a whole. The command line is :mod:`roundel.runner.flags`.
+when given and the user's ssh configuration otherwise, and a remote worker gets, over ssh's stdin,
+what :func:`roundel.runner.spawn.remote_env` lets through (this environment less this host's own
+variables, as horovodrun; or an allow-list with ``--remote-env listed``). ``--min-np`` (or
+``--host-discovery-script``) makes the job elastic (:mod:`roundel.runner.elastic_driver`).
+The command line is :mod:`roundel.runner.flags`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from roundel.rendezvous.store import RendezvousServer, new_secret
 from roundel.runner import config as configlib
 from roundel.runner import elastic_driver, flags, lost_ranks, spawn
 from roundel.runner import hosts as hostlib
-from roundel.runner.discovery import Blacklist, HostDiscovery
+from roundel.runner.discovery import Blacklist, FixedHosts, HostDiscovery
 from roundel.runner.flags import UsageError
 
 __all__ = ["StoreHook", "main", "run"]
@@ -306,12 +308,26 @@ def _show_hidden_tail(worker: spawn.Worker) -> None:
 
 
 def _elastic_settings(args: argparse.Namespace) -> elastic_driver.ElasticSettings:
-    """The elastic job's settings from the command line; raise UsageError for a bad combination."""
+    """The elastic job's settings from the command line; raise UsageError for a bad combination.
+
+    The hosts come from ``--host-discovery-script``, or, as in horovodrun, are the fixed ``-H``/``--hostfile``
+    hosts of a job given ``--min-np`` (at least two of them: a failure takes its whole host out)."""
     script = args.host_discovery_script
     if args.mpi:
-        raise UsageError("elastic training (--host-discovery-script) starts workers itself; drop --mpi")
-    if not (os.path.isfile(script) and os.access(script, os.X_OK)):
-        raise UsageError(f"--host-discovery-script {script}: not an executable file (chmod +x it)")
+        raise UsageError("elastic training (--host-discovery-script or --min-np) starts workers itself; drop --mpi")
+    if script is not None:
+        if not (os.path.isfile(script) and os.access(script, os.X_OK)):
+            raise UsageError(f"--host-discovery-script {script}: not an executable file (chmod +x it)")
+        discovery = HostDiscovery(os.path.abspath(script), args.slots)
+    else:
+        fixed = dict(_host_list(args)) if args.hosts or args.hostfile else {"localhost": args.np or 0}
+        if len(fixed) < 2:
+            raise UsageError(f"an elastic job on fixed hosts (--min-np with -H/--hostfile) needs at least 2 hosts, "
+                             f"as in horovodrun (a failure takes its whole host out); got {', '.join(fixed)}")
+        for host in fixed:
+            if not hostlib.is_local_host(host):
+                network.resolve(host)  # ValueError naming the host when it does not resolve
+        discovery = FixedHosts(fixed)
     min_np = args.min_np if args.min_np is not None else args.np
     if min_np is None:
         raise UsageError("elastic training needs -np or --min-np: the fewest workers to train with")
@@ -330,7 +346,7 @@ def _elastic_settings(args: argparse.Namespace) -> elastic_driver.ElasticSetting
     settings = Settings.from_env({**os.environ, **settings_env})
     return elastic_driver.ElasticSettings(
         command=list(args.command), min_np=min_np, max_np=args.max_np,
-        discovery=HostDiscovery(os.path.abspath(script), args.slots),
+        discovery=discovery,
         blacklist=Blacklist(tuple(cooldown) if cooldown else None),
         elastic_timeout_s=settings.elastic_timeout_s, reset_limit=args.reset_limit, settings_env=settings_env,
         start_timeout_s=settings.start_timeout_s, output_dir=args.output_filename,
@@ -529,6 +545,8 @@ examples:
       show the launch plan, each rank's start, and the workers' debug logs
   roundelrun -np 4 --host-discovery-script ./hosts.sh --min-np 2 python train.py
       an elastic job that follows the hosts the script prints
+  roundelrun -np 4 -H host1:2,host2:2 --min-np 2 python train.py
+      an elastic job on fixed hosts: goes on at 2 ranks if a host fails
 """
 
 
@@ -578,8 +596,11 @@ def run(argv: list[str], on_store: StoreHook | None = None) -> int:
             _show_launcher_debug_log()
         spawn.prefix_output_with_timestamp(args.prefix_output_with_timestamp)
         spawn.show_ranks(args.ranks_filter)
-        if args.host_discovery_script:
+        if args.host_discovery_script or args.min_np is not None:  # horovodrun's rule for an elastic job
             return _launch_elastic(args, _elastic_settings(args), on_store)
+        if args.max_np is not None:
+            print("roundelrun: note: --max-np has no effect without --min-np or --host-discovery-script "
+                  "(as in horovodrun)", file=sys.stderr, flush=True)
         plan = _plan(args)
     except (UsageError, ValueError, SettingsError, configlib.ConfigError) as exc:
         print(f"roundelrun: error: {exc}", file=sys.stderr)

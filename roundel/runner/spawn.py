@@ -33,9 +33,11 @@ from roundel.rendezvous.identity import rendezvous_env
 from roundel.runner.hosts import SlotInfo, validate_hostname
 from roundel.runner.redraw import LineAssembler, LivePrefixer
 
-__all__ = ["FORWARDED_NAMES", "FORWARDED_PREFIXES", "FORWARD_VARS", "GRACE_SECONDS", "RemoteWorker", "STRICT_HOST_KEY_CHECKING", "TERMINAL", "Worker", "WorkerGroup",
-           "describe_exit", "exit_status", "is_shown", "prefix_output_with_timestamp", "rank_output_dir", "remote_env",
-           "show_ranks", "signal_name", "ssh_command", "start_local", "start_remote", "strict_host_key_args", "worker_env"]
+__all__ = ["FORWARDED_NAMES", "FORWARDED_PREFIXES", "FORWARD_VARS", "GRACE_SECONDS", "HOST_SPECIFIC",
+           "REMOTE_ENV", "RemoteWorker", "STRICT_HOST_KEY_CHECKING", "TERMINAL", "Worker", "WorkerGroup",
+           "describe_exit", "exit_status", "is_shown", "prefix_output_with_timestamp", "rank_output_dir",
+           "remote_env", "show_ranks", "signal_name", "ssh_command", "start_local", "start_remote",
+           "strict_host_key_args", "worker_env"]
 
 GRACE_SECONDS = 5.0
 """How long workers get between SIGTERM and SIGKILL when the job is stopped."""
@@ -314,23 +316,55 @@ def strict_host_key_args(policy: str | None) -> str:
 
 
 FORWARD_VARS = "ROUNDEL_FORWARD_ENV"
-"""Comma-separated names (the ``-x`` ones) that go to remote workers besides the standard set."""
+"""Comma-separated names (the ``-x`` ones) that go to remote workers in any case."""
+
+REMOTE_ENV = "ROUNDEL_REMOTE_ENV"
+"""What of the launcher's environment remote workers get: ``all`` (the default, as horovodrun: everything
+but HOST_SPECIFIC) or ``listed`` (only FORWARDED_NAMES, FORWARDED_PREFIXES and the ``-x`` names);
+``roundelrun --remote-env``."""
+
+REMOTE_ENV_MODES = ("all", "listed")
 
 FORWARDED_NAMES = frozenset({
     "PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "PYTHONUNBUFFERED", "VIRTUAL_ENV", "LANG", "LC_ALL", "TZ",
     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TF_CPP_MIN_LOG_LEVEL",
 })
-"""Variables of the launcher's environment every remote worker gets (when set), besides the prefixes below."""
+"""With ``--remote-env listed``: the variables every remote worker gets (when set), besides the prefixes below."""
 
 FORWARDED_PREFIXES = ("ROUNDEL_", "HOROVOD_", "NCCL_", "GLOO_")
 
+HOST_SPECIFIC = frozenset({
+    "HOSTNAME", "HOST", "PWD", "OLDPWD", "SHLVL", "_", "HOME", "USER", "LOGNAME", "MAIL", "SHELL", "TERM",
+    "TERMCAP", "COLUMNS", "LINES", "DISPLAY", "XAUTHORITY", "WINDOWID", "TMUX", "TMUX_PANE", "STY", "WINDOW",
+    "DBUS_SESSION_BUS_ADDRESS", "KRB5CCNAME", "GPG_AGENT_INFO", "MOTD_SHOWN", "PS1", "PS2", "PROMPT_COMMAND",
+    "LS_COLORS", "CUDA_VISIBLE_DEVICES", "ROUNDEL_LAUNCHER_PID",
+})
+"""Variables of this machine or login session that a remote host sets for itself (horovodrun leaves out
+``OLDPWD``, ``BASH_FUNC_*`` and ``CUDA_VISIBLE_DEVICES`` too); never sent with ``--remote-env all``."""
+
+HOST_SPECIFIC_PREFIXES = ("SSH_", "XDG_", "BASH_FUNC_")
+
+
+def _host_specific(name: str) -> bool:
+    return name in HOST_SPECIFIC or name.startswith(HOST_SPECIFIC_PREFIXES)
+
 
 def remote_env(env: Mapping[str, str]) -> dict[str, str]:
-    """What of a worker's environment is sent to another host: roundel's and Horovod's identity and
-    settings variables (``ROUNDEL_*``, ``HOROVOD_*``), ``NCCL_*``, ``GLOO_*``, the names in
-    FORWARDED_NAMES, and those listed in ``ROUNDEL_FORWARD_ENV`` (the ``-x`` ones). Nothing else of the
-    launcher's environment (credentials, tokens, this host's session) leaves this machine."""
+    """What of a worker's environment ``env`` is sent to another host (over ssh's stdin, never on a
+    command line), by ``env[REMOTE_ENV]``:
+
+    ``all`` (default), as horovodrun exports it: every variable except HOST_SPECIFIC ones (this
+    machine's name, working directory, login session, terminal, ssh agent, GPUs: the remote host has
+    its own). ``listed``: only roundel's and Horovod's identity and settings variables (``ROUNDEL_*``,
+    ``HOROVOD_*``), ``NCCL_*``, ``GLOO_*`` and FORWARDED_NAMES; nothing else (credentials, tokens)
+    leaves this machine. The ``-x`` names (``ROUNDEL_FORWARD_ENV``) are sent in both modes.
+    Raises ValueError for another mode."""
+    mode = env.get(REMOTE_ENV) or "all"
+    if mode not in REMOTE_ENV_MODES:
+        raise ValueError(f"{REMOTE_ENV}={mode!r}: use one of {', '.join(REMOTE_ENV_MODES)}")
     extra = {name for name in env.get(FORWARD_VARS, "").split(",") if name}
+    if mode == "all":
+        return {k: v for k, v in env.items() if k in extra or not _host_specific(k)}
     return {k: v for k, v in env.items()
             if k in FORWARDED_NAMES or k in extra or k.startswith(FORWARDED_PREFIXES)}
 
@@ -343,8 +377,8 @@ def start_remote(slot: SlotInfo, command: list[str], env: Mapping[str, str], ren
 
     The remote side runs ``cd CWD && exec PYTHON -m roundel.runner.remote`` with
     this machine's working directory and interpreter (the same paths must
-    exist there) and gets the environment on stdin (only :func:`remote_env`'s part of
-    ``env``). Raises OSError if ssh cannot be started, ValueError for an unsafe host name.
+    exist there) and gets the environment on stdin (:func:`remote_env`'s part of
+    ``env``: by default all but this host's own variables, as horovodrun). Raises OSError if ssh cannot be started, ValueError for an unsafe host name.
     """
     cwd = cwd or os.getcwd()
     python = python or sys.executable

@@ -282,7 +282,9 @@ def run_elastic(fn: Callable, args: Sequence = (), kwargs: dict | None = None, n
         settings = elastic_driver.ElasticSettings(
             command=[], min_np=min_num_proc, max_np=max_num_proc, discovery=_Polled(discovery),
             blacklist=Blacklist(), elastic_timeout_s=elastic_s, reset_limit=reset_limit, settings_env={},
-            start_timeout_s=start_s, start_worker=slots)
+            start_timeout_s=start_s, start_worker=slots,
+            # a task is the unit Spark retries: a failed one takes out no other task on its machine
+            evict_host_on_failure=False)
         code = elastic_driver.run(settings, server, secret, lambda host: address)
         server.set(elastic_task.DONE_KEY, b"1")
         stage.join(_END_WAIT_S)

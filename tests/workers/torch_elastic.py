@@ -4,7 +4,8 @@ Prints, for the tests to check: ``SEEN <json>`` for
 every batch (epoch, global step, rank, size and the dataset indices);
 ``COMMIT <step> <params json>`` on rank 0 after each commit; ``START <json>``
 on every rank each time the training function starts (step and parameters
-just synced from rank 0); ``RESET <size>`` from the reset callback;
+just synced from rank 0, the identity ``hvd`` gives and the identity
+variables ``HOROVOD_*``/``ROUNDEL_*`` of ``os.environ``); ``RESET <size>`` from the reset callback;
 ``FINAL <json>`` at the end (epoch, step, a fingerprint of the parameters,
 and what an unnamed ``hvd.allgather`` of the ranks returned after training).
 Settings come from the environment: ``EPOCHS``,
@@ -14,7 +15,10 @@ decides, all ranks follow). ``SHARDED=1``: the optimizer shards its state
 (``shard_optimizer_state=True``). ``POWERSGD=1``: PowerSGD(rank=1,
 start_iter=3) compression. ``LOST_AT_STEP``: in the first generation, at
 that step the last rank stops itself (SIGSTOP) and rank 0 reports it lost in
-the rendezvous store, as a rank's heartbeat check does.
+the rendezvous store, as a rank's heartbeat check does. ``EXIT_SCHEDULE``:
+JSON ``{"<generation>": [ranks]}``: those ranks of that generation exit with
+status 1 after ``EXIT_AFTER`` (default 3) steps in it, as Horovod's elastic
+integration tests schedule failures.
 """
 
 import json
@@ -34,6 +38,10 @@ COMMIT_EVERY = int(os.environ.get("COMMIT_EVERY", "1"))
 STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0.05"))
 STOP_FILE = os.environ.get("STOP_FILE")
 LOST_AT_STEP = int(os.environ.get("LOST_AT_STEP", "0"))
+EXIT_SCHEDULE = json.loads(os.environ.get("EXIT_SCHEDULE", "{}"))
+EXIT_AFTER = int(os.environ.get("EXIT_AFTER", "3"))
+IDENTITY_VARS = [prefix + name for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
+                                            "HOSTNAME") for prefix in ("HOROVOD_", "ROUNDEL_")]
 
 hvd.init()
 torch.manual_seed(0)
@@ -80,10 +88,18 @@ def fake_a_lost_rank() -> None:
         runtime.client.set(f"{runtime.prefix}lost/{victim}", json.dumps(report).encode())
 
 
+def generation() -> int:
+    return basics.runtime().elastic.generation
+
+
 @hvd.elastic.run
 def train(state):
-    print("START " + json.dumps({"step": state.step, "rank": hvd.rank(), "size": hvd.size(), "params": params()}),
-          flush=True)
+    print("START " + json.dumps({"step": state.step, "rank": hvd.rank(), "size": hvd.size(), "params": params(),
+                                 "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
+                                 "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
+                                 "env": {name: os.environ.get(name) for name in IDENTITY_VARS}}), flush=True)
+    steps_here = 0
+    exits = hvd.rank() in EXIT_SCHEDULE.get(str(generation()), [])
     while state.epoch < EPOCHS:
         state.sampler.set_epoch(state.epoch)
         for batch_idx, (x, y, idx) in enumerate(loader):
@@ -94,7 +110,11 @@ def train(state):
             optimizer.step()
             state.sampler.record_batch(batch_idx, BATCH)
             state.step += 1
-            if state.step == LOST_AT_STEP and basics.runtime().elastic.generation == 0 and hvd.size() > 1:
+            steps_here += 1
+            if exits and steps_here == EXIT_AFTER:
+                print(f"EXITING generation {generation()} rank {hvd.rank()}", flush=True)
+                os._exit(1)
+            if state.step == LOST_AT_STEP and generation() == 0 and hvd.size() > 1:
                 fake_a_lost_rank()
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
