@@ -44,13 +44,14 @@ def test_elastic_sharded_state_survives_resize_and_kill(tmp_path):
 
     env = {"EPOCHS": 1000, "SAMPLES": 96, "BATCH": 4, "STEP_SLEEP": 0.05, "SHARDED": 1,
            "STOP_FILE": tmp_path / "stop"}
-    job = ElasticJob(tmp_path, "localhost:2\n", str(WORKERS_DIR / "torch_elastic.py"),
+    # one-slot hosts: a failure takes its whole host out, as in Horovod
+    job = ElasticJob(tmp_path, "localhost:1\n127.0.0.2:1\n", str(WORKERS_DIR / "torch_elastic.py"),
                      ("-np", "2", "--min-np", "1", "--elastic-timeout", "60"), env)
     job.wait_count("COMMIT", 5)
-    job.set_hosts("localhost:3\n")
+    job.set_hosts("localhost:1\n127.0.0.2:1\n127.0.0.3:1\n")
     job.wait_count("generation 1: 3 worker(s)", 1)
     job.wait_for(lambda lines: sum("COMMIT" in line for line in lines) >= 15, what="training at 3 ranks")
-    job.kill("localhost:1")
+    job.kill("127.0.0.2:0")
     job.wait_count("generation 2:", 1, timeout=60)
     job.wait_for(lambda lines: sum("COMMIT" in line for line in lines) >= 25, what="training after the kill")
     (tmp_path / "stop").touch()
