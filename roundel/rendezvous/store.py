@@ -160,7 +160,9 @@ class RendezvousServer:
 
     def start(self) -> int:
         """Bind, start serving in the background, and return the port actually bound."""
-        listener = socket.create_server((self.host, self.port), backlog=128)
+        # every worker of a job connects at its start: a short accept queue would drop the SYNs of a
+        # thousand at once, and each dropped one waits out TCP's retransmission (1, 3, 7 s...)
+        listener = socket.create_server((self.host, self.port), backlog=socket.SOMAXCONN)
         self._listener = listener
         self.port = listener.getsockname()[1]
         self._accept_thread = threading.Thread(
