@@ -115,7 +115,7 @@ def test_summarize_prints_phases_and_slowest_ranks_and_writes_a_png(steps_timeli
     assert result.returncode == 0, describe(result)
     out = result.stdout
     for text in ("allreduce.grad.late", "NEGOTIATE_ALLREDUCE", "SHM_ALLREDUCE", "GLOO_ALLTOALL", "QUEUE", "total ms", "mean ms",
-                 "slowest ranks to submit"):
+                 "slowest ranks to submit", "last in", "lag when last ms"):
         assert text in out, out
     ranks_table = out.split("slowest ranks to submit")[1].splitlines()[2:]
     assert ranks_table[0].split()[0] == "1", out  # rank 1 is late every step on 'grad.late'

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ class RankLateness:
     negotiations: int = 0
     times_last: int = 0
     total_lag_us: int = 0
+    lags_when_last_us: list = field(default_factory=list)  # behind the median rank, each time it was last
 
     @property
     def mean_lag_us(self) -> float:
@@ -56,12 +58,17 @@ class Summary:
                          f"{sum(durations) / len(durations) / 1000:>9.3f}")
         lines.append("")
         if self.ranks:
-            lines.append("slowest ranks to submit (lag behind the first rank to submit the same collective):")
+            lines.append("slowest ranks to submit (lag behind the first rank to submit the same collective; "
+                         "last in: share of negotiations it completed, and its median lag behind the median "
+                         "rank then, as the straggler report counts them):")
             lines.append(f"{'rank':>6} {'times last':>11} {'negotiations':>13} {'mean lag ms':>12} "
-                         f"{'total lag ms':>13}")
+                         f"{'total lag ms':>13} {'last in':>8} {'lag when last ms':>17}")
             for late in sorted(self.ranks.values(), key=lambda r: (-r.total_lag_us, r.rank)):
+                when_last = (f"{statistics.median(late.lags_when_last_us) / 1000:>17.3f}"
+                             if late.lags_when_last_us else f"{'-':>17}")
                 lines.append(f"{late.rank:>6} {late.times_last:>11} {late.negotiations:>13} "
-                             f"{late.mean_lag_us / 1000:>12.3f} {late.total_lag_us / 1000:>13.3f}")
+                             f"{late.mean_lag_us / 1000:>12.3f} {late.total_lag_us / 1000:>13.3f} "
+                             f"{late.times_last / late.negotiations:>8.0%} {when_last}")
         else:
             lines.append("no negotiation with more than one rank in this timeline")
         if self.cycles:
@@ -119,4 +126,6 @@ def _count_lateness(ranks: dict, arrived: list) -> None:
         late = ranks.setdefault(rank, RankLateness(rank))
         late.negotiations += 1
         late.total_lag_us += ts - first
-    ranks[arrived[-1][1]].times_last += 1
+    last_ts, last = arrived[-1]
+    ranks[last].times_last += 1
+    ranks[last].lags_when_last_us.append(last_ts - arrived[(len(arrived) - 1) // 2][0])
