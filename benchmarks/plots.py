@@ -36,17 +36,24 @@ def bus_bandwidth_plot(path, sizes: list[int], lines: dict[str, list[float]], ti
 
     ``lines`` maps a label (e.g. "roundel", "raw Gloo") to one bandwidth per size.
     """
+    return _log_log(path, sizes, [_size_label(s) for s in sizes], lines, "message size", "bus bandwidth (GB/s)",
+                    title, rotate=True)
+
+
+def _log_log(path, xs: list, tick_labels: list[str], lines: dict[str, list[float]], xlabel: str, ylabel: str,
+             title: str, rotate: bool = False) -> Path:
+    """One line per label of ``lines`` (a value per x; values <= 0 left out), log-log, ticks at ``xs``."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, values in lines.items():
-        points = [(s, v) for s, v in zip(sizes, values) if v > 0]  # a log axis cannot show 0
-        ax.plot([s for s, _ in points], [v for _, v in points], marker="o", label=label)
+        points = [(x, v) for x, v in zip(xs, values) if v > 0]  # a log axis cannot show 0
+        ax.plot([x for x, _ in points], [v for _, v in points], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xticks(sizes)
-    ax.set_xticklabels([_size_label(s) for s in sizes], rotation=45, ha="right")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(tick_labels, **({"rotation": 45, "ha": "right"} if rotate else {}))
     ax.minorticks_off()
-    ax.set_xlabel("message size")
-    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend()
@@ -92,17 +99,4 @@ def throughput_plot(path, rates: dict[str, tuple[float, float, float]], efficien
 
 def control_scale_plot(path, ranks: list[int], lines: dict[str, list[float]], title: str) -> Path:
     """Milliseconds against the number of ranks, log-log, one line per measure (``control_scale.py``)."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, values in lines.items():
-        ax.plot(ranks, values, marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(ranks)
-    ax.set_xticklabels([f"{n:,}" for n in ranks])
-    ax.minorticks_off()
-    ax.set_xlabel("ranks")
-    ax.set_ylabel("milliseconds")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend()
-    return _save(fig, path)
+    return _log_log(path, ranks, [f"{n:,}" for n in ranks], lines, "ranks", "milliseconds", title)
