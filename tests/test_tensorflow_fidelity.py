@@ -23,7 +23,7 @@ from launch_util import assert_checks_passed, run_job
 pytest.importorskip("tensorflow")
 
 WORKER = "tf_fidelity.py"
-ALL = ("api", "errors", "tape", "sync_bn", "optimizer", "keras")
+ALL = ("api", "errors", "v1graph", "tape", "sync_bn", "optimizer", "keras")
 
 
 def test_tensorflow_fidelity_two_ranks(tmp_path):
