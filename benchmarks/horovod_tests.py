@@ -87,12 +87,15 @@ def main(argv=None) -> int:
     parser.add_argument("test_file", type=Path, help="Horovod's test file, e.g. test/parallel/test_tensorflow.py")
     parser.add_argument("-np", dest="ranks", type=int, default=2, help="ranks per job (default 2)")
     parser.add_argument("-k", dest="keyword", help="only tests whose name contains this")
+    parser.add_argument("--first", action="append", default=[], metavar="WORD",
+                        help="run tests whose name contains WORD before the others (repeatable)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per test (default 300)")
     parser.add_argument("--log-dir", type=Path, help="write each failing test's output here")
     parser.add_argument("--json", type=Path, help="write {test: outcome} here")
     args = parser.parse_args(argv)
     path = args.test_file.resolve()
     tests = test_ids(path, args.keyword)
+    tests.sort(key=lambda t: not any(word in t for word in args.first))  # stable: file order otherwise
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     results = {}
