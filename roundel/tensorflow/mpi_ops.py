@@ -24,8 +24,13 @@ blocks on any, and ranks whose executors reach the ops in different orders
 still match them by name; a blocked wait never holds the inter-op thread
 another submit needs. A ``tf.compat.v1`` graph gets no such edges: there each
 ``Session.run`` evaluates a part of the graph of its own choosing, and it must
-submit exactly the collectives it evaluates (the submits it evaluates have no
-inputs from its waits, so the executor reaches them before it needs them).
+submit exactly the collectives it evaluates. A wait blocks one of the
+session's inter-op threads, so a run of more collectives than threads could
+leave a rank's remaining submits queued behind its blocked waits while the
+other ranks wait for those: unless the user set ``TF_NUM_INTEROP_THREADS``,
+importing this module sets it to at least 64 (TensorFlow reads it when it
+makes its thread pool, for sessions whose config leaves
+``inter_op_parallelism_threads`` at 0; eager execution uses it too).
 
 Mismatches inside a graph reach the user as ``FailedPreconditionError`` as
 eagerly (see ``roundel.tensorflow.tf_errors`` for how).
@@ -44,6 +49,7 @@ TensorFlow error types (see ``roundel.tensorflow.tf_errors``).
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -53,12 +59,14 @@ import torch.utils.dlpack
 
 from roundel.common import basics, buffers, collectives
 from roundel.common.process_sets import global_process_set
-from roundel.errors import CollectiveMismatchError
+from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError
 from roundel.ops import ReduceOp, resolve_op
 from roundel.tensorflow import tf_errors
 from roundel.tensorflow.compression import Compression
 
 tf_errors.install_graph_errors()
+INTEROP_THREADS = max(64, os.cpu_count() or 1)
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(INTEROP_THREADS))  # see the module notes
 
 _do_not_convert = tf.autograph.experimental.do_not_convert
 
@@ -212,9 +220,18 @@ def _collective(kind: str, inputs: list, name, submit, finish, out_dtypes: list,
         # Copies: the engine reads the inputs after this op has returned.
         return np.int64(submit([np.array(a, copy=True) for a in arrays], op_name, True))
 
+    v1_graph = not getattr(graph, "building_function", False)
+
     def wait_np(handle):
         try:
             arrays = finish(collectives.synchronize(int(handle)))
+        except CollectiveDeadlockError as error:
+            if not v1_graph:
+                raise
+            raise CollectiveDeadlockError(
+                f"{error} (in a tf.compat.v1 graph each waiting collective holds one of the session's inter-op "
+                "threads: if the ranks run the same graph, give the session more inter_op_parallelism_threads "
+                "than the collectives one Session.run evaluates)") from error
         except CollectiveMismatchError as error:
             raise tf_errors.graph_error(kind, error) from error
         return [np.asarray(a, dtype=d.as_numpy_dtype) for a, d in zip(arrays, out_dtypes)]

@@ -359,6 +359,7 @@ def scenario_v1graph():
         bad = hvd.allreduce(tf.ones(shape), name="v1.bad")
         bad_root = hvd.broadcast(tf.ones([2]), RANK, name="v1.bad.root")
         after = hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="v1.after")
+        many = [hvd.allreduce(tf.fill([3], float(i + RANK)), op=hvd.Sum) for i in range(24)]
         x = tf.constant(np.arange(4.0, dtype=np.float32) + RANK)
         gathered = hvd.allgather(x)
         g_ag = tf.gradients(gathered, x, tf.ones([4 * SIZE]) * (RANK + 1))[0]
@@ -380,6 +381,9 @@ def scenario_v1graph():
             expect_raises(tf.errors.FailedPreconditionError, lambda: sess.run(bad_root),
                           what="v1 graph broadcast root mismatch")
             close(sess.run(after), [SIZE, SIZE], "v1 allreduce after mismatches")
+            # more collectives in one run than a 2-core machine's default inter-op threads
+            for got, i in zip(sess.run(many), range(24)):
+                close(got, np.full(3, sum(float(i + r) for r in range(SIZE))), f"v1 allreduce {i} of 24 in one run")
             # allgather's gradient: this rank's rows of the ranks' average (as Horovod)
             close(sess.run(g_ag), np.full(4, sum(r + 1.0 for r in range(SIZE)) / SIZE), "v1 allgather gradient")
 
