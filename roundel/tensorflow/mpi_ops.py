@@ -65,8 +65,8 @@ from roundel.tensorflow import tf_errors
 from roundel.tensorflow.compression import Compression
 
 tf_errors.install_graph_errors()
-INTEROP_THREADS = max(64, os.cpu_count() or 1)
-os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(INTEROP_THREADS))  # see the module notes
+_INTEROP_THREADS = max(64, os.cpu_count() or 1)
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(_INTEROP_THREADS))  # see the module notes
 
 _do_not_convert = tf.autograph.experimental.do_not_convert
 
