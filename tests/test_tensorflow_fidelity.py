@@ -5,7 +5,12 @@ every collective, ``alltoall`` returning the pair only with ``splits``, the
 ``*_op`` functions (values read when the op runs, ``process_set_included_op``
 codes), in-place ``broadcast_`` and ``broadcast_object_fn``. ``errors``:
 mismatched collectives raise ``tf.errors.FailedPreconditionError`` (bad
-alltoall splits ``InvalidArgumentError``), and the next collective works.
+alltoall splits ``InvalidArgumentError``) eagerly and in ``tf.function``, and
+the next collective works. ``v1graph``: a TF1-style ``tf.compat.v1`` graph run
+by a ``Session`` as Horovod's tests do (each run submits exactly the
+collectives it evaluates, 24 in one run, ``uint16``,
+``broadcast_global_variables``, ``FailedPreconditionError`` for mismatches,
+allgather's gradient).
 ``tape``: ``DistributedGradientTape(groups=[[...]])`` and
 ``PartialDistributedGradientTape`` against per-rank gradients.
 ``sync_bn``: ``SyncBatchNormalization`` equals ``BatchNormalization`` over the
@@ -23,7 +28,7 @@ from launch_util import assert_checks_passed, run_job
 pytest.importorskip("tensorflow")
 
 WORKER = "tf_fidelity.py"
-ALL = ("api", "errors", "tape", "sync_bn", "optimizer", "keras")
+ALL = ("api", "errors", "v1graph", "tape", "sync_bn", "optimizer", "keras")
 
 
 def test_tensorflow_fidelity_two_ranks(tmp_path):

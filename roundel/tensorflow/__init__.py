@@ -22,7 +22,8 @@ from roundel.tensorflow.compression import Compression
 from roundel.tensorflow.functions import (
     allgather_object, broadcast_global_variables, broadcast_object, broadcast_object_fn, broadcast_variables,
 )
-from roundel.tensorflow import elastic
+from roundel.tensorflow import elastic, util
+from roundel.tensorflow.util import _executing_eagerly
 from roundel.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from roundel.tensorflow.mpi_ops import (
     _allreduce, allgather, allreduce, alltoall, barrier, broadcast, broadcast_, grouped_allgather,

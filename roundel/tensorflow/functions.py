@@ -40,13 +40,17 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 
 @_do_not_convert
 def broadcast_global_variables(root_rank):
-    """Horovod's TF1 helper; TensorFlow 2 has no global variable collection.
+    """Horovod's TF1 helper: in a ``tf.compat.v1`` graph, the op that sets every global variable to the root's.
 
-    Raises RuntimeError pointing to ``broadcast_variables``.
+    Returns the group op of the assignments (run it in the session, as in
+    Horovod). Eagerly (TensorFlow 2 has no global variable collection) it
+    raises RuntimeError pointing to ``broadcast_variables``, as Horovod does.
     """
-    raise RuntimeError("hvd.broadcast_global_variables() needs TF1's global variable collection, which "
-                       "TensorFlow 2 does not have; use hvd.broadcast_variables(model.variables, root_rank) "
-                       "(and the optimizer's variables), or roundel.keras's BroadcastGlobalVariablesCallback")
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution: TensorFlow 2 has "
+                           "no global variable collection; use hvd.broadcast_variables(model.variables, root_rank) "
+                           "(and the optimizer's variables), or roundel.keras's BroadcastGlobalVariablesCallback")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
 @_do_not_convert

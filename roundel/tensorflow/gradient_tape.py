@@ -45,9 +45,11 @@ def reduce_gradients(grads, compression=Compression.none, op=ReduceOp.Average, g
                 grads[i] = tf.convert_to_tensor(g)
                 dense.append(i)
             else:
-                reduced = mpi_ops.allreduce(g, op=op, prescale_factor=prescale, postscale_factor=postscale,
-                                            name=f"{name}.sparse.{i}" if tf.executing_eagerly() else None,
+                reduced = mpi_ops.allreduce(g, op=op, name=f"{name}.sparse.{i}" if tf.executing_eagerly() else None,
                                             process_set=process_set)
+                if prescale * postscale != 1.0:  # allreduce itself refuses factors with IndexedSlices (as Horovod)
+                    scale = tf.cast(prescale * postscale, reduced.values.dtype)
+                    reduced = tf.IndexedSlices(reduced.values * scale, reduced.indices, reduced.dense_shape)
                 results[i] = reduced
         else:
             dense.append(i)

@@ -17,11 +17,23 @@ each collective becomes two ``tf.numpy_function`` ops:
   handle at once (TensorFlow keeps stateful ops in program order), and
 * a stateless *wait* op that blocks until the engine has the result.
 
-Every wait op of a graph is made to run after every submit op of that graph
-that does not itself depend on the wait (control edges added while tracing).
-So a rank submits all the collectives of a step before it blocks on any, and
-ranks whose executors reach the ops in different orders still match them by
-name; a blocked wait never holds the inter-op thread another submit needs.
+Inside a ``tf.function`` every wait op is made to run after every submit op
+of that function that does not itself depend on the wait (control edges added
+while tracing). So a rank submits all the collectives of a step before it
+blocks on any, and ranks whose executors reach the ops in different orders
+still match them by name; a blocked wait never holds the inter-op thread
+another submit needs. A ``tf.compat.v1`` graph gets no such edges: there each
+``Session.run`` evaluates a part of the graph of its own choosing, and it must
+submit exactly the collectives it evaluates. A wait blocks one of the
+session's inter-op threads, so a run of more collectives than threads could
+leave a rank's remaining submits queued behind its blocked waits while the
+other ranks wait for those: unless the user set ``TF_NUM_INTEROP_THREADS``,
+importing this module sets it to at least 64 (TensorFlow reads it when it
+makes its thread pool, for sessions whose config leaves
+``inter_op_parallelism_threads`` at 0; eager execution uses it too).
+
+Mismatches inside a graph reach the user as ``FailedPreconditionError`` as
+eagerly (see ``roundel.tensorflow.tf_errors`` for how).
 
 Names: a ``name=`` you pass is used as is. Inside ``tf.function`` a missing
 name is derived from the function's name and the input tensor's graph name
@@ -37,6 +49,7 @@ TensorFlow error types (see ``roundel.tensorflow.tf_errors``).
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -46,15 +59,19 @@ import torch.utils.dlpack
 
 from roundel.common import basics, buffers, collectives
 from roundel.common.process_sets import global_process_set
-from roundel.errors import CollectiveMismatchError
+from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError
 from roundel.ops import ReduceOp, resolve_op
 from roundel.tensorflow import tf_errors
 from roundel.tensorflow.compression import Compression
 
+tf_errors.install_graph_errors()
+_INTEROP_THREADS = max(64, os.cpu_count() or 1)
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(_INTEROP_THREADS))  # see the module notes
+
 _do_not_convert = tf.autograph.experimental.do_not_convert
 
 _BF16 = tf.bfloat16.as_numpy_dtype
-_SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
+_SUPPORTED = (tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
               tf.float64, tf.bool)
 
 
@@ -203,8 +220,20 @@ def _collective(kind: str, inputs: list, name, submit, finish, out_dtypes: list,
         # Copies: the engine reads the inputs after this op has returned.
         return np.int64(submit([np.array(a, copy=True) for a in arrays], op_name, True))
 
+    v1_graph = not getattr(graph, "building_function", False)
+
     def wait_np(handle):
-        arrays = finish(collectives.synchronize(int(handle)))
+        try:
+            arrays = finish(collectives.synchronize(int(handle)))
+        except CollectiveDeadlockError as error:
+            if not v1_graph:
+                raise
+            raise CollectiveDeadlockError(
+                f"{error} (in a tf.compat.v1 graph each waiting collective holds one of the session's inter-op "
+                "threads: if the ranks run the same graph, give the session more inter_op_parallelism_threads "
+                "than the collectives one Session.run evaluates)") from error
+        except CollectiveMismatchError as error:
+            raise tf_errors.graph_error(kind, error) from error
         return [np.asarray(a, dtype=d.as_numpy_dtype) for a, d in zip(arrays, out_dtypes)]
 
     safe = re.sub(r"[^A-Za-z0-9_.\-/]", "_", kind)
@@ -214,7 +243,8 @@ def _collective(kind: str, inputs: list, name, submit, finish, out_dtypes: list,
     if not isinstance(outputs, (list, tuple)):
         outputs = [outputs]
     outputs = list(outputs)
-    _order(graph, handle.op, outputs[0].op)
+    if getattr(graph, "building_function", False):  # tf.function; a v1 graph gets no edges (see the module notes)
+        _order(graph, handle.op, outputs[0].op)
     for out, shape in zip(outputs, out_shapes):
         out.set_shape(shape)
     return outputs
@@ -299,17 +329,21 @@ def _dense_grouped_allreduce(tensors, name, op, prescale_factor, postscale_facto
 
 @_do_not_convert
 def _sparse_allreduce(slices: tf.IndexedSlices, name, op, prescale_factor, postscale_factor, process_set):
+    if op == ReduceOp.Adasum:
+        raise NotImplementedError("Adasum does not support tf.IndexedSlices; pass sparse_as_dense=True to "
+                                  "DistributedOptimizer (or convert to a dense tensor)")
     if op not in (ReduceOp.Average, ReduceOp.Sum):
         raise NotImplementedError("allreduce of tf.IndexedSlices supports only op=Average and op=Sum; "
                                   "pass sparse_as_dense=True (or convert to a dense tensor) for other ops")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("prescale_factor and postscale_factor are not supported with tf.IndexedSlices")
     values = allgather(slices.values, name=None if name is None else f"{name}.values", process_set=process_set)
     indices = allgather(slices.indices, name=None if name is None else f"{name}.indices",
                         process_set=process_set)
-    scale = prescale_factor * postscale_factor
     if op == ReduceOp.Average:
-        scale /= process_set.size()
-    if scale != 1.0:
-        values = values * tf.constant(scale, dtype=values.dtype)
+        # As Horovod: values / size in the values' dtype, so integers give TensorFlow's true division
+        # (float64 for int32/int64, float32 for smaller integers).
+        values = values / tf.cast(process_set.size(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -392,14 +426,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
         (out,) = _collective("allgather", [x], name, submit, _first_np, [x.dtype], [_gather_shape(x.shape)])
 
         def grad(dy):
-            dy = tf.convert_to_tensor(dy)
-            summed = _dense_allreduce(dy, _grad_name(name), ReduceOp.Sum, 1.0, 1.0, process_set)
-            first = tf.reshape(tf.shape(x, out_type=tf.int64)[0] if x.shape.rank != 0 else
-                               tf.constant(1, tf.int64), [1])
-            dims = allgather(first, name=_grad_name(name, "dims"), process_set=process_set)
-            offset = tf.reduce_sum(dims[:process_set.rank()])
-            piece = summed[offset:offset + first[0]]
-            return tf.reshape(piece, tf.shape(x))
+            return _allgather_grad(x, dy, _grad_name(name), process_set)
 
         return out, grad
 
@@ -407,17 +434,40 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
 
 @_do_not_convert
+def _allgather_grad(x, dy, name, process_set):
+    """The gradient of an allgather of ``x``: this rank's rows of the ranks' average ``dy`` (as Horovod)."""
+    averaged = _dense_allreduce(tf.convert_to_tensor(dy), name, ReduceOp.Average, 1.0, 1.0, process_set)
+    first = tf.reshape(tf.shape(x, out_type=tf.int64)[0] if x.shape.rank != 0 else tf.constant(1, tf.int64), [1])
+    dims = allgather(first, name=_grad_name(name, "dims"), process_set=process_set)
+    offset = tf.reduce_sum(dims[:process_set.rank()])
+    piece = averaged[offset:offset + first[0]]
+    return tf.reshape(piece, tf.shape(x))
+
+
+@_do_not_convert
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """Allgather a list of tensors together; returns the list of results (not differentiable)."""
+    """Allgather a list of tensors together; returns the list of results; differentiable (as ``allgather``)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for t in tensors:
         _check_dtype(t, "grouped_allgather")
 
-    def submit(arrays, nm, own):
-        return collectives.grouped_allgather_async([to_buffer(a) for a in arrays], name=nm, process_set=process_set)
+    @tf.custom_gradient
+    def run(*xs):
+        def submit(arrays, nm, own):
+            return collectives.grouped_allgather_async([to_buffer(a) for a in arrays], name=nm,
+                                                       process_set=process_set)
 
-    return _collective("grouped_allgather", tensors, name, submit, _list_np, [t.dtype for t in tensors],
-                       [_gather_shape(t.shape) for t in tensors])
+        outs = _collective("grouped_allgather", list(xs), name, submit, _list_np, [x.dtype for x in xs],
+                           [_gather_shape(x.shape) for x in xs])
+
+        def grad(*dys):
+            # One allreduce per tensor (as Horovod): their gradients' dtypes may differ.
+            return [_allgather_grad(x, dy, _grad_name(name, f"grad{i}"), process_set)
+                    for i, (x, dy) in enumerate(zip(xs, dys))]
+
+        return outs, grad
+
+    return list(run(*tensors))
 
 
 # ------------------------------------------------------------ broadcast
@@ -437,7 +487,8 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
         (out,) = _collective("broadcast", [x], name, submit, _first_np, [x.dtype], [x.shape])
 
         def grad(dy):
-            reduced = _dense_allreduce(tf.convert_to_tensor(dy), _grad_name(name), ReduceOp.Sum, 1.0, 1.0,
+            # As Horovod: the ranks' average gradient on the root, zeros elsewhere.
+            reduced = _dense_allreduce(tf.convert_to_tensor(dy), _grad_name(name), ReduceOp.Average, 1.0, 1.0,
                                        process_set)
             return reduced if process_set.rank() == root_rank else reduced * 0
 
@@ -511,13 +562,21 @@ def reducescatter(tensor, device_dense="", compression=None, op=ReduceOp.Average
         (out,) = _collective("reducescatter", [x], name, submit, _first_np, [x.dtype], [_gather_shape(x.shape)])
 
         def grad(dy):
-            gathered = allgather(tf.convert_to_tensor(dy), name=_grad_name(name), process_set=process_set)
-            scale = pre * post / (process_set.size() if op == ReduceOp.Average else 1)
-            return gathered * tf.constant(scale, dtype=gathered.dtype) if scale != 1.0 else gathered
+            return _reducescatter_grad(dy, _grad_name(name), op, pre, post, process_set)
 
         return out, grad
 
     return compression.decompress(run(compressed), ctx)
+
+
+@_do_not_convert
+def _reducescatter_grad(dy, name, op, pre, post, process_set):
+    """The gradient of a reducescatter, as Horovod: ``dy`` times size for Sum (1 for Average), pre and post, allgathered."""
+    dy = tf.convert_to_tensor(dy)
+    scale = pre * post * (process_set.size() if op == ReduceOp.Sum else 1)
+    if scale != 1.0:
+        dy = dy * tf.constant(scale, dtype=dy.dtype)
+    return allgather(dy, name=name, process_set=process_set)
 
 
 @_do_not_convert
@@ -528,13 +587,28 @@ def grouped_reducescatter(tensors, device_dense="", compression=None, op=ReduceO
     compression = compression or Compression.none
     compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
 
-    def submit(arrays, nm, own):
-        return collectives.grouped_reducescatter_async([to_buffer(a) for a in arrays], name=nm, op=op,
-                                                prescale_factor=float(prescale_factor),
-                                                postscale_factor=float(postscale_factor), process_set=process_set)
+    pre, post = float(prescale_factor), float(postscale_factor)
+    for c in compressed:
+        _check_dtype(c[0], "grouped_reducescatter")
 
-    outs = _collective("grouped_reducescatter", [c[0] for c in compressed], name, submit, _list_np,
-                       [c[0].dtype for c in compressed], [_gather_shape(c[0].shape) for c in compressed])
+    @tf.custom_gradient
+    def run(*xs):
+        def submit(arrays, nm, own):
+            return collectives.grouped_reducescatter_async([to_buffer(a) for a in arrays], name=nm, op=op,
+                                                           prescale_factor=pre, postscale_factor=post,
+                                                           process_set=process_set)
+
+        outs = _collective("grouped_reducescatter", list(xs), name, submit, _list_np, [x.dtype for x in xs],
+                           [_gather_shape(x.shape) for x in xs])
+
+        def grad(*dys):
+            # One allgather per tensor (as Horovod): their gradients' dtypes may differ.
+            return [_reducescatter_grad(dy, _grad_name(name, f"grad{i}"), op, pre, post, process_set)
+                    for i, dy in enumerate(dys)]
+
+        return outs, grad
+
+    outs = run(*[c[0] for c in compressed])
     return [compression.decompress(o, c[1]) for o, c in zip(outs, compressed)]
 
 

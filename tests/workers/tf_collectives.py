@@ -143,6 +143,15 @@ def scenario_sparse():
     expect_raises(NotImplementedError, lambda: hvd.allreduce(
         tf.IndexedSlices(tf.ones((1, 2)), tf.constant([0]), tf.constant([2, 2])), op=hvd.Max), "sparse_as_dense",
         what="sparse Max")
+    # integer Average: values / size in the values' dtype (TensorFlow's true division: float64), as Horovod
+    ints = tf.IndexedSlices(tf.constant([[RANK + 1, 2]], tf.int32), tf.constant([RANK]), tf.constant([SIZE, 2]))
+    avg = hvd.allreduce(ints, op=hvd.Average, name="sparse.int.avg")
+    assert avg.values.dtype == tf.float64, avg.values.dtype
+    check(avg.values, np.array([[r + 1, 2] for r in range(SIZE)]) / SIZE, "sparse int32 Average values")
+    # pre/postscale factors: NotImplementedError, as Horovod
+    for kwargs in ({"prescale_factor": 0.5}, {"postscale_factor": 0.5}):
+        expect_raises(NotImplementedError, lambda: hvd.allreduce(ints, op=hvd.Sum, **kwargs), "scale",
+                      what=f"sparse {kwargs}")
 
 
 def scenario_grouped():
@@ -363,18 +372,26 @@ def scenario_gradients():
                 a2a = hvd.alltoall(w, name=f"{mode}.g.a2a")
                 a2a = tf.reduce_sum(a2a * (RANK + 1))
                 rs = tf.reduce_sum(hvd.reducescatter(w, op=hvd.Average, name=f"{mode}.g.rs") * (RANK + 1))
-            return [tape.gradient(y, w) for y in (ar, ag, bc, a2a, rs)]
+                rs_sum = tf.reduce_sum(hvd.reducescatter(w, op=hvd.Sum, name=f"{mode}.g.rss") * (RANK + 1))
+                gag = tf.reduce_sum(hvd.grouped_allgather([w, w[:1]], name=f"{mode}.g.gag")[0] * (RANK + 1))
+                grs = tf.reduce_sum(hvd.grouped_reducescatter([w], op=hvd.Sum, name=f"{mode}.g.grs")[0] * (RANK + 1))
+            return [tape.gradient(y, w) for y in (ar, ag, bc, a2a, rs, rs_sum, gag, grs)]
 
-        g_ar, g_ag, g_bc, g_a2a, g_rs = run_in(mode, body)
+        g_ar, g_ag, g_bc, g_a2a, g_rs, g_rs_sum, g_gag, g_grs = run_in(mode, body)
         total = float(sum(r + 1 for r in range(SIZE)))
+        # Horovod's gradients: allreduce reduces the gradients as the forward op; allgather gives this
+        # rank's rows of the ranks' average; broadcast the average on the root, zeros elsewhere;
+        # reducescatter allgathers, times the size for Sum (not divided for Average).
         check(g_ar, np.full((SIZE * 2, 3), total), f"{mode} allreduce gradient")
-        check(g_ag, np.full((SIZE * 2, 3), total), f"{mode} allgather gradient")
-        check(g_bc, np.full((SIZE * 2, 3), total if RANK == 0 else 0.0), f"{mode} broadcast gradient")
+        check(g_ag, np.full((SIZE * 2, 3), total / SIZE), f"{mode} allgather gradient")
+        check(g_gag, np.full((SIZE * 2, 3), total / SIZE), f"{mode} grouped_allgather gradient")
+        check(g_bc, np.full((SIZE * 2, 3), total / SIZE if RANK == 0 else 0.0), f"{mode} broadcast gradient")
         # alltoall: rows sent to rank j come back scaled by (j + 1)
-        check(g_a2a, np.repeat(np.arange(1, SIZE + 1, dtype=np.float64), 2)[:, None] * np.ones((1, 3)),
-              f"{mode} alltoall gradient")
-        check(g_rs, np.repeat(np.arange(1, SIZE + 1, dtype=np.float64), 2)[:, None] * np.ones((1, 3)) / SIZE,
-              f"{mode} reducescatter gradient")
+        by_dest = np.repeat(np.arange(1, SIZE + 1, dtype=np.float64), 2)[:, None] * np.ones((1, 3))
+        check(g_a2a, by_dest, f"{mode} alltoall gradient")
+        check(g_rs, by_dest, f"{mode} reducescatter Average gradient")
+        check(g_rs_sum, by_dest * SIZE, f"{mode} reducescatter Sum gradient")
+        check(g_grs, by_dest * SIZE, f"{mode} grouped_reducescatter Sum gradient")
     del w_ref
 
 

@@ -125,10 +125,18 @@ def scenario_errors():
     expect_raises(tf.errors.InvalidArgumentError,
                   lambda: hvd.alltoall(tf.ones([3]), splits=[5] + [0] * (SIZE - 1), name="err.splits"),
                   what="alltoall splits not summing to the first dimension")
-    # inside tf.function TensorFlow reports a Python op's error as InvalidArgumentError
+    # inside tf.function too: FailedPreconditionError (with the mismatch's own message), splits InvalidArgumentError
+    err = expect_raises(tf.errors.FailedPreconditionError,
+                        lambda: tf.function(lambda: hvd.allreduce(tf.ones(shape), name="err.graph"))(),
+                        "err.graph", what="allreduce shape mismatch in tf.function")
+    assert isinstance(err, hvd.CollectiveMismatchError) and "roundel mismatch #" not in str(err), repr(err)
+    expect_raises(tf.errors.FailedPreconditionError,
+                  lambda: tf.function(lambda: hvd.broadcast(tf.ones([2]), RANK, name="err.graph.root"))(),
+                  what="broadcast root mismatch in tf.function")
     expect_raises(tf.errors.InvalidArgumentError,
-                  lambda: tf.function(lambda: hvd.allreduce(tf.ones(shape), name="err.graph"))(),
-                  what="allreduce shape mismatch in tf.function")
+                  lambda: tf.function(lambda: hvd.alltoall(tf.ones([3]), splits=[5] + [0] * (SIZE - 1),
+                                                           name="err.graph.splits"))(),
+                  what="alltoall bad splits in tf.function")
     # the job stays usable
     close(hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="err.after"), np.full(2, float(SIZE)), "allreduce after errors")
     close(tf.function(lambda: hvd.allgather(tf.constant([RANK])))(), list(range(SIZE)), "allgather after errors")
@@ -335,7 +343,53 @@ def scenario_keras():
     assert state.epoch == 0
 
 
+# ------------------------------------------------------------------ TF1-style graph + Session
+def scenario_v1graph():
+    """Horovod's tests' graph mode: one tf.compat.v1 graph, several Session.run calls over parts of it."""
+    graph = tf.Graph()
+    with graph.as_default():
+        fed = tf.compat.v1.placeholder(tf.float32, [2])
+        a = hvd.allreduce(fed, op=hvd.Sum)                       # needs the placeholder fed
+        b = hvd.allgather(tf.constant([RANK], tf.uint16))         # uint16 travels
+        c = hvd.broadcast(tf.constant([RANK + 1] * 2, tf.uint16), 0)
+        d = hvd.alltoall(tf.constant([RANK] * SIZE, tf.uint16))
+        v = tf.compat.v1.Variable([float(RANK)] * 2, use_resource=False)
+        bcast_globals = hvd.broadcast_global_variables(0)
+        shape = [2] if RANK == 0 else [3]
+        bad = hvd.allreduce(tf.ones(shape), name="v1.bad")
+        bad_root = hvd.broadcast(tf.ones([2]), RANK, name="v1.bad.root")
+        after = hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="v1.after")
+        many = [hvd.allreduce(tf.fill([3], float(i + RANK)), op=hvd.Sum) for i in range(24)]
+        x = tf.constant(np.arange(4.0, dtype=np.float32) + RANK)
+        gathered = hvd.allgather(x)
+        g_ag = tf.gradients(gathered, x, tf.ones([4 * SIZE]) * (RANK + 1))[0]
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            # Each run submits exactly what it evaluates: running b..d again and again never resends a
+            # (whose placeholder is not fed there), and nothing is left in flight for the next run.
+            for step in range(3):
+                got_b, got_c, got_d = sess.run([b, c, d])
+                close(got_b, list(range(SIZE)), f"v1 uint16 allgather, run {step}")
+                close(got_c, [1, 1], f"v1 uint16 broadcast, run {step}")
+                close(got_d, list(range(SIZE)), f"v1 uint16 alltoall, run {step}")
+                close(sess.run(a, {fed: [1.0, float(step)]}), [SIZE, SIZE * step], f"v1 fed allreduce, run {step}")
+            sess.run(bcast_globals)
+            close(sess.run(v), [0.0, 0.0], "broadcast_global_variables in a v1 graph")
+            err = expect_raises(tf.errors.FailedPreconditionError, lambda: sess.run(bad), "v1.bad",
+                                what="v1 graph shape mismatch")
+            assert isinstance(err, hvd.CollectiveMismatchError), repr(err)
+            expect_raises(tf.errors.FailedPreconditionError, lambda: sess.run(bad_root),
+                          what="v1 graph broadcast root mismatch")
+            close(sess.run(after), [SIZE, SIZE], "v1 allreduce after mismatches")
+            # more collectives in one run than a 2-core machine's default inter-op threads
+            for got, i in zip(sess.run(many), range(24)):
+                close(got, np.full(3, sum(float(i + r) for r in range(SIZE))), f"v1 allreduce {i} of 24 in one run")
+            # allgather's gradient: this rank's rows of the ranks' average (as Horovod)
+            close(sess.run(g_ag), np.full(4, sum(r + 1.0 for r in range(SIZE)) / SIZE), "v1 allgather gradient")
+
+
 SCENARIOS = {
+    "v1graph": scenario_v1graph,
     "api": scenario_api,
     "errors": scenario_errors,
     "tape": scenario_tape,
