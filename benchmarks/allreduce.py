@@ -46,7 +46,7 @@ loopback TCP; the header names roundel's transport. With
 ``ROUNDEL_SHARED_MEMORY=0`` roundel runs on Gloo too, which isolates what its
 engine costs over the same transport.
 
-Only rank 0 prints; the tables are Markdown, ready to paste into README.md.
+Only rank 0 prints; the tables are Markdown, ready to paste into docs/performance.md.
 Rank 0 also draws bus bandwidth against message size (log-log, one line for
 roundel, one for the raw baseline) into a PNG, ``--plot PATH`` (default
 ``allreduce.png`` in the current directory), and prints where it is.

@@ -2,7 +2,7 @@
 
 Run it with plain ``python``; it starts every job itself, on this machine only::
 
-    python benchmarks/autotune.py --rounds 3 --steps 10  # the README's run: 3 rounds of the three jobs below
+    python benchmarks/autotune.py --rounds 3 --steps 10  # the run in docs/autotune.md: 3 rounds of the three jobs below
     python benchmarks/autotune.py --rounds 1 --max-samples 8 --steps-per-sample 2   # shorter, noisier
 
 Three ``roundelrun -np 2`` jobs train the MLP of ``benchmarks/torch_training.py``

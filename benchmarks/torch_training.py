@@ -58,7 +58,7 @@ flight; process CPU minus training-thread CPU is what the communication
 machinery (roundel's engine threads, Gloo's threads) costs per step, which on
 a machine whose cores are all busy training comes straight out of throughput.
 
-Output: a Markdown table, ready for README.md: samples/sec of each (median
+Output: a Markdown table, ready for docs/performance.md: samples/sec of each (median
 over every span, with the range), ms per step and its split, CPU per step,
 then roundel / DDP (the ratio of the medians, and of each round's or span
 pair's figures, which ran close together in time), each against the

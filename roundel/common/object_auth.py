@@ -66,9 +66,9 @@ def unseal(secret: bytes, generation: str, name: str, sequence: int, sender: int
             raise RoundelInternalError(
                 f"object from rank {sender} in {name!r} was replayed: it was sent for call {claimed} of that "
                 f"name, and this is call {sequence}; refusing to unpickle it (old bytes injected on the "
-                "network?). Fence the job's network (see roundel's README, 'Network exposure')")
+                "network?). Fence the job's network (see docs/security.md in roundel's repository, 'Network exposure')")
     raise RoundelInternalError(
         f"object from rank {sender} failed authentication in {name!r}: its bytes were not sent by a rank of "
         "this job for this call (injected or altered on the network, or replayed from an earlier init() or "
-        "elastic generation?); refusing to unpickle them. Fence the job's network (see roundel's README, "
-        "'Network exposure')")
+        "elastic generation?); refusing to unpickle them. Fence the job's network (see docs/security.md "
+        "in roundel's repository, 'Network exposure')")

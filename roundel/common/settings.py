@@ -24,7 +24,7 @@ _LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Validated engine and job settings (see README "Settings" for each one)."""
+    """Validated engine and job settings (see docs/settings.md for each one)."""
 
     fusion_threshold: int = 128 * MIB
     cycle_time_ms: float = 1.0
@@ -63,7 +63,7 @@ class Settings:
         """Read and validate every setting; raise SettingsError naming the bad variable."""
         env = os.environ if environ is None else environ
         values = {}
-        for spec in _SPECS:
+        for spec in SPECS:
             raw, var = _lookup(env, spec.suffix)
             if raw is None:
                 continue
@@ -72,10 +72,14 @@ class Settings:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Spec:
+class Spec:
+    """One setting: its ``Settings`` field, its variable (``ROUNDEL_``/``HOROVOD_`` + ``suffix``), how its
+    value is read, and what it means (for the settings reference page)."""
+
     field: str
     suffix: str
     parse: Callable[[str, str], object]
+    meaning: str
 
 
 def _lookup(env: Mapping[str, str], suffix: str) -> tuple[str | None, str]:
@@ -187,36 +191,71 @@ def _fraction(var: str, raw: str) -> float:
     return value
 
 
-_SPECS = (
-    _Spec("fusion_threshold", "FUSION_THRESHOLD", _int(0, "134217728 (128 MiB; 0 disables fusion)")),
-    _Spec("cycle_time_ms", "CYCLE_TIME", _float(0.0, "1 (milliseconds)")),
-    _Spec("cache_capacity", "CACHE_CAPACITY", _int(0, "1024 (0 disables the response cache)")),
-    _Spec("stall_check_time_s", "STALL_CHECK_TIME_SECONDS", _float(0.0, "60", strictly_above=True)),
-    _Spec("stall_check_enabled", "STALL_CHECK_DISABLE", _not_bool),
-    _Spec("stall_shutdown_time_s", "STALL_SHUTDOWN_TIME_SECONDS", _float(0.0, "600 (0 never shuts down)")),
-    _Spec("collective_timeout_s", "GLOO_TIMEOUT_SECONDS", _float(0.0, "60", strictly_above=True)),
-    _Spec("start_timeout_s", "START_TIMEOUT", _float(0.0, "30", strictly_above=True)),
-    _Spec("heartbeat_timeout_s", "HEARTBEAT_TIMEOUT_SECONDS", _float(0.0, "15", strictly_above=True)),
-    _Spec("timeline_filename", "TIMELINE", _text),
-    _Spec("timeline_mark_cycles", "TIMELINE_MARK_CYCLES", _bool),
-    _Spec("autotune", "AUTOTUNE", _bool),
-    _Spec("autotune_log", "AUTOTUNE_LOG", _text),
-    _Spec("autotune_warmup_samples", "AUTOTUNE_WARMUP_SAMPLES", _int(0, "3")),
-    _Spec("autotune_steps_per_sample", "AUTOTUNE_STEPS_PER_SAMPLE", _int(1, "10")),
-    _Spec("autotune_bayes_opt_max_samples", "AUTOTUNE_BAYES_OPT_MAX_SAMPLES", _int(0, "20")),
-    _Spec("autotune_gaussian_process_noise", "AUTOTUNE_GAUSSIAN_PROCESS_NOISE", _fraction),
-    _Spec("hierarchical_allreduce", "HIERARCHICAL_ALLREDUCE", _bool),
-    _Spec("hierarchical_allgather", "HIERARCHICAL_ALLGATHER", _bool),
-    _Spec("torus_allreduce", "TORUS_ALLREDUCE", _bool),
-    _Spec("elastic_timeout_s", "ELASTIC_TIMEOUT", _float(0.0, "600", strictly_above=True)),
-    _Spec("log_level", "LOG_LEVEL", _log_level),
-    _Spec("log_hide_time", "LOG_HIDE_TIME", _bool),
-    _Spec("cpu_operations", "CPU_OPERATIONS", _cpu_operations),
-    _Spec("gpu_operations", "GPU_OPERATIONS", _gpu_operations),
-    _Spec("bucket_cap_mb", "BUCKET_CAP_MB", _float(0.0, "25 (MiB per gradient bucket; 0 reduces each gradient alone)")),
-    _Spec("coordinator_reduce_bytes", "COORDINATOR_REDUCE_BYTES", _coordinator_reduce_bytes),
-    _Spec("shared_memory", "SHARED_MEMORY", _bool),
-    _Spec("straggler_report", "STRAGGLER_REPORT", _straggler_report),
-    _Spec("metrics_port", "METRICS_PORT", _metrics_port),
-    _Spec("disable_group_fusion", "DISABLE_GROUP_FUSION", _bool),
+SPECS = (
+    Spec("fusion_threshold", "FUSION_THRESHOLD", _int(0, "134217728 (128 MiB; 0 disables fusion)"),
+         "largest fused buffer in bytes; 0 disables fusion"),
+    Spec("cycle_time_ms", "CYCLE_TIME", _float(0.0, "1 (milliseconds)"),
+         "while a reduction is running, how long ready tensors wait (milliseconds) to be fused together"),
+    Spec("cache_capacity", "CACHE_CAPACITY", _int(0, "1024 (0 disables the response cache)"),
+         "names remembered for one-bit negotiation; 0 disables the response cache"),
+    Spec("stall_check_time_s", "STALL_CHECK_TIME_SECONDS", _float(0.0, "60", strictly_above=True),
+         "seconds a collective may wait for some ranks before the stall warning"),
+    Spec("stall_check_enabled", "STALL_CHECK_DISABLE", _not_bool,
+         "1 turns the stall warning off"),
+    Spec("stall_shutdown_time_s", "STALL_SHUTDOWN_TIME_SECONDS", _float(0.0, "600 (0 never shuts down)"),
+         "fail a collective that stalled this many seconds (0: never)"),
+    Spec("collective_timeout_s", "GLOO_TIMEOUT_SECONDS", _float(0.0, "60", strictly_above=True),
+         "longest wait inside one transfer, in seconds (Horovod: 30; a stopped or lost peer is caught by "
+         "the heartbeat)"),
+    Spec("start_timeout_s", "START_TIMEOUT", _float(0.0, "30", strictly_above=True),
+         "how long ranks wait for each other at init(), in seconds"),
+    Spec("heartbeat_timeout_s", "HEARTBEAT_TIMEOUT_SECONDS", _float(0.0, "15", strictly_above=True),
+         "a rank silent this many seconds is declared lost (roundel only)"),
+    Spec("timeline_filename", "TIMELINE", _text,
+         "write a timeline to this file (DYNAMIC: start it later with hvd.start_timeline)"),
+    Spec("timeline_mark_cycles", "TIMELINE_MARK_CYCLES", _bool,
+         "1 marks each engine cycle in the timeline"),
+    Spec("autotune", "AUTOTUNE", _bool,
+         "1 tunes fusion threshold, cycle time and response cache while the job runs"),
+    Spec("autotune_log", "AUTOTUNE_LOG", _text,
+         "autotune writes each sample to this CSV file"),
+    Spec("autotune_warmup_samples", "AUTOTUNE_WARMUP_SAMPLES", _int(0, "3"),
+         "samples autotune discards before tuning"),
+    Spec("autotune_steps_per_sample", "AUTOTUNE_STEPS_PER_SAMPLE", _int(1, "10"),
+         "steps per autotune sample (at least 1)"),
+    Spec("autotune_bayes_opt_max_samples", "AUTOTUNE_BAYES_OPT_MAX_SAMPLES", _int(0, "20"),
+         "most samples of autotune's Bayesian optimization"),
+    Spec("autotune_gaussian_process_noise", "AUTOTUNE_GAUSSIAN_PROCESS_NOISE", _fraction,
+         "noise of autotune's Gaussian process, between 0 and 1"),
+    Spec("hierarchical_allreduce", "HIERARCHICAL_ALLREDUCE", _bool,
+         "1: allreduce through one leader per host when the job spans hosts with equal slots"),
+    Spec("hierarchical_allgather", "HIERARCHICAL_ALLGATHER", _bool,
+         "1: allgather through one leader per host when the job spans hosts with equal slots"),
+    Spec("torus_allreduce", "TORUS_ALLREDUCE", _bool,
+         "read and validated; no effect yet"),
+    Spec("elastic_timeout_s", "ELASTIC_TIMEOUT", _float(0.0, "600", strictly_above=True),
+         "elastic: how long to wait for --min-np slots, in seconds"),
+    Spec("log_level", "LOG_LEVEL", _log_level,
+         "trace, debug, info, warning, error or fatal"),
+    Spec("log_hide_time", "LOG_HIDE_TIME", _bool,
+         "1 drops the time from roundel's log lines"),
+    Spec("cpu_operations", "CPU_OPERATIONS", _cpu_operations,
+         "transport of CPU tensors: gloo, or mpi under mpirun"),
+    Spec("gpu_operations", "GPU_OPERATIONS", _gpu_operations,
+         "transport of CUDA tensors: nccl, or gloo/mpi through host memory"),
+    Spec("bucket_cap_mb", "BUCKET_CAP_MB", _float(0.0, "25 (MiB per gradient bucket; 0 reduces each gradient alone)"),
+         "default gradient bucket size (MiB) of the torch DistributedOptimizer; 0 reduces each gradient "
+         "alone (roundel only)"),
+    Spec("coordinator_reduce_bytes", "COORDINATOR_REDUCE_BYTES", _coordinator_reduce_bytes,
+         "CPU allreduces up to this many bytes are reduced by rank 0's coordinator from data sent with the "
+         "requests; 0 sends all over the transport; at most 65536 (roundel only)"),
+    Spec("shared_memory", "SHARED_MEMORY", _bool,
+         "on one host, collectives go through shared memory; 0 keeps them on Gloo (roundel only)"),
+    Spec("straggler_report", "STRAGGLER_REPORT", _straggler_report,
+         "1: rank 0 prints each rank's lag behind the others when the job ends; auto: when it ran longer "
+         "than a minute (roundel only)"),
+    Spec("metrics_port", "METRICS_PORT", _metrics_port,
+         "[HOST:]PORT where rank 0 serves the job's counters for Prometheus (roundel only)"),
+    Spec("disable_group_fusion", "DISABLE_GROUP_FUSION", _bool,
+         "1: a grouped call's tensors are fused only with each other"),
 )

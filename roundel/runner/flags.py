@@ -243,8 +243,8 @@ def _bit(value: bool) -> str:
     return "1" if value else "0"
 
 
-# (dest, flag, variable, conversion); a dest left at None sets nothing
-_ENV_FLAGS = (
+# The flags that set a setting: (dest, flag, variable, conversion); a dest left at None sets nothing
+ENV_FLAGS = (
     ("fusion_threshold_mb", "--fusion-threshold-mb", "ROUNDEL_FUSION_THRESHOLD", lambda v: str(int(v * MIB))),
     ("bucket_cap_mb", "--bucket-cap-mb", "ROUNDEL_BUCKET_CAP_MB", repr),
     ("cycle_time_ms", "--cycle-time-ms", "ROUNDEL_CYCLE_TIME", lambda v: repr(float(v))),
@@ -287,7 +287,7 @@ def settings_env(args: argparse.Namespace) -> dict[str, str]:
 
     The whole worker environment (this one, overridden by these) is validated too."""
     env: dict[str, str] = {}
-    for dest, flag, var, convert in _ENV_FLAGS:
+    for dest, flag, var, convert in ENV_FLAGS:
         value = getattr(args, dest, None)
         if value is None:
             continue

@@ -435,7 +435,7 @@ def _known_cause(worker: Worker) -> str:
     return ("; it ran out of file descriptors (Gloo aborts a rank that runs out while accepting connections, "
             "as a burst of connections to its port from outside the job can make it): raise the hard open-file "
             "limit (ulimit -Hn), run the job on a private interface (--network-interface) or firewall its ports; "
-            "see roundel's README, 'Network exposure'")
+            "see docs/security.md in roundel's repository, 'Network exposure'")
 
 
 def own_exit_code(worker: Worker, server=None) -> int:

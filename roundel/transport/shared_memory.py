@@ -273,6 +273,7 @@ class SharedMemoryBackend(Backend):
     def carrier(self, op_label: str) -> str:
         return self.name if op_label in _OWN else self.inner.carrier(op_label)
 
+    @torch.no_grad()  # a transport moves data; autograd is the adapters' business
     def allreduce(self, tensor, op):
         if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.allreduce(tensor, op)
@@ -280,7 +281,7 @@ class SharedMemoryBackend(Backend):
 
     fused_dtypes = frozenset(dtype for dtype in ARITHMETIC_DTYPES if not widens(dtype))
 
-    @torch.no_grad()  # outputs may be tensors that require grad (a parameter's .grad, say)
+    @torch.no_grad()  # a transport moves data; autograd is the adapters' business
     def allreduce_fused(self, inputs: list, outputs: list, op, prescale: float, postscale: float) -> None:
         """Allreduce ``inputs`` as the executor's fusion buffer of them would be (see ``Backend``).
 
@@ -294,6 +295,7 @@ class SharedMemoryBackend(Backend):
         self._reduce_pieces([t.view(-1) for t in inputs], [t.view(-1) for t in outputs], op,
                             on_copy, prescale, postscale)
 
+    @torch.no_grad()  # a transport moves data; autograd is the adapters' business
     def reduce(self, tensor, root: int, op) -> None:
         """Reduce ``tensor`` into the root member's copy (the others' are left as they were)."""
         if tensor.dtype not in ARITHMETIC_DTYPES:
@@ -354,18 +356,21 @@ class SharedMemoryBackend(Backend):
             if targets is not None:
                 _copy_out(targets, pieces[-1][1], banks[-1][1])
 
+    @torch.no_grad()  # a transport moves data; autograd is the adapters' business
     def allgather(self, output, tensor):
         if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.allgather(output, tensor)
         rows = output.view(self.size, -1)
         self._gather(tensor, [rows[member] for member in range(self.size)])
 
+    @torch.no_grad()  # a transport moves data; autograd is the adapters' business
     def gather(self, outputs: list, tensor, root: int) -> None:
         """Gather ``tensor`` from every member into the root's ``outputs`` (one tensor per member)."""
         if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.gather(outputs, tensor, root)
         self._gather(tensor, outputs if self.rank == root else None)
 
+    @torch.no_grad()  # a transport moves data; autograd is the adapters' business
     def broadcast(self, tensor, root):
         if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.broadcast(tensor, root)
@@ -390,13 +395,13 @@ class SharedMemoryBackend(Backend):
             slots[self.rank].copy_(part)
             self._barrier.wait()
             if outputs is not None:
-                with torch.no_grad():  # outputs may be views made under no_grad (unbind's, say)
-                    for output, slot in zip(outputs, slots):
-                        output.view(-1)[start:start + part.numel()].copy_(slot)
+                for output, slot in zip(outputs, slots):
+                    output.view(-1)[start:start + part.numel()].copy_(slot)
 
     def alltoall(self, output, tensor, output_splits, input_splits):
         self.inner.alltoall(output, tensor, output_splits, input_splits)
 
+    @torch.no_grad()  # a transport moves data; autograd is the adapters' business
     def reducescatter(self, output, tensor, op):
         """Reduce every member's ``tensor`` and leave this member's chunk of the result in ``output``.
 

@@ -340,8 +340,8 @@ def scenario_load_model():
     """hvd.load_model re-wraps the saved optimizer (Adam; roundel's NovoGrad) with its state; saves again."""
     from roundel.keras.optimizers import NovoGrad
     x, y = data(RANK)
-    path = os.path.join(tempfile.gettempdir(), f"roundel_keras_{os.environ.get('ROUNDEL_RENDEZVOUS_PORT', 'x')}"
-                        f"_{os.getppid()}.keras")
+    path = hvd.allgather_object(os.path.join(tempfile.gettempdir(), f"roundel_keras_{os.getpid()}.keras"),
+                                name="load_model.path")[0]  # rank 0's file, the same name on every rank
     for make_opt in (lambda: keras.optimizers.Adam(0.01), lambda: NovoGrad(0.01, weight_decay=1e-3, amsgrad=True)):
         model = make_model()
         model.compile(optimizer=hvd.DistributedOptimizer(make_opt()), loss="mse", run_eagerly=True)
