@@ -28,7 +28,8 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 # Horovod internals that Horovod's test utilities import, served by test-only stand-ins.
-_SHIMS = {"horovod.runner.util": "horovod._shims", "horovod.runner.util.threads": "horovod._shims.threads"}
+_SHIMS = {"horovod.runner.util": "horovod._shims", "horovod.runner.util.threads": "horovod._shims.threads",
+          "horovod.common.util": "horovod._shims.common_util"}
 # Served only where roundel lacks the module (to measure an older roundel the same way).
 _FALLBACKS = {"horovod.tensorflow.util": "horovod._shims.tf_util"}
 
