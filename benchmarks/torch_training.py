@@ -91,6 +91,8 @@ import sys
 import time
 from pathlib import Path
 
+from peer_group import start_gloo_group  # benchmarks/peer_group.py, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # models.py
 
@@ -307,8 +309,7 @@ def interleaved_worker(args) -> None:
     baseline span rank 0 trains alone while the other ranks wait in a
     barrier (blocked in a socket read, using no CPU).
     """
-    import socket
-
+    
     import torch
     import torch.distributed as dist
 
@@ -317,13 +318,7 @@ def interleaved_worker(args) -> None:
     torch.set_num_threads(args.threads)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    address = None
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            address = ("127.0.0.1", s.getsockname()[1])
-    host, port = hvd.broadcast_object(address, root_rank=0, name="bench.store")
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=size)
+    start_gloo_group(hvd)
     kinds = [k for k in IMPLEMENTATIONS if k in args.only]
     trainers = {k: Trainer(k, args, rank, 1 if k == "single" else size) for k in kinds}
     for kind, trainer in trainers.items():

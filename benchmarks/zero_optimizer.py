@@ -24,9 +24,10 @@ the ratios sharded / zero and sharded / plain.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
+
+from peer_group import start_gloo_group  # benchmarks/peer_group.py, beside this script
 
 
 def parse():
@@ -58,13 +59,7 @@ def main():
     torch.set_num_threads(args.threads)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    address = None
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            address = ("127.0.0.1", s.getsockname()[1])
-    host, port = hvd.broadcast_object(address, root_rank=0, name="bench.store")
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=size)
+    start_gloo_group(hvd)
 
     def make_model():
         torch.manual_seed(0)
