@@ -56,6 +56,7 @@ Exit status is 0 on success and 1 if any result was wrong (on any rank).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import socket
@@ -386,6 +387,18 @@ def plot_bandwidth(path, rows, world: int, backend: str):
                               f"roundel on {backend} vs {RAW.label}, torch {torch.__version__}")
 
 
+def write_json(path, rows, many, world: int, transport: str, threads: int, backend: str) -> None:
+    """Write the measured times (seconds per call, medians) for other scripts to read."""
+    record = {"world": world, "transport": transport, "raw": RAW.label, "backend": backend,
+              "threads": threads, "cores": os.cpu_count(), "torch": torch.__version__,
+              "sizes": [{"bytes": nbytes, "roundel_s": t_roundel, "raw_s": t_raw, "iters": iters, "ok": ok}
+                        for nbytes, t_roundel, t_raw, iters, ok in rows],
+              "many": None if many is None else {"count": many["count"], "numel": many["numel"],
+                                                 "seconds": many["times"]}}
+    with open(path, "w") as out:
+        json.dump(record, out, indent=1)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -404,6 +417,8 @@ def parse_args(argv=None):
                    help="torch intra-op threads per rank (default: CPU cores / ranks on this host)")
     p.add_argument("--plot", default="allreduce.png", metavar="PATH",
                    help="PNG of bus bandwidth vs message size, written by rank 0 (default: %(default)s)")
+    p.add_argument("--json", metavar="PATH",
+                   help="also write the figures as JSON, by rank 0 (read by benchmarks/scaling.py)")
     opts = p.parse_args(argv)
     if opts.sizes is None:
         opts.sizes = QUICK_SIZES if opts.quick else FULL_SIZES
@@ -451,6 +466,8 @@ def main(argv=None) -> int:
                   f"{opts.rounds} alternating rounds (median){', --quick' if opts.quick else ''}.")
         print_report(header, rows, many, idle, world)
         plot = plot_bandwidth(opts.plot, rows, world, transport)
+        if opts.json:
+            write_json(opts.json, rows, many, world, transport, threads, opts.backend)
         verdict = "FAILED: some results were wrong" if failed else "all results correct"
         print(f"{verdict}; total {time.perf_counter() - started:.1f} s; plot: {plot}", flush=True)
 

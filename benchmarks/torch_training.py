@@ -138,6 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--interleaved", action="store_true",
                    help="run roundel, DDP and the baseline in the same processes under roundelrun, alternating "
                         "span by span (fairer on a busy machine) instead of as separate jobs")
+    p.add_argument("--json", metavar="PATH", help="also write each run's samples/sec (median, spans) as JSON")
     p.add_argument("--plot", default="torch_training.png", metavar="PATH",
                    help="PNG of samples/sec per run and scaling efficiency")
     p.add_argument("--worker", choices=IMPLEMENTATIONS + ("interleaved",), help=argparse.SUPPRESS)  # by the driver
@@ -492,6 +493,14 @@ def driver(args) -> None:
     print()
     print(report(args, results, pairs, label))
     print(f"\nplot: {plot(args, results)}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"model": args.model, "np": args.np, "batch_size": args.batch_size,
+                       "threads": args.threads, "interleaved": args.interleaved, "pairs": pairs,
+                       "runs": {kind: {"ranks": runs[0]["size"],
+                                       "samples_per_s": statistics.median(x for r in runs for x in r["rates"]),
+                                       "spans": [x for r in runs for x in r["rates"]]}
+                                for kind, runs in results.items() if runs}}, out, indent=1)
 
 
 def main(argv=None) -> None:
