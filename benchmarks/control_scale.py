@@ -36,6 +36,9 @@ every one has read the job's layout the launcher publishes then.
 
     python benchmarks/control_scale.py --ranks 16,64,256,1024 [--workers 4] [--json out.json] [--plot out.png]
 
+The output ends with one line per size that other tools can read:
+``control_scale: ranks=N connect_s=.. first_step_s=.. steady_cpu_ms=.. steady_latency_ms=..``.
+
 On a machine with fewer cores than worker processes + 1, rank 0 shares its
 cores with the simulated ranks: the figures are then an upper bound.
 """
@@ -402,6 +405,11 @@ def main() -> None:
             json.dump({"cores": os.cpu_count(), "names": NAMES, "results": results, "fits": fits,
                        "store": store}, out, indent=2)
         print(f"\nwrote {args.json}")
+    print()
+    for row in results:  # one line per size, for other tools to read
+        print(f"control_scale: ranks={row['ranks']} connect_s={row['connect_s']:.3f} "
+              f"first_step_s={row['first_step_ms'] / 1e3:.4f} steady_cpu_ms={row['rank0_cpu_ms_per_step']:.3f} "
+              f"steady_latency_ms={row['cycle_ms']:.3f}")
 
 
 if __name__ == "__main__":

@@ -65,6 +65,10 @@ def test_control_scale_simulation_runs_rank_zero_against_simulated_ranks(tmp_pat
     assert_valid_png(png, result)
     rows = json.loads(figures.read_text())["results"]
     assert [row["ranks"] for row in rows] == [4, 9] and all(row["cycle_ms"] > 0 for row in rows), rows
+    summary = [line for line in result.stdout.splitlines() if line.startswith("control_scale: ")]
+    assert [line.split()[1] for line in summary] == ["ranks=4", "ranks=9"], describe(result)
+    assert all(key in summary[0] for key in ("connect_s=", "first_step_s=", "steady_cpu_ms=",
+                                              "steady_latency_ms=")), summary
 
 
 def test_elastic_reset_benchmark_times_a_reset_after_a_kill(tmp_path):
