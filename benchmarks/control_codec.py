@@ -5,7 +5,7 @@
 For the messages the engine sends, in the steady state of training (the same
 names every step, so the coordinator's batches hold the same Request objects,
 with fresh Batch and Entry objects around them), it times encode + decode with
-``roundel.common.control_codec`` and with pickle (protocol 5), interleaved
+``roundel.common.control.codec`` and with pickle (protocol 5), interleaved
 round by round, and prints the best round of each as microseconds per message
 and their ratio (> 1: the codec is faster). Frames add an HMAC-SHA256 on top
 (about 1 µs for small messages), not counted here.
@@ -16,10 +16,10 @@ from __future__ import annotations
 import pickle
 import timeit
 
-from roundel.common import control_codec
+from roundel.common.control import codec as control_codec
 from roundel.ops import ReduceOp
-from roundel.common.control_messages import Dispatch, Heartbeat, Submit
-from roundel.common.requests import Batch, CachedBatch, Entry, OpKind, Request
+from roundel.common.control.messages import Dispatch, Heartbeat, Submit
+from roundel.common.engine.requests import Batch, CachedBatch, Entry, OpKind, Request
 
 # the parameter count of ResNet-50: its gradients fused into one batch each step
 REQUESTS = [Request(f"grad.layer{i}.weight", OpKind.ALLREDUCE, 0, dtype="float32", shape=(256, 128),

@@ -60,10 +60,10 @@ import time
 import torch
 
 import plots
-from roundel.common import control_channel
-from roundel.common.control_messages import Dispatch, Heartbeat, Submit
-from roundel.common.engine import Engine
-from roundel.common.requests import CachedBatch, OpKind, Request
+from roundel.common.control import channel as control_channel
+from roundel.common.control.messages import Dispatch, Heartbeat, Submit
+from roundel.common.engine.core import Engine
+from roundel.common.engine.requests import CachedBatch, OpKind, Request
 from roundel.common.settings import Settings
 from roundel.rendezvous.store import RendezvousClient, RendezvousServer
 from roundel.transport.backend import Backend

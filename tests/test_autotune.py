@@ -10,12 +10,13 @@ import sys
 import pytest
 
 from launch_util import assert_checks_passed, describe, rank_lines, run_job
-from roundel.common import autotune, control_codec
-from roundel.common.autotune import LOG_COLUMNS, Autotuner, BayesianOptimizer, TunedParams
-from roundel.common.control_messages import Tune
+from roundel.common.engine import autotune
+from roundel.common.control import codec as control_codec
+from roundel.common.engine.autotune import LOG_COLUMNS, Autotuner, BayesianOptimizer, TunedParams
+from roundel.common.control.messages import Tune
 from roundel.errors import SettingsError
-from roundel.common.negotiation import Negotiator
-from roundel.common.requests import Batch, Entry, OpKind, Request
+from roundel.common.engine.negotiation import Negotiator
+from roundel.common.engine.requests import Batch, Entry, OpKind, Request
 from roundel.common.settings import MIB, Settings
 
 

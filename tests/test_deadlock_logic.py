@@ -1,8 +1,8 @@
 """The deadlock rule on its own (no processes): which blocked ranks can never proceed."""
 
-from roundel.common.deadlock import deadlocked_ranks, describe
-from roundel.common.negotiation import JOIN_NAME, Negotiator
-from roundel.common.requests import OpKind, Request
+from roundel.common.engine.deadlock import deadlocked_ranks, describe
+from roundel.common.engine.negotiation import JOIN_NAME, Negotiator
+from roundel.common.engine.requests import OpKind, Request
 
 
 def _waits(*names, kind="allreduce", set_id=0):

@@ -1,8 +1,8 @@
 """More cases of the deadlock rule (see tests/test_deadlock_logic.py for the basic ones)."""
 
-from roundel.common.deadlock import deadlocked_ranks, describe
-from roundel.common.negotiation import JOIN_NAME, Negotiator
-from roundel.common.requests import OpKind, Request
+from roundel.common.engine.deadlock import deadlocked_ranks, describe
+from roundel.common.engine.negotiation import JOIN_NAME, Negotiator
+from roundel.common.engine.requests import OpKind, Request
 
 
 def wait_for(name, set_id=0, kind="allreduce"):

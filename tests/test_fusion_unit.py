@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
-from roundel.common.executor import OWN_CALL_BYTES, Executor, Work
-from roundel.common.handles import Handle
+from roundel.common.engine.executor import OWN_CALL_BYTES, Executor, Work
+from roundel.common.engine.handles import Handle
 from roundel.ops import ReduceOp
-from roundel.common.requests import Batch, Entry, OpKind, Request
+from roundel.common.engine.requests import Batch, Entry, OpKind, Request
 from roundel.transport.backend import Backend
 
 TIMEOUT_S = 20

@@ -37,14 +37,15 @@ LEVELS = {
 ADAPTERS = ("roundel.torch", "roundel.tensorflow", "roundel.keras", "roundel.jax", "roundel.mxnet")
 
 # (importing module, imported package or module) allowed across packages of one layer: Keras runs on
-# TensorFlow; roundel.tensorflow.keras is Horovod's name for the Keras adapter, and TensorFlow's
-# DistributedOptimizer hands Keras optimizers to the Keras one, as Horovod's does.
+# TensorFlow; roundel.tensorflow.keras is Horovod's name for the Keras adapter, and the one door from
+# TensorFlow to it (TensorFlow's DistributedOptimizer hands Keras optimizers on through it, as Horovod's does).
 SIDEWAYS = {
     ("roundel.keras.core", "roundel.tensorflow.gradient_tape"),
     ("roundel.keras.elastic", "roundel.tensorflow.elastic"),
     ("roundel.tensorflow.keras", "roundel.keras"),
-    ("roundel.tensorflow.optimizer", "roundel.keras.core"),
 }
+# Inside roundel.common, the engine and the control wire are rooms of their own; adapters use only the face.
+ROOMS = ("roundel.common.engine", "roundel.common.control")
 # The top-level package's lazy attributes (roundel.run) reach the launcher.
 LAZY = {("roundel", "roundel.runner.run_api")}
 # Imports inside a function, each for a reason other than a cycle.
@@ -119,6 +120,18 @@ def test_imports_only_go_down():
             if LEVELS[other] >= LEVELS[package]:
                 wrong.append(f"{module} -> {target}")
     assert not wrong, "imports that go up or sideways:\n" + "\n".join(wrong)
+
+
+def test_adapters_use_only_the_face_of_roundel_common():
+    wrong = [f"{m} -> {t}" for m, imports in EDGES.items() if _package(m) in ADAPTERS + ("roundel.timeline",)
+             for t, _ in imports if any(t == room or t.startswith(room + ".") for room in ROOMS)]
+    assert not wrong, "adapters reaching into the engine or the control wire:\n" + "\n".join(wrong)
+
+
+def test_the_control_wire_knows_nothing_of_the_face():
+    wrong = [f"{m} -> {t}" for m, imports in EDGES.items() if m.startswith("roundel.common.control")
+             for t, _ in imports if _package(t) == "roundel.common" and not t.startswith(ROOMS)]
+    assert not wrong, wrong
 
 
 def test_launcher_imports_no_adapter():

@@ -15,7 +15,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from launch_util import LAUNCHER, clean_env, _script_path
-from roundel.common.metrics import Metrics
+from roundel.common.engine.metrics import Metrics
 
 
 def _free_port() -> int:

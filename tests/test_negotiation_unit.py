@@ -8,9 +8,9 @@ import itertools
 
 import pytest
 
-from roundel.common.negotiation import JOIN_NAME, Negotiator
+from roundel.common.engine.negotiation import JOIN_NAME, Negotiator
 from roundel.ops import ReduceOp
-from roundel.common.requests import OpKind, Request
+from roundel.common.engine.requests import OpKind, Request
 
 
 def allreduce(name, shape=(4,), dtype="float32", set_id=0, **fields):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from roundel.common.requests import CachedBatch, OpKind, Request
-from roundel.common.response_cache import CoordinatorCache, RankCache
+from roundel.common.engine.requests import CachedBatch, OpKind, Request
+from roundel.common.engine.response_cache import CoordinatorCache, RankCache
 
 
 def requests(name, shape=(4,)):

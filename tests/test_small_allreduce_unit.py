@@ -6,9 +6,9 @@ No processes here; ``test_torch_collectives.py`` checks the results in real jobs
 import pytest
 import torch
 
-from roundel.common import small_allreduce
-from roundel.common.negotiation import JOIN_NAME, Negotiator
-from roundel.common.requests import OpKind, Request
+from roundel.common.engine import small_allreduce
+from roundel.common.engine.negotiation import JOIN_NAME, Negotiator
+from roundel.common.engine.requests import OpKind, Request
 from roundel.ops import ReduceOp
 from roundel.transport.backend import scale
 

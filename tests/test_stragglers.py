@@ -9,7 +9,7 @@ arithmetic is also checked on its own.
 import re
 
 from launch_util import describe, run_job
-from roundel.common.stragglers import WINDOW, StragglerTracker
+from roundel.common.engine.stragglers import WINDOW, StragglerTracker
 
 WORKER = "torch_stragglers.py"
 

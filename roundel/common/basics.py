@@ -18,11 +18,11 @@ import threading
 from datetime import timedelta
 
 from roundel.common import communicator, failures
-from roundel.common.engine import Engine
+from roundel.common.engine.core import Engine
 from roundel.common.process_sets import ProcessSet, global_process_set
-from roundel.common.requests import OpKind, ProcessSetChange, Request
+from roundel.common.engine.requests import OpKind, ProcessSetChange, Request
 from roundel.common.settings import Settings
-from roundel.common.timeline import Timeline
+from roundel.common.engine.timeline import Timeline
 from roundel.errors import NotInitializedError, RoundelInternalError
 from roundel.rendezvous import bootstrap
 from roundel.rendezvous.identity import Identity, detect_launcher

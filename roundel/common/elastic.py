@@ -23,7 +23,7 @@ import re
 import numpy as np
 
 from roundel.common import basics
-from roundel.common.metrics import METRICS
+from roundel.common.engine.metrics import METRICS
 from roundel.errors import HostsUpdatedInterrupt, RoundelInternalError
 from roundel.rendezvous import elastic_join
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from roundel.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
-from roundel.keras import core as keras_core
+from roundel.tensorflow import keras as tf_keras  # Horovod's door to the Keras adapter
 from roundel.tensorflow.compression import Compression
 
 
@@ -34,7 +34,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     op = resolve_op(op)
     if op == ReduceOp.Adasum:
         raise ValueError("op == Adasum is not supported yet with Keras")
-    return keras_core.DistributedOptimizer(
+    return tf_keras.DistributedOptimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
         sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor, op=op,
         backward_passes_per_step=backward_passes_per_step,

@@ -9,7 +9,7 @@ at their first CUDA collective, with an error that says so.
 
 Calls return once the collective is queued on NCCL's stream and the calling
 thread's current stream waits for it; the executor synchronizes that stream
-before it completes the handles (see ``roundel.common.executor``).
+before it completes the handles (see ``roundel.common.engine.executor``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ import numpy as np
 import torch
 
 import roundel.torch as hvd
-from roundel.common import basics, control_channel, small_allreduce
+from roundel.common import basics
+from roundel.common.control import channel as control_channel
+from roundel.common.engine import small_allreduce
 from roundel.common.settings import Settings
 from _checks import (ALL_DTYPES, DEVICE, check, dtype_name, expect_raises, make,
                      make_float, rng, run_scenarios, to_np, use_test_device)

@@ -25,7 +25,7 @@ hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
 print("BACKEND", type(basics.runtime().process_sets[0][1]).__name__, flush=True)
 if RANK:  # how this rank reached the coordinator: its local socket on the same host, else TCP
-    print("CONTROL", basics.runtime().engine._to_coordinator.peer.split(" ")[0], flush=True)
+    print("CONTROL", basics.runtime().engine.coordinator_peer.split(" ")[0], flush=True)
 
 OPS = {"Sum": (hvd.Sum, np.sum), "Min": (hvd.Min, np.min), "Max": (hvd.Max, np.max)}
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int16, torch.uint16, torch.int64, torch.uint8,

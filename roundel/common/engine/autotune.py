@@ -55,7 +55,7 @@ import warnings
 from typing import NamedTuple
 
 from roundel.errors import SettingsError
-from roundel.common.negotiation import entry_bytes
+from roundel.common.engine.negotiation import entry_bytes
 from roundel.common.settings import MIB, Settings
 
 log = logging.getLogger("roundel")

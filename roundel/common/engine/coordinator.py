@@ -6,27 +6,28 @@ connections, feeds their requests and rank 0's own to the ``Negotiator``,
 dispatches the agreed batches (rank 0's to its own executor through the
 engine), and watches the job: heartbeats both ways, ranks that go silent
 (lost), deadlocks between ranks, stalls, and the goodbyes at shutdown. The
-messages are the records of :mod:`roundel.common.control_messages`.
+messages are the records of :mod:`roundel.common.control.messages`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import selectors
 import sys
 import threading
 import time
 
-from roundel.common import autotune, control_channel, control_codec, deadlock, small_allreduce
-from roundel.common.control_messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
-from roundel.common.liveness import BYE_GRACE_S, HEARTBEAT_S, TICK_S, describe_silence
-from roundel.common.metrics import METRICS, MetricsServer
-from roundel.common.negotiation import Negotiator
-from roundel.common.requests import ProcessSetChange
+from roundel.common.engine import autotune, deadlock, small_allreduce
+
+from roundel.common.control import channel as control_channel, codec as control_codec
+from roundel.common.control.messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
+from roundel.common.engine.liveness import BYE_GRACE_S, HEARTBEAT_S, TICK_S, describe_silence
+from roundel.common.engine.metrics import METRICS, MetricsServer
+from roundel.common.engine.negotiation import Negotiator
+from roundel.common.engine.requests import ProcessSetChange
 from roundel.common.settings import Settings
-from roundel.common.stragglers import StragglerTracker
+from roundel.common.engine.stragglers import StragglerTracker
 from roundel.errors import RoundelInternalError
 
 log = logging.getLogger("roundel")
@@ -408,8 +409,7 @@ class Coordinator:
             return
         if params.cache_enabled != self._engine.tuned.cache_enabled:
             self._negotiator.set_cache_capacity(self._engine.settings.cache_capacity if params.cache_enabled else 0)
-        self._engine.tuned = params
-        self._engine.executor.retune(params)
+        self._engine.retune(params)
         for rank in list(self._peers):
             self._send_peer(rank, Tune(params))
 

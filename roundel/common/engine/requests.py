@@ -104,7 +104,7 @@ class Batch(NamedTuple):
 
     ``reduced`` holds the entries' results, one after another, when the
     coordinator reduced them from the data the ranks sent with their requests
-    (:mod:`roundel.common.small_allreduce`); the batch then needs no transport.
+    (:mod:`roundel.common.engine.small_allreduce`); the batch then needs no transport.
     """
 
     kind: OpKind

@@ -1,7 +1,7 @@
 """The messages between a rank's engine and the coordinator on rank 0, as typed records.
 
-Each travels as one authenticated frame (:mod:`roundel.common.control_channel`)
-in the data-only codec (:mod:`roundel.common.control_codec`), which rebuilds
+Each travels as one authenticated frame (:mod:`roundel.common.control.channel`)
+in the data-only codec (:mod:`roundel.common.control.codec`), which rebuilds
 only these records and checks every field's type on the way in.
 
 A rank sends ``Submit``, ``Waits``, ``Heartbeat`` and ``Bye``; the coordinator
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from roundel.common.autotune import TunedParams
+from roundel.common.engine.autotune import TunedParams
 
 
 class Submit(NamedTuple):
     """Requests a rank queued: ``bits`` (a mask of cache bits, at cache ``version``) and ``full`` Requests.
 
-    Small allreduces carry their tensor's bytes (:mod:`roundel.common.small_allreduce`): ``bit_data``
+    Small allreduces carry their tensor's bytes (:mod:`roundel.common.engine.small_allreduce`): ``bit_data``
     maps a cache bit to them, ``full_data`` holds them (or None) for each of ``full`` in turn.
     """
 

@@ -59,7 +59,7 @@ import threading
 import time
 from typing import Callable
 
-from roundel.common import control_codec
+from roundel.common.control import codec as control_codec
 
 log = logging.getLogger("roundel")
 

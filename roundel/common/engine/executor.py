@@ -13,7 +13,7 @@ while the previous one is on the wire starts at once, as in DDP), and finishes
 it (scaling, unpacking, handles) once the transport reports it done.
 
 A small allreduce the coordinator has already reduced (``Batch.reduced``, see
-:mod:`roundel.common.small_allreduce`) only has its result copied out; when
+:mod:`roundel.common.engine.small_allreduce`) only has its result copied out; when
 nothing is queued ahead of it, that happens on the engine thread that received
 it, without a hop to the executor's.
 
@@ -33,15 +33,15 @@ from typing import Callable
 
 import torch
 
-from roundel.common import small_allreduce
-from roundel.common.adasum import adasum_tree
-from roundel.common.autotune import TunedParams
+from roundel.common.engine import small_allreduce
+from roundel.common.engine.adasum import adasum_tree
+from roundel.common.engine.autotune import TunedParams
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
-from roundel.common.handles import Handle
+from roundel.common.engine.handles import Handle
 from roundel.ops import ReduceOp
 from roundel.transport.backend import scale
-from roundel.common.requests import Batch, OpKind, Request
-from roundel.common.timeline import Timeline, transport_activity
+from roundel.common.engine.requests import Batch, OpKind, Request
+from roundel.common.engine.timeline import Timeline, transport_activity
 
 log = logging.getLogger("roundel")
 

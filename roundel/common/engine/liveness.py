@@ -1,7 +1,7 @@
 """How often the engine's liveness work runs on every rank, and how a silent peer is described.
 
 Both sides of the engine use these: the coordinator on rank 0 and the rank
-link on the others (see :mod:`roundel.common.engine`).
+link on the others (see :mod:`roundel.common.engine.core`).
 """
 
 TICK_S = 0.25  # liveness checks (heartbeats, lost ranks, deadlocks) run this often, on every rank

@@ -1,11 +1,13 @@
 """The background engine: queue → negotiate → fuse → execute → complete handles.
 
-Every rank runs a negotiation thread and an executor thread. On rank 0 the
-negotiation thread runs the coordinator (:mod:`roundel.common.coordinator`),
-which matches every rank's requests and sends the agreed batches back. Other
-ranks' negotiation threads forward their queued requests (a cache bit for
-names already agreed, the full request otherwise) and hand the batches they
-receive to their executor. In the steady state both
+Every rank runs a negotiation thread and an executor thread around this
+core (queue, wake, in-flight table, broken state, executor). On rank 0 the
+negotiation thread runs the coordinator (:mod:`roundel.common.engine.coordinator`),
+which matches every rank's requests and sends the agreed batches back. On the
+other ranks it runs the rank link (:mod:`roundel.common.engine.rank_link`),
+which forwards their queued requests (a cache bit for names already agreed,
+the full request otherwise) and hands the batches it receives to the
+executor. Both sides use only the core's public methods. In the steady state both
 directions carry bits only: a batch whose names every receiving rank sent as
 unchanged cache bits goes back as a ``CachedBatch`` (the bits, rebuilt from
 the rank's own cache), the coordinator skips re-checking those requests, and
@@ -29,7 +31,7 @@ dispatch delay (the cycle time) runs out, or the next liveness tick is due
 * the stall warning, while names are pending.
 
 The fusion threshold, cycle time and response cache in force are
-``tuned`` (:mod:`roundel.common.autotune`): the configured settings, or with
+``tuned`` (:mod:`roundel.common.engine.autotune`): the configured settings, or with
 autotune what rank 0's tuner chose; rank 0 sends each change to the other
 ranks right after the batches dispatched under the previous settings.
 """
@@ -45,19 +47,19 @@ import socket
 import threading
 import time
 
-from roundel.common import autotune, control_channel, small_allreduce
-from roundel.common.control_messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
-from roundel.common.coordinator import Coordinator
-from roundel.common.liveness import BYE_GRACE_S, HEARTBEAT_S, TICK_S, describe_silence
-from roundel.common.executor import Executor, Work
-from roundel.common.handles import Handle
-from roundel.common.metrics import METRICS
-from roundel.common.negotiation import entry_bytes
-from roundel.common.requests import CachedBatch, Entry, ProcessSetChange, Request
-from roundel.common.response_cache import RankCache
+from roundel.common.control import channel as control_channel
+from roundel.common.engine import autotune, small_allreduce
+from roundel.common.engine.coordinator import Coordinator
+from roundel.common.engine.executor import Executor, Work
+from roundel.common.engine.handles import Handle
+from roundel.common.engine.liveness import BYE_GRACE_S
+from roundel.common.engine.metrics import METRICS
+from roundel.common.engine.negotiation import entry_bytes
+from roundel.common.engine.rank_link import RankLink
+from roundel.common.engine.requests import Entry, ProcessSetChange, Request
+from roundel.common.engine.timeline import Timeline
+from roundel.common.engine.wait_state import WaitTracker
 from roundel.common.settings import Settings
-from roundel.common.timeline import Timeline
-from roundel.common.wait_state import WaitTracker
 from roundel.errors import RoundelInternalError
 
 log = logging.getLogger("roundel")
@@ -97,22 +99,18 @@ class Engine:
         self._broken: RoundelInternalError | None = None
         self._inflight: dict[tuple, Work] = {}
         self._names_in_flight: set[tuple] = set()  # (set id, name) submitted here and not finished
-        self._sent_bits: dict[tuple, tuple] = {}  # (cache version, bit) -> key
-        self._cache = RankCache()
         self.selector = selectors.DefaultSelector()
         self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self.timeline = timeline or Timeline()  # recorded on rank 0 only, once a file is started
         self.executor = Executor(process_sets, self._transport_failed, self._executor_idle, self.timeline)
-        self._stopped = threading.Event()
-        self._rendezvous = rendezvous
+        self.rendezvous = rendezvous
         self._key_prefix = key_prefix
         self.host = os.environ.get("ROUNDEL_HOSTNAME") or socket.gethostname()
         self._waits = WaitTracker()
-        self._next_tick = 0.0
-        self._last_heartbeat = 0.0
 
         key = key_prefix + "coordinator"
         self._coordinator: Coordinator | None = None
+        self._link: RankLink | None = None
         if rank == 0:
             self._coordinator = Coordinator(self, size, settings, secret, advertise_host)
             if self._coordinator.local_name is not None:  # before the address: ranks that read it find this
@@ -121,39 +119,12 @@ class Engine:
             rendezvous.set(key, f"{advertise_host}:{self._coordinator.port}".encode())
             target = self._coordinator.run
         else:
-            address = rendezvous.get(key, timeout=settings.start_timeout_s).decode()
-            host, port = address.rsplit(":", 1)
-            try:
-                self._to_coordinator = control_channel.connect(host, int(port), secret, rank, settings.start_timeout_s,
-                                                            send_timeout_s=settings.heartbeat_timeout_s,
-                                                            local_name=self._local_coordinator(key + "/local"))
-            except OSError as exc:  # ChannelError and AuthenticationError are OSErrors too
-                raise RoundelInternalError(
-                    f"rank {rank} could not join rank 0's coordinator at {host}:{port}: {exc}; rank 0 may have "
-                    "failed or exited (see its output)") from exc
-            self._coordinator_reader = control_channel.FrameReader(self._to_coordinator)
-            self._heard_coordinator = time.monotonic()
-            self._coordinator_host = host
-            self._coordinator_lost = False
-            self._sent_waits_seq = 0
-            self.selector.register(self._to_coordinator, selectors.EVENT_READ, "coordinator")
-            target = self._rank_loop
+            self._link = RankLink(self, secret, key)
+            target = self._link.run
         self._thread = threading.Thread(target=target, name="roundel-engine", daemon=True)
         self._thread.start()
         if rank == 0:
             self._await_peers(settings.start_timeout_s)
-
-    def _local_coordinator(self, key: str) -> str | None:
-        """The name of the coordinator's local socket when it runs on this rank's host (see control_channel)."""
-        if not self._rendezvous.check([key]):
-            return None
-        try:
-            found = json.loads(self._rendezvous.get(key, timeout=self.settings.start_timeout_s))
-        except ValueError:
-            return None
-        if isinstance(found, dict) and found.get("host") == self.host and isinstance(found.get("name"), str):
-            return found["name"]
-        return None
 
     def _await_peers(self, timeout_s: float) -> None:
         """Return once every other rank has joined the coordinator (init() is collective, as in Horovod:
@@ -272,7 +243,12 @@ class Engine:
         """Whether ``shutdown()`` has begun."""
         return self._stopping
 
-    # ------------------------------------------- the core, for the coordinator and the rank loop
+    @property
+    def coordinator_peer(self) -> str | None:
+        """How this rank reaches rank 0's coordinator (its local socket, or ``host:port``); None on rank 0."""
+        return self._link.peer if self._link is not None else None
+
+    # ------------------------------------------- the core, for the coordinator and the rank link
     def wake(self) -> None:
         """Wake the engine thread from its select (new connections, say); quiet once shut down."""
         try:
@@ -317,7 +293,6 @@ class Engine:
         for work in self._inflight.values():
             work.handle.set_error(error)
         self._inflight.clear()
-        self._sent_bits.clear()
 
     def break_job(self, message: str) -> None:
         """The job's communication is broken: fail what is in flight, and every later call, with ``message``."""
@@ -336,105 +311,27 @@ class Engine:
         """Track ``work`` as in flight (submit() keeps names unique among this rank's in-flight work)."""
         self._inflight[(work.request.process_set_id, work.request.name)] = work
 
+    def inflight(self, key: tuple) -> Work | None:
+        """The work in flight under ``(process set id, name)``, or None."""
+        return self._inflight.get(key)
+
+    def take_inflight(self, key: tuple) -> Work | None:
+        """Stop tracking the work under ``(process set id, name)`` and return it (None if there is none)."""
+        return self._inflight.pop(key, None)
+
+    def execute(self, batch, works: list) -> None:
+        """Hand an agreed batch and this rank's work for its entries (None where it has none) to the executor."""
+        self.executor.put(batch, works)
+
     def accept_batches(self, batches) -> None:
         """Match agreed batches with local work and hand them to the executor."""
         for batch in batches:
-            works = []
-            for entry in batch.entries:
-                key = (batch.process_set_id, entry.name)
-                work = self._inflight.pop(key, None)
-                if work is not None:
-                    if work.sent_bit is not None:
-                        self._sent_bits.pop(work.sent_bit, None)
-                    if entry.cache_bit >= 0:
-                        self._cache.record(key, entry.cache_bit, work.request)
-                works.append(work)
-            self.executor.put(batch, works)
+            self.execute(batch, [self.take_inflight((batch.process_set_id, entry.name)) for entry in batch.entries])
 
-    # -------------------------------------------------------- rank 1..n-1
-    def _rank_loop(self) -> None:
-        try:
-            while True:
-                for key, events in self.selector.select(max(0.0, self._next_tick - time.monotonic())):
-                    if key.data == "wake":
-                        if self._rank_wake():
-                            return
-                        continue
-                    if events & selectors.EVENT_WRITE:
-                        self._flush_to_coordinator()
-                    if events & selectors.EVENT_READ and not self._coordinator_lost:
-                        self._rank_receive()
-                if time.monotonic() >= self._next_tick and self._rank_tick():
-                    return
-        except Exception as exc:  # keep the user's threads from hanging on a dead engine
-            log.exception("roundel engine thread failed")
-            self.break_job(f"roundel's engine thread failed: {exc!r}")
-        finally:  # what is still queued (a goodbye) goes out first, unless rank 0 stops reading
-            self._to_coordinator.drain(time.monotonic() + BYE_GRACE_S)
-            self._to_coordinator.close()
-
-    def _rank_wake(self) -> bool:
-        items = self.drain()
-        if self._broken is not None:
-            self.fail_inflight(self._broken)
-        bits, full, bit_data, full_data, carried = 0, [], {}, [], 0
-        for item in items:
-            if isinstance(item, ProcessSetChange):  # only the coordinator on rank 0 needs it
-                continue
-            if self._broken is not None:
-                item.handle.set_error(self._broken)
-                continue
-            request = item.request
-            self.register(item)
-            key = (request.process_set_id, request.name)
-            bit = self._cache.bit_for(key, request)
-            if bit >= 0:
-                item.sent_bit = (self._cache.version, bit)
-                self._sent_bits[item.sent_bit] = key
-                bits |= 1 << bit
-                if item.data is not None:
-                    bit_data[bit] = item.data
-            else:
-                full.append(request)
-                full_data.append(item.data)
-            carried += len(item.data) if item.data is not None else 0
-            if carried >= small_allreduce.MESSAGE_DATA_BYTES:  # what is queued so far, in one message
-                self._send(Submit(self._cache.version, bits, full, bit_data, full_data))
-                bits, full, bit_data, full_data, carried = 0, [], {}, [], 0
-        if self._broken is None and (bits or full):
-            self._send(Submit(self._cache.version, bits, full, bit_data, full_data))
-        if self._stopping:
-            if self._broken is None:
-                self._send(Bye())
-            self.fail_inflight(RoundelInternalError("roundel was shut down on this rank"))
-            return True
-        return False
-
-    def _rank_tick(self) -> bool:
-        """Heartbeat, report what this rank waits for, and check the coordinator is alive."""
-        now = time.monotonic()
-        self._next_tick = now + TICK_S
-        if self._coordinator_lost:
-            return False
-        seq, waits = self._waits.snapshot()  # before draining: every waited name is then submitted
-        if seq != self._sent_waits_seq:
-            if self._rank_wake():
-                return True
-            if self._broken is None:
-                self._send(Waits(seq, waits))
-            self._sent_waits_seq = seq
-        if now - self._last_heartbeat >= HEARTBEAT_S:
-            self._last_heartbeat = now
-            self._send(Heartbeat(self.host))
-        self._flush_to_coordinator()  # gives up on a coordinator that took nothing for the send timeout
-        silent = now - self._heard_coordinator
-        if silent > self.settings.heartbeat_timeout_s:
-            self._coordinator_lost = True
-            reason = f"stopped responding: {describe_silence(silent, self.settings.heartbeat_timeout_s)}"
-            self.record_lost(0, self._coordinator_host, reason)
-            self.break_job(f"rank 0 (host {self._coordinator_host}), the coordinator, {reason}; "
-                        "the job's communication is broken")
-        return False
+    def retune(self, params) -> None:
+        """Apply the coordinator's tuned parameters (fusion threshold, cycle time, cache) on this rank."""
+        self.tuned = params
+        self.executor.retune(params)
 
     def record_lost(self, rank: int, host: str, reason: str) -> None:
         """Write ``<prefix>lost/<rank>`` to the rendezvous store for the launcher; never waits long."""
@@ -442,107 +339,23 @@ class Engine:
 
         def write():
             try:
-                self._rendezvous.set(f"{self._key_prefix}lost/{rank}", value)
+                self.rendezvous.set(f"{self._key_prefix}lost/{rank}", value)
             except Exception as exc:  # best effort: the store may be gone with the launcher
                 log.debug("roundel could not record lost rank %d: %s", rank, exc)
 
         _run_briefly(write)
 
-    def _recorded_loss(self, rank: int) -> dict | None:
-        """What another rank wrote in ``<prefix>lost/<rank>`` (see ``_record_lost``), if any; never waits long."""
+    def recorded_loss(self, rank: int) -> dict | None:
+        """What another rank wrote in ``<prefix>lost/<rank>`` (see ``record_lost``), if any; never waits long."""
         key = f"{self._key_prefix}lost/{rank}"
         found = []
 
         def read():
             try:
-                if self._rendezvous.check([key]):
-                    found.append(json.loads(self._rendezvous.get(key, timeout=_LOST_KEY_WRITE_S)))
+                if self.rendezvous.check([key]):
+                    found.append(json.loads(self.rendezvous.get(key, timeout=_LOST_KEY_WRITE_S)))
             except Exception as exc:  # best effort: the store may be gone with the launcher
                 log.debug("roundel could not read the record of lost rank %d: %s", rank, exc)
 
         _run_briefly(read)
         return found[0] if found and isinstance(found[0], dict) and "reason" in found[0] else None
-
-    def _coordinator_gone(self, what: str) -> None:
-        """Break the job after the connection to rank 0 failed (``what``, the default explanation).
-
-        When another rank already found rank 0 stopped responding (the launcher then ends it, which
-        closes this connection), that is the error here too.
-        """
-        recorded = self._recorded_loss(0)
-        if recorded is None:
-            self.break_job(what)
-            return
-        self.break_job(f"rank 0 (host {recorded.get('host', self._coordinator_host)}), the coordinator, "
-                    f"{recorded['reason']} (found by another rank); the job's communication is broken")
-
-    def _send(self, message) -> None:
-        try:
-            control_channel.send(self._to_coordinator, message)
-        except OSError as exc:
-            self._send_failed(exc)
-            return
-        if self._to_coordinator.pending:
-            self.watch_writes(self._to_coordinator, "coordinator")
-
-    def _flush_to_coordinator(self) -> None:
-        """Write what the connection to rank 0 holds queued; stop watching for writability once it is out."""
-        if self._coordinator_lost or not self._to_coordinator.pending:
-            return
-        try:
-            self._to_coordinator.flush()
-        except OSError as exc:
-            self._send_failed(exc)
-            return
-        self.watch_writes(self._to_coordinator, "coordinator")
-
-    def _send_failed(self, exc: OSError) -> None:
-        self._coordinator_gone(f"lost the connection to the coordinator on rank 0 ({exc}); "
-                               "rank 0 has shut down or died")
-
-    def _rank_receive(self) -> None:
-        try:
-            data = self._to_coordinator.recv(control_channel.RECV_BYTES)
-        except OSError:
-            data = b""
-        if not data:
-            self.selector.unregister(self._to_coordinator)
-            self._coordinator_lost = True
-            self._coordinator_gone("lost the connection to the coordinator on rank 0: rank 0 has shut down "
-                                   "or died (see its output)")
-            return
-        self._heard_coordinator = time.monotonic()
-        for message in self._coordinator_reader.feed(data):
-            kind = type(message)
-            if kind is Heartbeat:
-                self._coordinator_host = message.host
-            elif kind is Dispatch:
-                self._cache.evict(message.evicted)
-                self._cache.version = message.version
-                if message.resend:
-                    self._resend(message.resend)
-                try:
-                    batches = [self._cache.expand(b) if isinstance(b, CachedBatch) else b for b in message.batches]
-                except KeyError as exc:
-                    self.break_job(f"the coordinator sent cache bit {exc} that this rank does not hold "
-                                "(are all ranks running the same roundel version?)")
-                    return
-                self.accept_batches(batches)
-            elif kind is Tune:
-                self.tuned = message.params
-                self.executor.retune(message.params)
-            elif kind is Abort:
-                self.break_job(message.message)
-
-    def _resend(self, stale) -> None:
-        """Send in full the requests whose (cache version, bit) the coordinator found stale."""
-        full, full_data = [], []
-        for sent in stale:
-            key = self._sent_bits.pop(sent, None)
-            work = self._inflight.get(key) if key else None
-            if work is not None:
-                work.sent_bit = None
-                full.append(work.request)
-                full_data.append(work.data)
-        if full:
-            self._send(Submit(self._cache.version, 0, full, {}, full_data))

@@ -1,6 +1,6 @@
 """A data-only encoding for control messages (no pickle, no code on decode).
 
-Control messages are the records of :mod:`roundel.common.control_messages`,
+Control messages are the records of :mod:`roundel.common.control.messages`,
 holding nested tuples, lists and dicts of None, bool, int (any size), float,
 str and bytes, plus roundel's own records (``Request``, ``Entry``, ``Batch``,
 ``CachedBatch``, ``TunedParams``) and enums (``OpKind``, ``ReduceOp``). Each value is one
@@ -19,9 +19,9 @@ import struct
 import types
 import typing
 
-from roundel.common import control_messages as messages
-from roundel.common.autotune import TunedParams
-from roundel.common.requests import Batch, CachedBatch, Entry, OpKind, Request
+from roundel.common.control import messages
+from roundel.common.engine.autotune import TunedParams
+from roundel.common.engine.requests import Batch, CachedBatch, Entry, OpKind, Request
 from roundel.ops import ReduceOp
 
 MAX_DEPTH = 64

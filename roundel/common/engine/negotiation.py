@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from roundel.common import small_allreduce
-from roundel.common.requests import Batch, CachedBatch, Entry, OpKind, Request
-from roundel.common.response_cache import CoordinatorCache
+from roundel.common.engine import small_allreduce
+from roundel.common.engine.requests import Batch, CachedBatch, Entry, OpKind, Request
+from roundel.common.engine.response_cache import CoordinatorCache
 from roundel.ops import ReduceOp
 
 JOIN_NAME = "__join__"

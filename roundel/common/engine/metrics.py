@@ -15,7 +15,7 @@
   ``roundel_elastic_resets_total``;
 * ``roundel_ranks`` and, per rank, ``roundel_rank_last_ratio`` (the share of
   cycles it submitted last) and ``roundel_rank_lag_seconds`` (its median lag
-  behind the median rank then; see :mod:`roundel.common.stragglers`).
+  behind the median rank then; see :mod:`roundel.common.engine.stragglers`).
 
 Counting is a few dictionary operations per collective, and only on rank 0
 with the port set. The counts live in the process, so they survive an

@@ -1,0 +1,274 @@
+"""The engine's side on ranks 1..n-1: the link to rank 0's coordinator.
+
+The link runs the engine thread of a rank other than 0. It forwards what the
+rank queues to the coordinator (one bit per name the rank's cache already
+holds, the full request otherwise), hands the batches the coordinator sends
+back to the engine core's executor, and keeps the liveness duties of a rank:
+heartbeats, reports of what this rank waits for (for deadlock detection), and
+the check that rank 0 is alive. It reaches the core only through its public
+methods (see :class:`roundel.common.engine.core.Engine`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import selectors
+import time
+
+from roundel.common.control import channel as control_channel
+from roundel.common.control.messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
+from roundel.common.engine import small_allreduce
+from roundel.common.engine.liveness import BYE_GRACE_S, HEARTBEAT_S, TICK_S, describe_silence
+from roundel.common.engine.requests import CachedBatch, ProcessSetChange
+from roundel.common.engine.response_cache import RankCache
+from roundel.errors import RoundelInternalError
+
+log = logging.getLogger("roundel")
+
+
+class RankLink:
+    """A rank's connection to the coordinator, and the loop of its engine thread.
+
+    Connects at construction; raises RoundelInternalError when rank 0's
+    coordinator cannot be reached or refuses this rank.
+    """
+
+    def __init__(self, engine, secret: bytes, coordinator_key: str):
+        self._engine = engine
+        settings = engine.settings
+        self._cache = RankCache()
+        self._sent_bits: dict[tuple, tuple] = {}  # (cache version, bit) -> key, for requests sent as bits
+        address = engine.rendezvous.get(coordinator_key, timeout=settings.start_timeout_s).decode()
+        host, port = address.rsplit(":", 1)
+        try:
+            self._connection = control_channel.connect(
+                host, int(port), secret, engine.rank, settings.start_timeout_s,
+                send_timeout_s=settings.heartbeat_timeout_s,
+                local_name=self._local_coordinator(coordinator_key + "/local"))
+        except OSError as exc:  # ChannelError and AuthenticationError are OSErrors too
+            raise RoundelInternalError(
+                f"rank {engine.rank} could not join rank 0's coordinator at {host}:{port}: {exc}; rank 0 may "
+                "have failed or exited (see its output)") from exc
+        self._reader = control_channel.FrameReader(self._connection)
+        self._heard = time.monotonic()
+        self._coordinator_host = host
+        self._lost = False
+        self._sent_waits_seq = 0
+        self._next_tick = 0.0
+        self._last_heartbeat = 0.0
+        engine.selector.register(self._connection, selectors.EVENT_READ, "coordinator")
+
+    @property
+    def peer(self) -> str:
+        """How this rank reaches the coordinator: its local socket's name, or ``host:port`` over TCP."""
+        return self._connection.peer
+
+    def _local_coordinator(self, key: str) -> str | None:
+        """The name of the coordinator's local socket when it runs on this rank's host (see control.channel)."""
+        rendezvous = self._engine.rendezvous
+        if not rendezvous.check([key]):
+            return None
+        try:
+            found = json.loads(rendezvous.get(key, timeout=self._engine.settings.start_timeout_s))
+        except ValueError:
+            return None
+        if isinstance(found, dict) and found.get("host") == self._engine.host and isinstance(found.get("name"), str):
+            return found["name"]
+        return None
+
+    def run(self) -> None:
+        """The engine thread's loop; returns once the engine shuts down."""
+        engine = self._engine
+        try:
+            while True:
+                for key, events in engine.selector.select(max(0.0, self._next_tick - time.monotonic())):
+                    if key.data == "wake":
+                        if self._forward():
+                            return
+                        continue
+                    if events & selectors.EVENT_WRITE:
+                        self._flush()
+                    if events & selectors.EVENT_READ and not self._lost:
+                        self._receive()
+                if time.monotonic() >= self._next_tick and self._tick():
+                    return
+        except Exception as exc:  # keep the user's threads from hanging on a dead engine
+            log.exception("roundel engine thread failed")
+            self._break(f"roundel's engine thread failed: {exc!r}")
+        finally:  # what is still queued (a goodbye) goes out first, unless rank 0 stops reading
+            self._connection.drain(time.monotonic() + BYE_GRACE_S)
+            self._connection.close()
+
+    def _fail_inflight(self, error: Exception) -> None:
+        self._engine.fail_inflight(error)
+        self._sent_bits.clear()
+
+    def _break(self, message: str) -> None:
+        self._engine.break_job(message)
+        self._sent_bits.clear()
+
+    def _forward(self) -> bool:
+        """Send what the rank queued to the coordinator; True once the engine is shutting down."""
+        engine = self._engine
+        items = engine.drain()
+        if engine.broken is not None:
+            self._fail_inflight(engine.broken)
+        bits, full, bit_data, full_data, carried = 0, [], {}, [], 0
+        for item in items:
+            if isinstance(item, ProcessSetChange):  # only the coordinator on rank 0 needs it
+                continue
+            if engine.broken is not None:
+                item.handle.set_error(engine.broken)
+                continue
+            request = item.request
+            engine.register(item)
+            key = (request.process_set_id, request.name)
+            bit = self._cache.bit_for(key, request)
+            if bit >= 0:
+                item.sent_bit = (self._cache.version, bit)
+                self._sent_bits[item.sent_bit] = key
+                bits |= 1 << bit
+                if item.data is not None:
+                    bit_data[bit] = item.data
+            else:
+                full.append(request)
+                full_data.append(item.data)
+            carried += len(item.data) if item.data is not None else 0
+            if carried >= small_allreduce.MESSAGE_DATA_BYTES:  # what is queued so far, in one message
+                self._send(Submit(self._cache.version, bits, full, bit_data, full_data))
+                bits, full, bit_data, full_data, carried = 0, [], {}, [], 0
+        if engine.broken is None and (bits or full):
+            self._send(Submit(self._cache.version, bits, full, bit_data, full_data))
+        if engine.stopping:
+            if engine.broken is None:
+                self._send(Bye())
+            self._fail_inflight(RoundelInternalError("roundel was shut down on this rank"))
+            return True
+        return False
+
+    def _tick(self) -> bool:
+        """Heartbeat, report what this rank waits for, and check the coordinator is alive."""
+        engine = self._engine
+        now = time.monotonic()
+        self._next_tick = now + TICK_S
+        if self._lost:
+            return False
+        seq, waits = engine.waits_snapshot()  # before draining: every waited name is then submitted
+        if seq != self._sent_waits_seq:
+            if self._forward():
+                return True
+            if engine.broken is None:
+                self._send(Waits(seq, waits))
+            self._sent_waits_seq = seq
+        if now - self._last_heartbeat >= HEARTBEAT_S:
+            self._last_heartbeat = now
+            self._send(Heartbeat(engine.host))
+        self._flush()  # gives up on a coordinator that took nothing for the send timeout
+        silent = now - self._heard
+        if silent > engine.settings.heartbeat_timeout_s:
+            self._lost = True
+            reason = f"stopped responding: {describe_silence(silent, engine.settings.heartbeat_timeout_s)}"
+            engine.record_lost(0, self._coordinator_host, reason)
+            self._break(f"rank 0 (host {self._coordinator_host}), the coordinator, {reason}; "
+                        "the job's communication is broken")
+        return False
+
+    def _coordinator_gone(self, what: str) -> None:
+        """Break the job after the connection to rank 0 failed (``what``, the default explanation).
+
+        When another rank already found rank 0 stopped responding (the launcher then ends it, which
+        closes this connection), that is the error here too.
+        """
+        recorded = self._engine.recorded_loss(0)
+        if recorded is None:
+            self._break(what)
+            return
+        self._break(f"rank 0 (host {recorded.get('host', self._coordinator_host)}), the coordinator, "
+                    f"{recorded['reason']} (found by another rank); the job's communication is broken")
+
+    def _send(self, message) -> None:
+        try:
+            control_channel.send(self._connection, message)
+        except OSError as exc:
+            self._send_failed(exc)
+            return
+        if self._connection.pending:
+            self._engine.watch_writes(self._connection, "coordinator")
+
+    def _flush(self) -> None:
+        """Write what the connection to rank 0 holds queued; stop watching for writability once it is out."""
+        if self._lost or not self._connection.pending:
+            return
+        try:
+            self._connection.flush()
+        except OSError as exc:
+            self._send_failed(exc)
+            return
+        self._engine.watch_writes(self._connection, "coordinator")
+
+    def _send_failed(self, exc: OSError) -> None:
+        self._coordinator_gone(f"lost the connection to the coordinator on rank 0 ({exc}); "
+                               "rank 0 has shut down or died")
+
+    def _receive(self) -> None:
+        engine = self._engine
+        try:
+            data = self._connection.recv(control_channel.RECV_BYTES)
+        except OSError:
+            data = b""
+        if not data:
+            engine.selector.unregister(self._connection)
+            self._lost = True
+            self._coordinator_gone("lost the connection to the coordinator on rank 0: rank 0 has shut down "
+                                   "or died (see its output)")
+            return
+        self._heard = time.monotonic()
+        for message in self._reader.feed(data):
+            kind = type(message)
+            if kind is Heartbeat:
+                self._coordinator_host = message.host
+            elif kind is Dispatch:
+                self._cache.evict(message.evicted)
+                self._cache.version = message.version
+                if message.resend:
+                    self._resend(message.resend)
+                try:
+                    batches = [self._cache.expand(b) if isinstance(b, CachedBatch) else b for b in message.batches]
+                except KeyError as exc:
+                    self._break(f"the coordinator sent cache bit {exc} that this rank does not hold "
+                                "(are all ranks running the same roundel version?)")
+                    return
+                self._accept(batches)
+            elif kind is Tune:
+                engine.retune(message.params)
+            elif kind is Abort:
+                self._break(message.message)
+
+    def _accept(self, batches) -> None:
+        """Hand agreed batches to the executor, remembering the cache bits they assign."""
+        for batch in batches:
+            works = []
+            for entry in batch.entries:
+                key = (batch.process_set_id, entry.name)
+                work = self._engine.take_inflight(key)
+                if work is not None:
+                    if work.sent_bit is not None:
+                        self._sent_bits.pop(work.sent_bit, None)
+                    if entry.cache_bit >= 0:
+                        self._cache.record(key, entry.cache_bit, work.request)
+                works.append(work)
+            self._engine.execute(batch, works)
+
+    def _resend(self, stale) -> None:
+        """Send in full the requests whose (cache version, bit) the coordinator found stale."""
+        full, full_data = [], []
+        for sent in stale:
+            key = self._sent_bits.pop(sent, None)
+            work = self._engine.inflight(key) if key else None
+            if work is not None:
+                work.sent_bit = None
+                full.append(work.request)
+                full_data.append(work.data)
+        if full:
+            self._send(Submit(self._cache.version, 0, full, {}, full_data))
