@@ -126,12 +126,23 @@ def copy_bandwidth(processes: int, nbytes: int, seconds: float) -> float:
 
 
 # ----------------------------------------------------------------- the jobs
+def stop_group(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGTERM to ``proc``'s process group, SIGKILL 10 s later if it is still there; returns its output."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()
+
+
 def run_job(command: list, timeout: float, what: str) -> bool:
     """Run one benchmark job; on failure or timeout print its output's tail and return False.
 
-    The job runs in a process group of its own; on timeout the whole group
-    gets SIGTERM (SIGKILL 10 s later), and ``roundelrun`` stops its ranks
-    when it goes, so nothing of a stuck job keeps running.
+    The job runs in a process group of its own; on timeout, or when this
+    script is stopped, the whole group gets SIGTERM (SIGKILL 10 s later), and
+    ``roundelrun`` stops its ranks when it goes, so nothing of a stuck job
+    keeps running.
     """
     env = dict(os.environ)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -140,15 +151,13 @@ def run_job(command: list, timeout: float, what: str) -> bool:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+        out, err = stop_group(proc)
         print(f"{what}: did not finish within {timeout:.0f} s: {' '.join(command)}\n"
               f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}", flush=True)
         return False
+    finally:
+        if proc.poll() is None:  # stopped by a signal (see main): take the job down too
+            stop_group(proc)
     if proc.returncode != 0:
         print(f"{what}: failed (exit status {proc.returncode}): {' '.join(command)}\n"
               f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}", flush=True)
@@ -286,6 +295,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # run_job then stops its job
     started = time.perf_counter()
     cores = usable_cores()
     results = {"cores": cores, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
