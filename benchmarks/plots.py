@@ -135,7 +135,7 @@ def scaling_plot(path, ranks: list[int], bandwidth: dict[str, tuple[list, list]]
         ax.set_title(heading, fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
         if series:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, ncol=2 if len(series) > 3 else 1)
     if bandwidth:
         left.set_yscale("log")  # the sizes' bandwidths lie orders of magnitude apart
     if efficiency:
