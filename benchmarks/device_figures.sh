@@ -10,7 +10,10 @@
 # Steps, one after the other, each under `timeout`, its output in a log of
 # its own under $OUT; a step that fails does not stop the next one:
 #
-#   install   pip install -e ".[test]", only if roundel and its benchmarks' needs do not import
+#   install   only if roundel (from this tree, on PYTHONPATH) or what the steps need does not import:
+#             pip install of those needs, leaving torch alone. Not `pip install -e ".[test]"`: that
+#             pins torch to the CPU build this project tests with (replacing the machine's CUDA
+#             build) and brings TensorFlow, Ray and Spark, minutes of downloads.
 #   machine   cores, GPU, python and torch versions
 #   scaling   python benchmarks/scaling.py --np 2,8,16: copy bandwidth, allreduce and training
 #             against the rank count (scaling.json, scaling.png)
@@ -56,8 +59,8 @@ else
     GPU=(--model resnet50 --image-size 224 --batch-size 64 --warmup 3 --steps 5 --measurements 2)
 fi
 
-if ! "$PYTHON" -c "import roundel, torch, matplotlib, psutil, pytest" 2>/dev/null; then
-    step install 100 "$PYTHON" -m pip install -q -e ".[test]"
+if ! "$PYTHON" -c "import roundel, torch, numpy, cloudpickle, yaml, psutil, matplotlib, pytest" 2>/dev/null; then
+    step install 100 "$PYTHON" -m pip install -q numpy cloudpickle pyyaml psutil matplotlib pytest pytest-timeout
 fi
 step machine 30 "$PYTHON" -c 'import os, sys, torch; print(len(os.sched_getaffinity(0)), "usable cores; python",
 sys.version.split()[0], "; torch", torch.__version__, "; GPUs:",
