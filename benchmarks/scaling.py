@@ -200,6 +200,7 @@ def measure_training(ranks: int, model: str, opts, scratch: Path) -> dict | None
 
 # ------------------------------------------------------------------- output
 def rank_label(ranks: int, oversubscribed: list) -> str:
+    """The rank count as a table shows it: marked when it ran oversubscribed."""
     return f"{ranks} (oversubscribed)" if ranks in oversubscribed else str(ranks)
 
 
@@ -217,8 +218,9 @@ def print_tables(results: dict) -> None:
         for row in results["allreduce"]:
             n, size = row["np"], row["bytes"]
             print(f"| {rank_label(n, over)} | {human_bytes(size)} | "
-                  f"{bus_bandwidth_gbs(size, row['roundel_s'], n):.3f} | {bus_bandwidth_gbs(size, row['raw_s'], n):.3f} "
-                  f"| {row['raw_s'] / row['roundel_s']:.2f} | {row['roundel_s'] * 1e6:,.0f} | "
+                  f"{bus_bandwidth_gbs(size, row['roundel_s'], n):.3f} | "
+                  f"{bus_bandwidth_gbs(size, row['raw_s'], n):.3f} | {row['raw_s'] / row['roundel_s']:.2f} | "
+                  f"{row['roundel_s'] * 1e6:,.0f} | "
                   f"{row['floor_s'] * 1e6:,.0f} | {row['roundel_s'] / row['floor_s']:.1f} |")
     if results["training"]:
         print("\nTraining (samples/sec, interleaved in the same processes; efficiency = N-rank / (N x 1 process)):\n")
