@@ -1,6 +1,7 @@
 """PNG plots of the benchmarks' results (matplotlib, Agg backend: no display needed).
 
-``benchmarks/allreduce.py`` and ``benchmarks/torch_training.py`` call these
+``benchmarks/allreduce.py``, ``benchmarks/torch_training.py``,
+``benchmarks/control_scale.py`` and ``benchmarks/scaling.py`` call these
 after printing their tables; each function writes one PNG and returns its path.
 """
 
@@ -100,3 +101,45 @@ def throughput_plot(path, rates: dict[str, tuple[float, float, float]], efficien
 def control_scale_plot(path, ranks: list[int], lines: dict[str, list[float]], title: str) -> Path:
     """Milliseconds against the number of ranks, log-log, one line per measure (``control_scale.py``)."""
     return _log_log(path, ranks, [f"{n:,}" for n in ranks], lines, "ranks", "milliseconds", title)
+
+
+def scaling_plot(path, ranks: list[int], bandwidth: dict[str, tuple[list, list]],
+                 efficiency: dict[str, tuple[list, list]], title: str, marked: tuple = ()) -> Path:
+    """Two panels against the number of ranks (``scaling.py``): bus bandwidth, and scaling efficiency.
+
+    ``bandwidth`` maps a message-size label to (roundel GB/s, raw Gloo GB/s),
+    one value per entry of ``ranks`` (None where not measured): drawn solid
+    and dashed (open markers) in the same colour, on a log scale. ``efficiency`` maps a model name to
+    (roundel, DDP) scaling efficiencies the same way. Rank counts in
+    ``marked`` (oversubscribed: more ranks than cores) get a ``*`` on the axis.
+    """
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, series, names, ylabel, heading in (
+            (left, bandwidth, ("roundel", "raw Gloo"), "bus bandwidth (GB/s)", "allreduce bus bandwidth"),
+            (right, efficiency, ("roundel", "DDP"), "scaling efficiency", "N-rank samples/sec / (N x 1-process)")):
+        for i, (label, pair) in enumerate(series.items()):
+            color = f"C{i % 10}"
+            for values, name, style, fill in zip(pair, names, ("-", "--"), (color, "none")):
+                points = [(n, v) for n, v in zip(ranks, values) if v is not None and v > 0]
+                if points:
+                    ax.plot([n for n, _ in points], [v for _, v in points], linestyle=style, marker="o",
+                            color=color, markerfacecolor=fill, label=f"{name}, {label}")
+        if not series:
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ranks)
+        ax.set_xticklabels([f"{n}*" if n in marked else str(n) for n in ranks])
+        ax.minorticks_off()
+        ax.set_xlabel("ranks" + (" (* oversubscribed: more ranks than cores)" if marked else ""))
+        ax.set_ylabel(ylabel)
+        ax.set_title(heading, fontsize=10)
+        ax.grid(True, which="major", alpha=0.3)
+        if series:
+            ax.legend(fontsize=7, ncol=2 if len(series) > 3 else 1)
+    if bandwidth:
+        left.set_yscale("log")  # the sizes' bandwidths lie orders of magnitude apart
+    if efficiency:
+        right.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+        right.set_ylim(bottom=0)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)

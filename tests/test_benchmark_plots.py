@@ -7,12 +7,14 @@ step per span; ``benchmarks/control_scale.py`` simulates jobs of 4 and 9
 ranks. The figures themselves are not checked, only that each run succeeds,
 names its plot, and the plot is a PNG matplotlib reads back.
 ``benchmarks/elastic_reset.py`` kills a rank of a 3-rank elastic job and must
-time the survivors' reset.
+time the survivors' reset. ``benchmarks/scaling.py`` runs its copy, allreduce
+and training comparisons at 2 ranks, and skips a rank count above the cores.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -78,3 +80,36 @@ def test_elastic_reset_benchmark_times_a_reset_after_a_kill(tmp_path):
     assert result.returncode == 0, describe(result)
     [row] = json.loads(figures.read_text())["results"]
     assert row["ranks"] == 3 and 0 < row["reset_s"] < 60, row
+
+
+def test_scaling_benchmark_runs_every_comparison_at_two_ranks(tmp_path):
+    png, figures = tmp_path / "scaling.png", tmp_path / "scaling.json"
+    result = run_command([sys.executable, BENCHMARKS / "scaling.py", "--np", "2", "--sizes", "4K,1M",
+                          "--models", "mlp", "--quick", "--copy-mib", "16", "--json", figures, "--plot", png],
+                         timeout=150)
+    assert result.returncode == 0, describe(result)
+    assert_valid_png(png, result)
+    out = result.stdout
+    assert "| 2 | 4 KiB |" in out and "| 2 | 1 MiB |" in out and "| 2 | mlp |" in out, describe(result)
+    record = json.loads(figures.read_text())
+    assert record["cores"] == len(os.sched_getaffinity(0)) and record["oversubscribed"] == [], record
+    assert record["copy_bandwidth_bytes_per_s"]["2"] > 0, record
+    assert [(row["np"], row["bytes"]) for row in record["allreduce"]] == [(2, 4096), (2, 1 << 20)], record
+    for row in record["allreduce"]:
+        assert row["roundel_s"] > 0 and row["raw_s"] > 0 and row["floor_s"] > 0, row
+        assert row["raw_s"] / row["roundel_s"] > 0, row
+    [training] = record["training"]
+    assert training["np"] == 2 and training["model"] == "mlp", training
+    assert all(training[key] > 0 for key in ("roundel_sps", "ddp_sps", "single_sps")), training
+
+
+def test_scaling_benchmark_skips_more_ranks_than_cores():
+    result = run_command([sys.executable, BENCHMARKS / "scaling.py", "--np", "2,4096", "--skip-allreduce",
+                          "--skip-training", "--copy-mib", "4", "--copy-s", "0.1"],
+                         timeout=60)
+    assert result.returncode == 0, describe(result)
+    assert "4096 ranks: skipped, this machine has" in result.stdout, describe(result)
+    assert "| 2 |" in result.stdout, describe(result)
+    alone = run_command([sys.executable, BENCHMARKS / "scaling.py", "--np", "4096", "--skip-training"], timeout=60)
+    assert alone.returncode == 2, describe(alone)
+    assert "4096 ranks: skipped" in alone.stdout and "nothing ran" in alone.stdout, describe(alone)
