@@ -10,10 +10,10 @@ For each rank count N it measures, one after the other:
 
 1. Copy bandwidth: N processes (one torch thread each) copy a ``--copy-mib``
    MiB buffer into another (``dst.copy_(src)``) over and over for
-   ``--copy-s`` seconds, all at the same time. B(N) = bytes copied by all of
-   them (each copy counted once, at its buffer's size) / wall time from the
-   first start to the last finish: what the host's memory gives N ranks at
-   once.
+   ``--copy-s`` seconds, all at the same time. B(N) = bytes moved by all of
+   them (a copy of M bytes reads M and writes M: 2 M) / wall time from the
+   first start to the last finish: the memory traffic the host gives N ranks
+   at once.
 2. Allreduce: ``roundelrun -np N python benchmarks/allreduce.py --quick
    --threads 1 --sizes ... --skip-many`` (roundel and raw Gloo in the same
    processes, alternating). For each size S it prints the bus bandwidth
@@ -21,16 +21,16 @@ For each rank count N it measures, one after the other:
    roundel is faster) and roundel's time as a multiple of its floor.
 
    The floor: on one host roundel's allreduce goes through shared memory.
-   Each rank copies its S bytes into its slot, reduces its 1/N share over
-   all N slots (reading S bytes in all), writes the share back, and copies
-   the S-byte result out: about 5 passes over S bytes per rank, 5 S N bytes
-   for the whole job. At the rate the N ranks copy together, that takes
-   ``floor = 5 S N / B(N)``. It is a yardstick, not a strict bound: B counts
-   a copy's bytes once though a copy both reads and writes them, and the
-   slots (4 MiB) can stay in cache where B's 64 MiB buffers do not, so a
-   multiple below 1 happens. A multiple that grows with N, or stays far above
-   1 at large sizes, is overhead: synchronization, the engine, small-message
-   latency.
+   Each rank reads its S bytes and writes them into its slot (2 passes over
+   S), reads its 1/N share of all N slots (S bytes in all) and writes its
+   share of the result (1 pass, about), then reads the S-byte result and
+   writes it out (2 passes): about 5 passes of S bytes per rank, 5 S N bytes
+   of memory traffic for the whole job. At the rate the N ranks move bytes
+   together, that takes ``floor = 5 S N / B(N)``. Slots (4 MiB) can stay in
+   cache where B's 64 MiB buffers do not, so at sizes that fit in cache a
+   multiple a little below 1 can happen. A multiple that grows with N, or
+   stays far above 1 at large sizes, is overhead: synchronization, the
+   engine, small-message latency.
 3. Training (per ``--models`` entry): ``python benchmarks/torch_training.py
    --model M --np N --interleaved --threads 1 --only roundel,ddp,single``
    (roundel's DistributedOptimizer, PyTorch DDP and one process without
@@ -111,7 +111,8 @@ def _copier(nbytes: int, seconds: float, barrier, results) -> None:
 
 
 def copy_bandwidth(processes: int, nbytes: int, seconds: float) -> float:
-    """Bytes per second ``processes`` processes copy together (each copy counted once, at ``nbytes``)."""
+    """Bytes per second ``processes`` processes move together while copying (each copy reads and writes
+    ``nbytes``: 2 ``nbytes`` of memory traffic)."""
     context = multiprocessing.get_context("fork")  # the parent has run no torch op: nothing to inherit badly
     barrier, results = context.Barrier(processes), context.Queue()
     workers = [context.Process(target=_copier, args=(nbytes, seconds, barrier, results))
@@ -122,7 +123,7 @@ def copy_bandwidth(processes: int, nbytes: int, seconds: float) -> float:
     for worker in workers:
         worker.join()
     wall = max(end for _, _, end in reports) - min(start for _, start, _ in reports)
-    return sum(copies for copies, _, _ in reports) * nbytes / wall
+    return sum(copies for copies, _, _ in reports) * 2 * nbytes / wall
 
 
 # ----------------------------------------------------------------- the jobs
@@ -207,7 +208,8 @@ def rank_label(ranks: int, oversubscribed: list) -> str:
 def print_tables(results: dict) -> None:
     """The copy bandwidth per N, then the allreduce and training tables (Markdown)."""
     over = results["oversubscribed"]
-    print(f"\nCopy bandwidth ({results['copy_buffer_bytes'] // MIB} MiB buffers, one torch thread per process):\n")
+    print(f"\nCopy bandwidth, bytes read + written ({results['copy_buffer_bytes'] // MIB} MiB buffers, "
+          "one torch thread per process):\n")
     print("| ranks | aggregate GB/s | per process GB/s |\n| ---: | ---: | ---: |")
     for key, value in results["copy_bandwidth_bytes_per_s"].items():
         print(f"| {rank_label(int(key), over)} | {value / 1e9:.2f} | {value / int(key) / 1e9:.2f} |")
