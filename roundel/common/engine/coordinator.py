@@ -74,6 +74,7 @@ class Coordinator:
         self._next_stall_check = 0.0
         self._heard: dict[int, float] = {}  # peer rank -> when it was last heard from
         self._hosts: dict[int, str] = {0: engine.host}
+        self._abort_sent = False  # every peer has been told the job is broken
         self._rank_waits: dict[int, tuple] = {}  # peer rank -> (sequence, waits)
         self._deadlock_seen: tuple | None = None  # (since, {rank: sequence}) while a deadlock holds
         self._stragglers = StragglerTracker(size)
@@ -119,8 +120,7 @@ class Coordinator:
                 pass
         except Exception as exc:
             log.exception("roundel coordinator failed")
-            self._engine.break_job(f"roundel's coordinator on rank 0 failed: {exc!r}")
-            self._broadcast_abort(str(self._engine.broken))
+            self._break_job(f"roundel's coordinator on rank 0 failed: {exc!r}")
         finally:
             if self._autotuner is not None:
                 self._autotuner.close()
@@ -176,6 +176,8 @@ class Coordinator:
             self._ever_connected.add(rank)
             if len(self._ever_connected) == self._engine.size - 1:
                 self.all_connected.set()
+            if self._abort_sent:  # joined after the others were told: this one is told too
+                self._send_peer(rank, Abort(str(self._engine.broken)))
         if self._engine.broken is not None:
             self._engine.fail_inflight(self._engine.broken)
         now = time.monotonic()
@@ -219,8 +221,7 @@ class Coordinator:
         if not data:  # gone without saying goodbye: the job cannot go on, so every rank is told
             reason = f"rank {rank} died (crashed or was killed) or lost its connection to the coordinator"
             self._drop_peer(rank, reason)
-            self._engine.break_job(f"{reason}; the job's communication is broken")
-            self._broadcast_abort(str(self._engine.broken))
+            self._break_job(f"{reason}; the job's communication is broken")
             return
         now = time.monotonic()
         self._heard[rank] = now
@@ -298,8 +299,7 @@ class Coordinator:
         self._engine.record_lost(rank, host, reason)
         named = f"rank {rank} (host {host}) {reason}"
         self._drop_peer(rank, named)
-        self._engine.break_job(f"{named}; the job's communication is broken")
-        self._broadcast_abort(str(self._engine.broken))
+        self._break_job(f"{named}; the job's communication is broken")
 
     def _check_deadlock(self, now: float, own: tuple) -> None:
         """Fail the waited names once every involved rank has been blocked on them, unchanged, for the grace."""
@@ -427,8 +427,14 @@ class Coordinator:
         if connection.pending:
             self._engine.watch_writes(connection, rank)
 
-    def _broadcast_abort(self, message: str) -> None:
-        payload = control_codec.encode(Abort(message))
+    def _break_job(self, message: str) -> None:
+        """Break the job on rank 0 and tell every other rank, once: the first error is the one they get
+        (when many ranks go at once, the others hear one Abort each, not one per rank lost)."""
+        self._engine.break_job(message)
+        if self._abort_sent:
+            return
+        self._abort_sent = True
+        payload = control_codec.encode(Abort(str(self._engine.broken)))
         for rank in list(self._peers):
             self._send_peer_encoded(rank, payload)
 
