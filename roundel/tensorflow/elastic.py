@@ -2,9 +2,9 @@
 
 A collective that fails inside a ``tf.function`` reaches Python as a
 ``tf.errors.OpError`` whose message carries roundel's error; ``run`` treats
-it as HorovodInternalError. A ``tf.function`` of your own keeps the
-``hvd.size()`` it was traced with (``DistributedGradientTape`` skips the
-reduction when traced at one rank): trace it again after a reset, e.g. by
+it as HorovodInternalError. A ``tf.function`` of your own keeps what
+``hvd.size()`` was when it was traced (a ``gradient_predivide_factor``'s
+scale, shapes that depend on it): trace it again after a reset, e.g. by
 creating it in the training function or in a reset callback.
 ``TensorFlowKerasState`` does this for the model's Keras functions.
 """
