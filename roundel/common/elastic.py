@@ -22,7 +22,7 @@ import re
 
 import numpy as np
 
-from roundel.common import basics
+from roundel.common import basics, objects
 from roundel.common.engine.metrics import METRICS
 from roundel.errors import HostsUpdatedInterrupt, RoundelInternalError
 from roundel.rendezvous import elastic_join
@@ -34,14 +34,15 @@ log = logging.getLogger("roundel")
 
 
 class State:
-    """Training state that ``elastic.run`` can save, roll back and share from rank 0.
+    """Training state that ``elastic.run`` can save, roll back and share from rank 0 (``hvd.elastic.State``).
 
-    Framework states implement ``save()``, ``restore()`` and ``sync()``;
-    ``bcast_object(obj, root_rank, name)`` is the framework's ``broadcast_object``.
+    The base class of every adapter's states; subclass it for custom state
+    and implement ``save()``, ``restore()`` and ``sync()``. Objects travel
+    with :func:`roundel.common.objects.broadcast_object`, which every
+    adapter's ``broadcast_object`` is.
     """
 
-    def __init__(self, bcast_object):
-        self._bcast_object = bcast_object
+    def __init__(self):
         self._reset_callbacks: list = []
 
     def register_reset_callbacks(self, callbacks) -> None:
@@ -68,7 +69,7 @@ class State:
         if runtime.elastic is None:
             return
         latest = elastic_join.hosts_version(runtime.client) if basics.rank() == 0 else None
-        latest = self._bcast_object(latest, root_rank=0, name="elastic.hosts_version")
+        latest = objects.broadcast_object(latest, root_rank=0, name="elastic.hosts_version")
         if latest > runtime.elastic.hosts_version:
             raise HostsUpdatedInterrupt()
 
@@ -86,15 +87,15 @@ class State:
 
 
 class ObjectState(State):
-    """State made of picklable attributes given as keyword arguments (``epoch=0, batch=0``).
+    """State made of picklable attributes given as keyword arguments (``hvd.elastic.ObjectState(epoch=0)``).
 
     Each keyword becomes an attribute; ``save()`` copies them, ``restore()``
     puts the copy back, and ``sync()`` takes rank 0's saved values (as this
     rank's saved values too).
     """
 
-    def __init__(self, bcast_object, **kwargs):
-        super().__init__(bcast_object)
+    def __init__(self, **kwargs):
+        super().__init__()
         self._saved = copy.deepcopy(kwargs)
         self._apply_saved()
 
@@ -110,7 +111,7 @@ class ObjectState(State):
 
     def sync(self) -> None:
         if self._saved:
-            self._saved = self._bcast_object(self._saved, root_rank=0, name="elastic.object_state")
+            self._saved = objects.broadcast_object(self._saved, root_rank=0, name="elastic.object_state")
             self._apply_saved()
 
 
@@ -122,11 +123,11 @@ class VariablesState(ObjectState):
     is the framework's ``broadcast_variables``.
     """
 
-    def __init__(self, bcast_object, bcast_variables, variables, **kwargs):
+    def __init__(self, bcast_variables, variables, **kwargs):
         self._variables = list(variables)
         self._bcast_variables = bcast_variables
         self._saved_values = self._values()
-        super().__init__(bcast_object, **kwargs)
+        super().__init__(**kwargs)
 
     def _values(self) -> list:
         return [np.array(v, copy=True) for v in self._variables]
@@ -160,7 +161,7 @@ class ModelState(VariablesState):
     ``fit``/``evaluate``/``predict`` traces them again for the new size.
     """
 
-    def __init__(self, bcast_object, bcast_variables, model, optimizer=None, **kwargs):
+    def __init__(self, bcast_variables, model, optimizer=None, **kwargs):
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         variables = list(model.weights)
@@ -168,7 +169,7 @@ class ModelState(VariablesState):
             if not self.optimizer.built:
                 self.optimizer.build(model.trainable_variables)
             variables += [v for v in self.optimizer.variables if v is not self.optimizer.learning_rate]
-        super().__init__(bcast_object, bcast_variables, variables, **kwargs)
+        super().__init__(bcast_variables, variables, **kwargs)
 
     def on_reset(self) -> None:
         self.model.train_function = self.model.test_function = self.model.predict_function = None

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from roundel.common import elastic as common
+from roundel.common.elastic import ObjectState, State
 from roundel.errors import HorovodInternalError, HostsUpdatedInterrupt
-from roundel.jax.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from roundel.jax.functions import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "JaxState", "ObjectState", "State", "run"]
 
@@ -32,26 +33,12 @@ def run(func):
     return common.run_fn(common.raising_internal_errors(func, jax.errors.JaxRuntimeError))
 
 
-class State(common.State):
-    """Base class for custom elastic state objects (implement save, restore and sync)."""
-
-    def __init__(self):
-        super().__init__(broadcast_object)
-
-
-class ObjectState(common.ObjectState):
-    """Picklable attributes (``epoch=0, batch=0``) saved, restored and synced from rank 0."""
-
-    def __init__(self, **kwargs):
-        super().__init__(broadcast_object, **kwargs)
-
-
 def _copy(tree):
     # a copy, not the arrays themselves: a jitted step may donate (and so delete) the buffers it was given
     return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
 
 
-class JaxState(common.ObjectState):
+class JaxState(ObjectState):
     """Elastic state of JAX pytrees: ``JaxState(params=..., opt_state=..., epoch=0, ...)``.
 
     Assign the new pytrees to ``state.params`` and ``state.opt_state`` after
@@ -64,7 +51,7 @@ class JaxState(common.ObjectState):
     def __init__(self, params=None, opt_state=None, **kwargs):
         self.params, self.opt_state = params, opt_state
         self._saved_trees = _copy((params, opt_state))
-        super().__init__(broadcast_object, **kwargs)
+        super().__init__(**kwargs)
 
     def save(self) -> None:
         self._saved_trees = _copy((self.params, self.opt_state))

@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import optax
 
 from roundel.common import gradient_groups
+from roundel.common.gradient_options import GradientOptions
 from roundel.common.process_sets import global_process_set
 from roundel.jax import host_calls, mpi_ops
 from roundel.jax.compression import Compression
-from roundel.ops import ReduceOp, resolve_op
+from roundel.ops import ReduceOp
 
 __all__ = ["DistributedOptimizer", "DistributedState"]
 
@@ -38,34 +39,33 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation, compression=Co
     locally and reduced on every k-th call, which alone applies ``optimizer``;
     the others return zero updates. ``op=Adasum`` combines the gradients
     with Adasum (not roundel.torch's delta-based Adasum optimizer). Works
-    eagerly and inside ``jax.jit``.
+    eagerly and inside ``jax.jit``. The options are checked once, as a
+    ``roundel.common.gradient_options.GradientOptions`` (its ValueError or
+    TypeError for a bad argument), which every reduction uses.
     """
-    op = resolve_op(op)
-    if backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
-    if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
-        raise ValueError("gradient_predivide_factor applies to op=Average only")
-    gradient_groups.split([], num_groups)  # refuses a negative num_groups now rather than at the first step
-    pre, post = 1.0 / gradient_predivide_factor, float(gradient_predivide_factor)
+    options = GradientOptions(op=op, compression=compression, gradient_predivide_factor=gradient_predivide_factor,
+                              num_groups=num_groups, backward_passes_per_step=backward_passes_per_step,
+                              process_set=process_set)
+    pre, post = 1.0 / options.gradient_predivide_factor, options.gradient_predivide_factor
 
     def reduce(grads):
         leaves, treedef = jax.tree_util.tree_flatten(grads)
         reduced = list(leaves)
-        for number, group in enumerate(gradient_groups.split(list(range(len(leaves))), num_groups)):
-            values = mpi_ops.grouped_allreduce([leaves[i] for i in group], name=None, compression=compression,
-                                               op=op, prescale_factor=pre, postscale_factor=post,
-                                               process_set=process_set)
+        for number, group in enumerate(gradient_groups.split(list(range(len(leaves))), options.num_groups)):
+            values = mpi_ops.grouped_allreduce([leaves[i] for i in group], name=None,
+                                               compression=options.compression, op=options.op, prescale_factor=pre,
+                                               postscale_factor=post, process_set=options.process_set)
             for i, value in zip(group, values):
                 reduced[i] = value
         return treedef.unflatten(reduced)
 
-    if backward_passes_per_step == 1:
+    if options.backward_passes_per_step == 1:
         def update_now(grads, state, params=None):
             return optimizer.update(reduce(grads), state, params)
 
         return optax.GradientTransformation(optimizer.init, update_now)
 
-    k = backward_passes_per_step
+    k = options.backward_passes_per_step
 
     def init(params):
         return DistributedState(optimizer.init(params), jax.tree_util.tree_map(jnp.zeros_like, params),

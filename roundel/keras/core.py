@@ -15,7 +15,9 @@ import keras
 import numpy as np
 
 from roundel.common import basics, buffers, collectives, objects
+from roundel.common.compression import NoneCompressor
 from roundel.common.gradient_groups import group_indices
+from roundel.common.gradient_options import GradientOptions
 from roundel.common.process_sets import global_process_set
 from roundel.errors import RoundelError
 from roundel.ops import ReduceOp, resolve_op
@@ -51,25 +53,14 @@ def init(comm=None, process_sets=None) -> None:
 
 
 def _resolve_compression(compression):
-    if compression is None:
-        compression = Compression.none
+    """The compressor for ``compression``: a ``Compression`` name is cast with Keras ops; others are kept."""
     if not isinstance(compression, str):
-        return compression
+        return compression  # a compressor object, or None (no compression), checked by GradientOptions
     if compression not in ("none", "fp16", "bf16"):
         raise ValueError(f"compression={compression!r}: use hvd.Compression.none, fp16 or bf16")
     if compression == "none":
-        return _NoCompression
+        return NoneCompressor
     return _Cast(compression.replace("fp", "float").replace("bf", "bfloat"))
-
-
-class _NoCompression:
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
 
 
 class _Cast:
@@ -200,20 +191,20 @@ class _DistributedOptimizerMixin:
         if self.gradient_accumulation_steps:
             trainable_variables = list(trainable_variables)
             grads = self._roundel_reduce(list(grads), trainable_variables)
-            steps = self._roundel["backward_passes_per_step"]
-            if steps > 1 and not self._roundel["average_aggregated_gradients"]:
+            steps = self._roundel_options.backward_passes_per_step
+            if steps > 1 and not self._roundel_options.average_aggregated_gradients:
                 grads = [g * steps for g in grads]  # Keras averages the accumulated gradients; Horovod sums
             grads = super()._clip_gradients(grads)
         super()._backend_update_step(grads, trainable_variables, learning_rate)
 
     def _roundel_groups(self, variables):
         """``groups=`` as lists of positions in ``variables`` (None without ``groups=``)."""
-        if self._roundel["groups"] is None:
+        if self._roundel_options.groups is None:
             return None
         position = {self._var_key(v): i for i, v in enumerate(variables)}
         known = position.keys() | self._trainable_variables_indices.keys()
         index_groups = []
-        for group in self._roundel["groups"]:
+        for group in self._roundel_options.groups:
             for v in group:
                 if self._var_key(v) not in known:
                     raise ValueError(f"DistributedOptimizer groups=: variable {v.path!r} is not one this "
@@ -223,15 +214,14 @@ class _DistributedOptimizerMixin:
 
     def register_local_var(self, var):
         """Keep ``var``'s gradient local: it is not reduced (Horovod's ``register_local_var``)."""
-        self._roundel["local_keys"].add(self._var_key(var))
+        self._roundel_local_keys.add(self._var_key(var))
 
     def _roundel_reduce(self, grads, variables):
         """Reduce the gradients of shared variables; those of local variables stay local (scaled by 1/size)."""
-        settings = self._roundel
-        if settings["process_set"].size() <= 1:
+        options = self._roundel_options
+        if options.process_set.size() <= 1:
             return grads
-        local_keys = settings["local_keys"]
-        local = [self._var_key(v) in local_keys for v in variables]
+        local = [self._var_key(v) in self._roundel_local_keys for v in variables]
         if not any(local):
             return self._roundel_reduce_shared(grads, variables)
         shared = [i for i, is_local in enumerate(local) if not is_local]
@@ -239,13 +229,13 @@ class _DistributedOptimizerMixin:
         results = list(grads)
         for i, r in zip(shared, reduced):
             results[i] = r
-        if settings["scale_local_gradients"]:
-            size = settings["process_set"].size()
+        if options.scale_local_gradients:
+            size = options.process_set.size()
             results = [g / size if is_local and g is not None else g for g, is_local in zip(results, local)]
         return results
 
     def _roundel_reduce_shared(self, grads, variables):
-        settings = self._roundel
+        options = self._roundel_options
         groups = self._roundel_groups(variables)
         if _backend() == "tensorflow":
             if _in_xla_context():
@@ -254,27 +244,21 @@ class _DistributedOptimizerMixin:
                     "collectives are Python ops that XLA cannot compile. Pass jit_compile=False to "
                     "model.compile() (Keras enables XLA by default on machines with a GPU).")
             from roundel.tensorflow.gradient_tape import reduce_gradients
-            return reduce_gradients(grads, settings["compression"], settings["op"],
-                                    settings["gradient_predivide_factor"], settings["sparse_as_dense"],
-                                    settings["num_groups"], settings["process_set"], name="keras.gradients",
-                                    groups=groups)
+            return reduce_gradients(grads, options, name="keras.gradients", index_groups=groups)
         if _backend() == "torch":
-            return _reduce_torch(grads, settings, groups)
+            return _reduce_torch(grads, options, groups)
         raise NotImplementedError(f"roundel.keras supports the tensorflow and torch backends, not {_backend()!r}")
 
 
-def _reduce_torch(grads, settings, groups):
-    op = settings["op"]
-    prescale = postscale = 1.0
-    process_set = settings["process_set"]
-    if settings["gradient_predivide_factor"] != 1.0:
-        op = ReduceOp.Sum
-        prescale = 1.0 / settings["gradient_predivide_factor"]
-        postscale = settings["gradient_predivide_factor"] / process_set.size()
+def _reduce_torch(grads, options: GradientOptions, index_groups):
+    """Allreduce the torch-tensor gradients of the PyTorch backend as ``options`` say, in ``index_groups``
+    (positions in ``grads``; None: ``options.num_groups``); None entries stay None."""
+    process_set = options.process_set
+    op, prescale, postscale = options.reduction_scaling(process_set.size())
     present = [i for i, g in enumerate(grads) if g is not None]
     results = list(grads)
-    compression = settings["compression"]
-    for number, group in enumerate(group_indices(present, settings["num_groups"], groups)):
+    compression = options.compression
+    for number, group in enumerate(group_indices(present, options.num_groups, index_groups)):
         compressed = [compression.compress(grads[i].detach()) for i in group]
         reduced = collectives.synchronize(collectives.grouped_allreduce_async(
             [c[0] for c in compressed], f"keras.gradients.group{number}", op, prescale, postscale, process_set))
@@ -283,27 +267,9 @@ def _reduce_torch(grads, settings, groups):
     return results
 
 
-def _variable_groups(groups, num_groups):
-    """Check ``groups=`` (an int, or lists of Keras variables); returns (variable groups or None, num_groups)."""
-    if groups is not None and num_groups:
-        raise ValueError("pass either groups= or num_groups=, not both")
-    if groups is None or isinstance(groups, int):
-        count = int(num_groups or 0) if groups is None else groups
-        if count < 0:
-            raise ValueError(f"num_groups={count} must be >= 0")
-        return None, count
-    message = "groups= must be an int or a list of lists of the model's variables"
-    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
-        raise ValueError(message)
-    seen = set()
-    for group in groups:
-        for v in group:
-            if not isinstance(v, keras.Variable):
-                raise ValueError(f"{message}; got a {type(v).__name__}")
-            if id(v) in seen:
-                raise ValueError(f"groups=: variable {v.path!r} is in more than one group")
-            seen.add(id(v))
-    return [list(g) for g in groups], 0
+def _keras_variable_key(value):
+    """``id(value)`` for a Keras variable (``groups=`` entries are told apart by identity), else None."""
+    return id(value) if isinstance(value, keras.Variable) else None
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
@@ -330,13 +296,17 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``groups`` is ``num_groups``). Raises ValueError for bad arguments.
     ``scale_local_gradients`` divides the gradients of local variables (see
     ``PartialDistributedOptimizer``) by the set's size. ``device_*`` are
-    accepted for Horovod compatibility and ignored.
+    accepted for Horovod compatibility and ignored. The options are checked
+    once, as a ``roundel.common.gradient_options.GradientOptions`` (the
+    wrapped optimizer's ``_roundel_options``), which every step reduces with.
     """
     if isinstance(optimizer, _DistributedOptimizerMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")
-    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
-    variable_groups, num_groups = _variable_groups(groups, num_groups)
+    options = GradientOptions(
+        op=op, compression=_resolve_compression(compression), gradient_predivide_factor=gradient_predivide_factor,
+        sparse_as_dense=sparse_as_dense, num_groups=num_groups, groups=groups,
+        backward_passes_per_step=backward_passes_per_step, average_aggregated_gradients=average_aggregated_gradients,
+        process_set=process_set, scale_local_gradients=scale_local_gradients, variable_key=_keras_variable_key)
     base = optimizer.__class__
     cls = type(base.__name__, (_DistributedOptimizerMixin, base),
                {"__module__": base.__module__, "__qualname__": base.__qualname__,
@@ -349,27 +319,14 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
-    if backward_passes_per_step > 1:
+    if options.backward_passes_per_step > 1:
         if config.get("gradient_accumulation_steps"):
             raise ValueError("the optimizer already has gradient_accumulation_steps="
                              f"{config['gradient_accumulation_steps']}; do not pass backward_passes_per_step too")
-        config["gradient_accumulation_steps"] = backward_passes_per_step
+        config["gradient_accumulation_steps"] = options.backward_passes_per_step
     wrapped = cls.from_config(config)
-    wrapped._roundel = {
-        "compression": _resolve_compression(compression),
-        "op": resolve_op(op),
-        "gradient_predivide_factor": float(gradient_predivide_factor),
-        "sparse_as_dense": bool(sparse_as_dense),
-        "num_groups": num_groups,
-        "groups": variable_groups,
-        "backward_passes_per_step": backward_passes_per_step,
-        "average_aggregated_gradients": bool(average_aggregated_gradients),
-        "process_set": process_set,
-        "scale_local_gradients": bool(scale_local_gradients),
-        "local_keys": set(),
-    }
-    if wrapped._roundel["gradient_predivide_factor"] != 1.0 and wrapped._roundel["op"] != ReduceOp.Average:
-        raise ValueError("gradient_predivide_factor needs op=Average")
+    wrapped._roundel_options = options
+    wrapped._roundel_local_keys = set()
     _optimizers.append(wrapped)
     return wrapped
 

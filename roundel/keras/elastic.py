@@ -18,8 +18,9 @@ from __future__ import annotations
 import keras
 
 from roundel.common import elastic as common
+from roundel.common.elastic import ObjectState, State
 from roundel.errors import HorovodInternalError, HostsUpdatedInterrupt
-from roundel.keras.core import broadcast_object, broadcast_variables
+from roundel.keras.core import broadcast_variables
 
 __all__ = ["CommitStateCallback", "HorovodInternalError", "HostsUpdatedInterrupt", "KerasState", "ObjectState",
            "State", "TensorFlowKerasState", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
@@ -38,20 +39,6 @@ def run(func):
     return common.run_fn(func)
 
 
-class State(common.State):
-    """Base class for custom elastic state objects (implement save, restore and sync)."""
-
-    def __init__(self):
-        super().__init__(broadcast_object)
-
-
-class ObjectState(common.ObjectState):
-    """Picklable attributes (``epoch=0, batch=0``) saved, restored and synced from rank 0."""
-
-    def __init__(self, **kwargs):
-        super().__init__(broadcast_object, **kwargs)
-
-
 class KerasState(common.ModelState):
     """Elastic state of a Keras 3 job: ``KerasState(model, optimizer=None, epoch=0, batch=0, ...)``.
 
@@ -65,7 +52,7 @@ class KerasState(common.ModelState):
     """
 
     def __init__(self, model, optimizer=None, **kwargs):
-        super().__init__(broadcast_object, broadcast_variables, model, optimizer, **kwargs)
+        super().__init__(broadcast_variables, model, optimizer, **kwargs)
 
 
 class CommitStateCallback(keras.callbacks.Callback):

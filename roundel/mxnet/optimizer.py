@@ -15,6 +15,7 @@ from collections import OrderedDict, defaultdict
 import mxnet as mx
 
 from roundel.common.gradient_groups import split
+from roundel.common.gradient_options import GradientOptions
 from roundel.common.process_sets import global_process_set
 from roundel.mxnet.compression import Compression
 from roundel.mxnet.mpi_ops import start_allreduce_, start_grouped_allreduce_
@@ -22,23 +23,19 @@ from roundel.mxnet.mpi_ops import start_allreduce_, start_grouped_allreduce_
 __all__ = ["DistributedOptimizer", "DistributedTrainer"]
 
 
-def _check_factor(gradient_predivide_factor) -> float:
-    factor = float(gradient_predivide_factor)
-    if not factor > 0.0:
-        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} must be positive")
-    return factor
+def _start_averages(grads: list, names: list, options: GradientOptions, grouped: bool = True) -> list:
+    """Submit in-place averaging allreduces of ``grads`` as ``options`` say; returns the functions that wait
+    for them.
 
-
-def _start_averages(grads: list, names: list, num_groups: int, factor: float, process_set) -> list:
-    """Submit in-place averaging allreduces of ``grads``; returns the functions that wait for them.
-
-    With ``num_groups`` > 0 the gradients are cut into that many consecutive
-    groups, each reduced by one grouped allreduce per dtype named
-    ``"first:last"``; otherwise each gradient alone under its name.
+    With ``options.num_groups`` > 0 (and ``grouped``) the gradients are cut
+    into that many consecutive groups, each reduced by one grouped allreduce
+    per dtype named ``"first:last"``; otherwise each gradient alone under its name.
     """
+    factor = options.gradient_predivide_factor
     scale = {"average": True, "prescale_factor": 1.0 / factor, "postscale_factor": factor,
-             "process_set": process_set}
-    if num_groups <= 0:
+             "process_set": options.process_set}
+    num_groups = options.num_groups if grouped else 0
+    if num_groups == 0:
         return [start_allreduce_(g, name=n, priority=-i, **scale) for i, (g, n) in enumerate(zip(grads, names))]
     waits = []
     for i, group in enumerate(split(list(range(len(grads))), num_groups)):
@@ -66,9 +63,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0, process_set=global_process_set):
         # the base class's __init__ is not called: attributes come from the wrapped optimizer
         self._optimizer = optimizer
-        self._gradient_predivide_factor = _check_factor(gradient_predivide_factor)
-        self._num_groups = int(num_groups)
-        self._process_set = process_set
+        self._roundel_options = GradientOptions(gradient_predivide_factor=gradient_predivide_factor,
+                                                num_groups=num_groups, process_set=process_set)
 
     def __getattr__(self, item):
         if item == "_optimizer":  # not set yet (copy, pickle): no recursion
@@ -88,23 +84,23 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         return self._optimizer.create_state_multi_precision(index, weight)
 
     def _do_allreduce(self, index, grad) -> None:
-        if self._process_set.size() == 1:
+        if self._roundel_options.process_set.size() == 1:
             return
-        if isinstance(index, (tuple, list)):
+        grouped = isinstance(index, (tuple, list))
+        if grouped:
             grads, names = list(grad), [str(i) for i in index]
         else:
             grads, names = [grad], [str(index)]
-        num_groups = self._num_groups if isinstance(index, (tuple, list)) else 0
-        for wait in _start_averages(grads, names, num_groups, self._gradient_predivide_factor, self._process_set):
+        for wait in _start_averages(grads, names, self._roundel_options, grouped):
             wait()
 
     def update(self, index, weight, grad, state):
-        if self._process_set.included():
+        if self._roundel_options.process_set.included():
             self._do_allreduce(index, grad)
         self._optimizer.update(index, weight, grad, state)
 
     def update_multi_precision(self, index, weight, grad, state):
-        if self._process_set.included():
+        if self._roundel_options.process_set.included():
             self._do_allreduce(index, grad)
         self._optimizer.update_multi_precision(index, weight, grad, state)
 
@@ -134,11 +130,10 @@ class DistributedTrainer(mx.gluon.Trainer):
                  gradient_predivide_factor=1.0, prefix=None, num_groups=0, process_set=global_process_set):
         if prefix is not None and not isinstance(prefix, str):
             raise ValueError(f"DistributedTrainer prefix must be a string, not {type(prefix).__name__}")
-        self._compression = compression
-        self._process_set = process_set
-        self._gradient_predivide_factor = _check_factor(gradient_predivide_factor)
+        self._roundel_options = GradientOptions(compression=compression,
+                                                gradient_predivide_factor=gradient_predivide_factor,
+                                                num_groups=num_groups, process_set=process_set)
         self._prefix = prefix or ""
-        self._num_groups = int(num_groups)
         if isinstance(optimizer, DistributedOptimizer):
             optimizer = optimizer._optimizer
             warnings.warn("DistributedTrainer does not take a DistributedOptimizer as its optimizer; "
@@ -151,17 +146,18 @@ class DistributedTrainer(mx.gluon.Trainer):
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
 
     def _allreduce_grads(self):
-        if self._process_set.size() == 1 or not self._process_set.included():
+        options = self._roundel_options
+        if options.process_set.size() == 1 or not options.process_set.included():
             return
+        compression = options.compression
         entries = []  # (parameter, NDArray sent, compression context)
         for param in self._params:
             if param.grad_req != "null":
-                sent, ctx = self._compression.compress(param.list_grad()[0])
+                sent, ctx = compression.compress(param.list_grad()[0])
                 entries.append((param, sent, ctx))
         names = [self._prefix + str(i) for i, param in enumerate(self._params) if param.grad_req != "null"]
-        for wait in _start_averages([sent for _, sent, _ in entries], names, self._num_groups,
-                                    self._gradient_predivide_factor, self._process_set):
+        for wait in _start_averages([sent for _, sent, _ in entries], names, options):
             wait()
-        if self._compression is not Compression.none:
+        if compression is not Compression.none:
             for param, sent, ctx in entries:
-                param.list_grad()[0][:] = self._compression.decompress(sent, ctx)
+                param.list_grad()[0][:] = compression.decompress(sent, ctx)

@@ -2,9 +2,9 @@
 
 A collective that fails inside a ``tf.function`` reaches Python as a
 ``tf.errors.OpError`` whose message carries roundel's error; ``run`` treats
-it as HorovodInternalError. A ``tf.function`` of your own keeps the
-``hvd.size()`` it was traced with (``DistributedGradientTape`` skips the
-reduction when traced at one rank): trace it again after a reset, e.g. by
+it as HorovodInternalError. A ``tf.function`` of your own keeps what
+``hvd.size()`` was when it was traced (a ``gradient_predivide_factor``'s
+scale, shapes that depend on it): trace it again after a reset, e.g. by
 creating it in the training function or in a reset callback.
 ``TensorFlowKerasState`` does this for the model's Keras functions.
 """
@@ -14,8 +14,9 @@ from __future__ import annotations
 import tensorflow as tf
 
 from roundel.common import elastic as common
+from roundel.common.elastic import ObjectState, State
 from roundel.errors import HorovodInternalError, HostsUpdatedInterrupt
-from roundel.tensorflow.functions import broadcast_object, broadcast_variables
+from roundel.tensorflow.functions import broadcast_variables
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "TensorFlowKerasState",
            "TensorFlowState", "run"]
@@ -33,20 +34,6 @@ def run(func):
     return common.run_fn(common.raising_internal_errors(func, tf.errors.OpError, lambda exc: exc.message))
 
 
-class State(common.State):
-    """Base class for custom elastic state objects (implement save, restore and sync)."""
-
-    def __init__(self):
-        super().__init__(broadcast_object)
-
-
-class ObjectState(common.ObjectState):
-    """Picklable attributes (``epoch=0, batch=0``) saved, restored and synced from rank 0."""
-
-    def __init__(self, **kwargs):
-        super().__init__(broadcast_object, **kwargs)
-
-
 class TensorFlowState(common.VariablesState):
     """Elastic state of ``tf.Variable``s: ``TensorFlowState(variables, epoch=0, ...)``.
 
@@ -57,7 +44,7 @@ class TensorFlowState(common.VariablesState):
     """
 
     def __init__(self, variables=None, **kwargs):
-        super().__init__(broadcast_object, broadcast_variables, variables or [], **kwargs)
+        super().__init__(broadcast_variables, variables or [], **kwargs)
 
 
 class TensorFlowKerasState(common.ModelState):
@@ -67,4 +54,4 @@ class TensorFlowKerasState(common.ModelState):
     """
 
     def __init__(self, model, optimizer=None, **kwargs):
-        super().__init__(broadcast_object, broadcast_variables, model, optimizer, **kwargs)
+        super().__init__(broadcast_variables, model, optimizer, **kwargs)

@@ -7,33 +7,27 @@ import tensorflow as tf
 
 _do_not_convert = tf.autograph.experimental.do_not_convert
 
-from roundel.ops import ReduceOp, resolve_op
-from roundel.common.process_sets import global_process_set
+from roundel.ops import ReduceOp
 from roundel.common.gradient_groups import group_indices
+from roundel.common.gradient_options import GradientOptions
+from roundel.common.process_sets import global_process_set
 from roundel.tensorflow import mpi_ops
 from roundel.tensorflow.compression import Compression
 
 
 @_do_not_convert
-def reduce_gradients(grads, compression=Compression.none, op=ReduceOp.Average, gradient_predivide_factor=1.0,
-                     sparse_as_dense=False, num_groups=0, process_set=global_process_set, name="gradients",
-                     groups=None):
-    """Allreduce a list of gradients (None entries stay None); returns the reduced list.
+def reduce_gradients(grads, options: GradientOptions, name="gradients", index_groups=None):
+    """Allreduce a list of gradients (None entries stay None) as ``options`` say; returns the reduced list.
 
-    Dense gradients go in ``num_groups`` grouped allreduces (0: one group), or
-    in the groups of ``groups`` (lists of positions in ``grads``, see
-    ``roundel.common.gradient_groups``); ``tf.IndexedSlices`` are allgathered unless ``sparse_as_dense``.
-    ``gradient_predivide_factor`` f splits Average into scaling by 1/f before
-    the sum and f/size after it.
+    Dense gradients go in ``options.num_groups`` grouped allreduces (0: one
+    group), or in ``index_groups`` (lists of positions in ``grads``, see
+    ``roundel.common.gradient_groups``); ``tf.IndexedSlices`` are allgathered
+    unless ``options.sparse_as_dense``. ``options.gradient_predivide_factor``
+    f splits Average into scaling by 1/f before the sum and f/size after it.
     """
-    op = resolve_op(op)
-    prescale, postscale = 1.0, 1.0
-    if gradient_predivide_factor != 1.0:
-        if op != ReduceOp.Average:
-            raise ValueError("gradient_predivide_factor needs op=Average")
-        op = ReduceOp.Sum
-        prescale = 1.0 / gradient_predivide_factor
-        postscale = gradient_predivide_factor / process_set.size()
+    process_set = options.process_set
+    op, prescale, postscale = options.reduction_scaling(process_set.size())
+    compression = options.compression
     grads = list(grads)
     results = list(grads)
     dense = []
@@ -41,7 +35,7 @@ def reduce_gradients(grads, compression=Compression.none, op=ReduceOp.Average, g
         if g is None:
             continue
         if isinstance(g, tf.IndexedSlices):
-            if sparse_as_dense:
+            if options.sparse_as_dense:
                 grads[i] = tf.convert_to_tensor(g)
                 dense.append(i)
             else:
@@ -53,7 +47,7 @@ def reduce_gradients(grads, compression=Compression.none, op=ReduceOp.Average, g
                 results[i] = reduced
         else:
             dense.append(i)
-    for group_number, group in enumerate(group_indices(dense, int(num_groups or 0), groups)):
+    for group_number, group in enumerate(group_indices(dense, options.num_groups, index_groups)):
         compressed = [compression.compress(grads[i]) for i in group]
         pieces = [c for c, _ in compressed]
         group_name = f"{name}.group{group_number}" if tf.executing_eagerly() else None
@@ -91,29 +85,9 @@ def variable_key(variable):
     return variable.ref() if isinstance(variable, tf.Variable) else None
 
 
-def _group_setting(groups, num_groups):
-    """Horovod's ``groups``/``num_groups``: returns (variable groups or None, number of groups)."""
-    if groups is None or isinstance(groups, int):
-        count = int(num_groups or 0) if groups is None else groups
-        if count < 0:
-            raise ValueError(f"groups={count} must be a non-negative integer or a list of lists of tf.Variable")
-        return None, count
-    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
-        raise ValueError("groups should be a non-negative integer or a list of lists of tf.Variable")
-    seen = set()
-    for group in groups:
-        for v in group:
-            key = variable_key(v)
-            if key is None:
-                raise ValueError(f"groups=: expected tf.Variable entries, got a {type(v).__name__}")
-            if key in seen:
-                raise ValueError(f"groups=: variable {v.name!r} is in more than one group")
-            seen.add(key)
-    return [list(g) for g in groups], 0
-
-
 def _index_groups(variable_groups, sources):
-    """``variable_groups`` as lists of positions in ``sources`` (variables not among them are left out)."""
+    """``variable_groups`` (``GradientOptions.groups``) as lists of positions in ``sources`` (variables
+    not among them are left out); None without groups."""
     if variable_groups is None:
         return None
     position = {}
@@ -143,27 +117,23 @@ class _DistributedGradientTape(tf.GradientTape):
                  use_generic_names=False):
         kwargs = {} if unconnected_gradients is None else {"unconnected_gradients": unconnected_gradients}
         grads = super().gradient(target, sources, output_gradients, **kwargs)
-        process_set = self._roundel_process_set
-        if process_set.size() <= 1 and not self._roundel_always:
-            return grads
+        options = self._roundel_options
         flat_sources = tf.nest.flatten(sources)
         flat = tf.nest.flatten(grads)
         local = [variable_key(s) in self._roundel_local for s in flat_sources]
         shared = [i for i, is_local in enumerate(local) if not is_local]
-        groups = _index_groups(self._roundel_groups, flat_sources)
+        groups = _index_groups(options.groups, flat_sources)
         if groups is not None:
             new_position = {old: new for new, old in enumerate(shared)}
             groups = [[new_position[i] for i in group if i in new_position] for group in groups]
-        reduced = reduce_gradients([flat[i] for i in shared], self._roundel_compression, self._roundel_op,
-                                   self._roundel_predivide, self._roundel_sparse_as_dense,
-                                   self._roundel_num_groups, process_set, groups=groups)
+        reduced = reduce_gradients([flat[i] for i in shared], options, index_groups=groups)
         results = list(flat)
         for i, r in zip(shared, reduced):
             results[i] = r
-        if self._roundel_scale_local:
+        if options.scale_local_gradients:
             for i, is_local in enumerate(local):
                 if is_local and results[i] is not None:
-                    results[i] = _scaled(results[i], process_set.size())
+                    results[i] = _scaled(results[i], options.process_set.size())
         return tf.nest.pack_sequence_as(grads, results)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None, use_generic_names=False):
@@ -188,26 +158,21 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     other gradient alone); ``num_groups`` is its older spelling. Sources
     registered with ``register_local_source`` keep their local gradient,
     divided by the set's size when ``scale_local_gradients``. ``device_*``
-    are accepted for Horovod compatibility. Raises ValueError for bad
-    ``groups`` or a ``gradient_predivide_factor`` with an op other than Average.
+    are accepted for Horovod compatibility. The options are checked once, as
+    a ``roundel.common.gradient_options.GradientOptions`` (its ValueError or
+    TypeError for a bad argument), which every ``gradient()`` call reduces with.
     """
-    op = resolve_op(op)
-    if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
-        raise ValueError("gradient_predivide_factor needs op=Average")
-    variable_groups, count = _group_setting(groups, num_groups)
+    if groups is not None:
+        num_groups = 0  # Horovod's tape: groups= takes the place of the older num_groups=
+    options = GradientOptions(op=op, compression=compression, gradient_predivide_factor=gradient_predivide_factor,
+                              sparse_as_dense=sparse_as_dense, num_groups=num_groups, groups=groups,
+                              process_set=process_set, scale_local_gradients=scale_local_gradients,
+                              variable_key=variable_key)
     cls = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__), {})
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
-    tape._roundel_compression = compression or Compression.none
-    tape._roundel_op = op
-    tape._roundel_predivide = float(gradient_predivide_factor)
-    tape._roundel_sparse_as_dense = sparse_as_dense
-    tape._roundel_num_groups = count
-    tape._roundel_groups = variable_groups
-    tape._roundel_process_set = process_set
-    tape._roundel_scale_local = bool(scale_local_gradients)
+    tape._roundel_options = options
     tape._roundel_local = set()
-    tape._roundel_always = True
     return tape
 
 

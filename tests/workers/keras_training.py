@@ -234,6 +234,40 @@ def scenario_groups():
                                                      groups=[[other.layers[0].kernel]]), loss="mse", run_eagerly=True)
     expect_raises(ValueError, lambda: model.fit(*data(RANK, steps=1), batch_size=PER_RANK, verbose=0),
                   "not one this optimizer trains", what="groups= with another model's variable")
+    options_flow_to_the_reduction()
+
+
+def options_flow_to_the_reduction():
+    """The GradientOptions DistributedOptimizer checked are the object each step reduces with; the model's
+    variables named in groups= stay the model's (not tracked as the optimizer's)."""
+    if BACKEND == "tensorflow":
+        import roundel.tensorflow.gradient_tape as module
+        function = "reduce_gradients"
+    else:
+        import roundel.keras.core as module
+        function = "_reduce_torch"
+    original, seen = getattr(module, function), []
+
+    def spy(grads, options, *args, **kwargs):
+        seen.append(options)
+        return original(grads, options, *args, **kwargs)
+
+    model = make_model()
+    kernel = model.layers[0].kernel
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=[[kernel]], gradient_predivide_factor=2.0)
+    options = opt._roundel_options
+    assert options.groups[0][0] is kernel and options.num_groups == 0 and options.gradient_predivide_factor == 2.0
+    model.compile(optimizer=opt, loss="mse", run_eagerly=True)
+    setattr(module, function, spy)
+    try:
+        model.fit(*data(RANK, steps=2), batch_size=PER_RANK, epochs=1, shuffle=False, verbose=0)
+    finally:
+        setattr(module, function, original)
+    assert len(seen) == 2 and all(o is options for o in seen), f"reduced with {seen}, not {options}"
+    assert opt._roundel_options is options, "the optimizer's options were replaced"
+    model_paths = {v.path for v in model.variables}
+    leaked = [v.path for v in opt.variables if v.path in model_paths]
+    assert not leaked, f"groups= made the model's variables the optimizer's: {leaked}"
 
 
 def scenario_compression():

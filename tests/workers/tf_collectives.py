@@ -468,6 +468,31 @@ def scenario_tape_groups():
             exp = sum(lg[k] for lg in local) / SIZE
             assert np.allclose(got.numpy(), exp, rtol=1e-4, atol=1e-4), \
                 f"tape groups {kwargs} grad {nm}: {got.numpy()} vs {exp}"
+    tape_options_flow_to_the_reduction(w)
+
+
+def tape_options_flow_to_the_reduction(w):
+    """The GradientOptions DistributedGradientTape checked are the object gradient() reduces with; groups=
+    takes the place of num_groups= (as in Horovod's tape)."""
+    import roundel.tensorflow.gradient_tape as tape_module
+    original, seen = tape_module.reduce_gradients, []
+
+    def spy(grads, options, **kwargs):
+        seen.append(options)
+        return original(grads, options, **kwargs)
+
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * w)
+    tape = hvd.DistributedGradientTape(tape, groups=[[w]], num_groups=3, gradient_predivide_factor=2.0)
+    options = tape._roundel_options
+    assert options.groups[0][0] is w and options.num_groups == 0, (options.groups, options.num_groups)
+    tape_module.reduce_gradients = spy
+    try:
+        grad, = tape.gradient(loss, [w])
+    finally:
+        tape_module.reduce_gradients = original
+    assert len(seen) == 1 and seen[0] is options, f"reduced with {seen}, not {options}"
+    assert np.allclose(grad.numpy(), 2 * w.numpy()), grad.numpy()  # w is the same on every rank
 
 
 SCENARIOS = {

@@ -6,26 +6,12 @@ import copy
 
 import torch
 
-from roundel.common import elastic as common
+from roundel.common.elastic import ObjectState, State
 from roundel.torch.elastic.sampler import ElasticSampler
 from roundel.torch.functions import (broadcast_object, broadcast_optimizer_state, broadcast_parameters,
                                      broadcast_state_dict)
 
 __all__ = ["ObjectState", "State", "StateHandler", "TorchState", "get_handler_registry", "set_handler_registry"]
-
-
-class State(common.State):
-    """Base class for custom elastic state objects (implement save, restore and sync)."""
-
-    def __init__(self):
-        super().__init__(broadcast_object)
-
-
-class ObjectState(common.ObjectState):
-    """Picklable attributes (``epoch=0, batch=0``) saved, restored and synced from rank 0."""
-
-    def __init__(self, **kwargs):
-        super().__init__(broadcast_object, **kwargs)
 
 
 class StateHandler:
