@@ -199,7 +199,10 @@ def settings_env(args: argparse.Namespace) -> dict[str, str]:
     """The workers' settings variables for the flags given, plus the ``-x`` exports (and their names in
     ``ROUNDEL_FORWARD_ENV`` so that ssh forwards them); raise UsageError naming a bad flag.
 
-    The whole worker environment (this one, overridden by these) is validated too."""
+    Each setting a flag (or the config file, through ``args``) sets is handed over under its ``ROUNDEL_``
+    name, and under its ``HOROVOD_`` name too where this environment has that one, so that the
+    environment's value cannot win. The whole worker environment (this one, overridden by these) is
+    validated too."""
     env: dict[str, str] = {}
     for spec in SPECS:
         flag = spec.flag
@@ -220,6 +223,8 @@ def settings_env(args: argparse.Namespace) -> dict[str, str]:
             except SettingsError as exc:
                 raise UsageError(f"{name} {value}: {exc}") from None
         env[spec.var] = text
+        if "HOROVOD_" + spec.suffix in os.environ:
+            env["HOROVOD_" + spec.suffix] = text
     if args.tcp_flag:
         env["NCCL_IB_DISABLE"] = "1"
     if args.nics:
