@@ -82,8 +82,9 @@ class Settings:
 class Flag:
     """The ``roundelrun`` flag of one setting, and its key in the config file.
 
-    ``names`` are the option strings of a flag that takes a value (``type`` converts it), or, for a
-    switch (no ``type``), the ones that turn it on; ``off`` turns a switch off. ``to_env`` gives the
+    ``names`` are the option strings of a flag that takes a value (``type`` converts it, ``choices``
+    limits it), or, for a switch (a flag with ``off`` strings), the ones that turn it on; ``off`` turns
+    it off (``off_help`` None: not listed by ``--help``). ``to_env`` gives the
     variable's value for the flag's (default: 1/0 for a switch, ``repr`` for a float, ``str`` else).
     ``config`` is the key in Horovod's config file (``section.key``; ``config_negated``: the key says
     the opposite of the flag); the flag's ``dest`` is a top-level key too. ``implied_by`` is
