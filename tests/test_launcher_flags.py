@@ -57,6 +57,20 @@ def test_command_line_beats_the_config_file(tmp_path):
     assert worker_env(result)["ROUNDEL_LOG_LEVEL"].lower() == "warning"
 
 
+def test_flags_beat_the_config_file_which_beats_the_environment(tmp_path):
+    config = tmp_path / "roundel.yaml"
+    config.write_text("logging: {level: warning}\ntimeline: {filename: ''}\n"
+                      "params: {cycle_time_ms: 4, cache_capacity: 9}\n")
+    code = "from roundel.common.settings import Settings; s = Settings.from_env(); " \
+           "print(s.log_level, repr(s.timeline_filename), s.cycle_time_ms, s.cache_capacity)"
+    env = {**os.environ, "HOROVOD_LOG_LEVEL": "error", "HOROVOD_TIMELINE": str(tmp_path / "env.json"),
+           "ROUNDEL_CYCLE_TIME": "9", "HOROVOD_CACHE_CAPACITY": "5"}
+    result = subprocess.run([*LAUNCHER, "-np", "1", "--config-file", str(config), "--verbose", "--cache-capacity", "3",
+                             sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "[0]<stdout>:debug '' 4.0 3\n", result.stderr
+
+
 def test_a_mistyped_flag_gets_the_closest_one_in_one_line():
     result = roundelrun("-np", 2, "--fusion-treshold-mb", 3, "true")
     assert result.returncode == 2

@@ -144,7 +144,7 @@ def test_ignored_flags_print_one_line_and_the_job_runs():
     assert sorted(rank_lines(result.stdout)) == ["ran", "ran"]
     notes = [line for line in result.stderr.splitlines() if "no effect" in line]
     assert notes == ["roundelrun: note: no effect here (hardware or libraries roundel does not drive): "
-                     "--mpi-threads-disable, --tcp, --binding-args, --num-nccl-streams, --thread-affinity, "
+                     "--mpi-threads-disable, --num-nccl-streams, --thread-affinity, --tcp, --binding-args, "
                      "--jsrun"], describe(result)
 
 

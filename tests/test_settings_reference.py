@@ -9,8 +9,14 @@ def test_the_settings_page_is_what_the_code_makes():
         "docs/settings.md is stale: run `python -m roundel.runner.settings_reference` and commit the page")
 
 
-def test_every_setting_has_a_row_with_its_meaning():
+def test_every_setting_has_a_row_with_its_meaning_flags_and_config_key():
     text = settings_reference.page()
     for spec in SPECS:
-        assert f"| `{spec.suffix}` |" in text and spec.meaning in text, spec.suffix
-    assert len(SPECS) == len(Settings.__dataclass_fields__)
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{spec.suffix}` |"))
+        assert spec.meaning in row, spec.suffix
+        if spec.flag is not None:
+            assert all(f"`{name}`" in row for name in spec.flag.names + spec.flag.off), row
+            assert f"`{spec.flag.config or spec.flag.dest}`" in row, row
+    fields = [spec.field for spec in SPECS if spec.field is not None]
+    assert sorted(fields) == sorted(Settings.__dataclass_fields__)  # each field declared once
+    assert len({spec.suffix for spec in SPECS}) == len(SPECS)

@@ -4,9 +4,14 @@ Each setting has a ``ROUNDEL_*`` variable and accepts the ``HOROVOD_*`` name tha
 Horovod job scripts already set; when both are present the ``ROUNDEL_*`` one
 wins. Each ``HOROVOD_*`` variable has Horovod 0.28.1's meaning and default
 (``HOROVOD_GLOO_TIMEOUT_SECONDS`` excepted: 60 s rather than 30, for loaded
-machines). ``roundelrun`` flags are turned into these variables for the
-workers (:mod:`roundel.runner.flags`), so the launcher and the workers
-validate with the same code.
+machines).
+
+:data:`SPECS` declares each setting once: its field, variable, parser and
+meaning, and its ``roundelrun`` flag and config-file key (:class:`Flag`).
+The launcher builds its settings flags, its config-file keys and the
+variables it hands the workers from it (:mod:`roundel.runner.flags`,
+:mod:`roundel.runner.config`), so the launcher and the workers validate with
+the same code; docs/settings.md is made from it too.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class Settings:
         env = os.environ if environ is None else environ
         values = {}
         for spec in SPECS:
+            if spec.field is None:
+                continue  # handed to the workers, never read
             raw, var = _lookup(env, spec.suffix)
             if raw is None:
                 continue
@@ -72,14 +79,69 @@ class Settings:
 
 
 @dataclasses.dataclass(frozen=True)
-class Spec:
-    """One setting: its ``Settings`` field, its variable (``ROUNDEL_``/``HOROVOD_`` + ``suffix``), how its
-    value is read, and what it means (for the settings reference page)."""
+class Flag:
+    """The ``roundelrun`` flag of one setting, and its key in the config file.
 
-    field: str
+    ``names`` are the option strings of a flag that takes a value (``type`` converts it, ``choices``
+    limits it), or, for a switch (a flag with ``off`` strings), the ones that turn it on; ``off`` turns
+    it off (``off_help`` None: not listed by ``--help``). ``to_env`` gives the
+    variable's value for the flag's (default: 1/0 for a switch, ``repr`` for a float, ``str`` else).
+    ``config`` is the key in Horovod's config file (``section.key``; ``config_negated``: the key says
+    the opposite of the flag); the flag's ``dest`` is a top-level key too. ``implied_by`` is
+    ``(dest, value)`` of another flag that, given alone, sets this one (``--verbose``: debug).
+    ``group`` names the ``--help`` section.
+    """
+
+    names: tuple[str, ...]
+    help: str
+    group: str
+    type: Callable[[str], object] | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    off: tuple[str, ...] = ()
+    off_help: str | None = None
+    to_env: Callable[[object], str] | None = None
+    config: str | None = None
+    config_negated: bool = False
+    implied_by: tuple[str, object] | None = None
+
+    @property
+    def dest(self) -> str:
+        """The argparse destination: the first name without its dashes (``--cycle-time-ms``: cycle_time_ms)."""
+        return self.names[0].lstrip("-").replace("-", "_")
+
+    @property
+    def switch(self) -> bool:
+        """Whether the flag takes no value (it is on or off)."""
+        return bool(self.off)
+
+    def env_value(self, value: object) -> str:
+        """The variable's text for the flag's parsed ``value``."""
+        if self.to_env is not None:
+            return self.to_env(value)
+        if isinstance(value, bool):
+            return "1" if value else "0"
+        return repr(value) if isinstance(value, float) else str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One setting: its ``Settings`` field (None: accepted and handed to the workers, no effect in roundel),
+    its variable (``ROUNDEL_``/``HOROVOD_`` + ``suffix``), how its value is read, what it means (for the
+    settings reference page), its ``roundelrun`` flag and config key, and whether roundel does not act on
+    it yet although it reads it."""
+
+    field: str | None
     suffix: str
     parse: Callable[[str, str], object]
     meaning: str
+    flag: Flag | None = None
+    not_yet: bool = False
+
+    @property
+    def var(self) -> str:
+        """The variable ``roundelrun`` hands to the workers (``ROUNDEL_`` + suffix)."""
+        return "ROUNDEL_" + self.suffix
 
 
 def _lookup(env: Mapping[str, str], suffix: str) -> tuple[str | None, str]:
@@ -191,61 +253,135 @@ def _fraction(var: str, raw: str) -> float:
     return value
 
 
+def _whole(var: str, raw: str) -> int:
+    return _int(0, "1")(var, raw)
+
+
+def _mib_to_bytes(value: float) -> str:
+    return str(int(value * MIB))
+
+
+def _bit_not(value: bool) -> str:
+    return "0" if value else "1"
+
+
+def _flag(*names: str, help: str, group: str, **more) -> Flag:
+    return Flag(names=names, help=help, group=group, **more)
+
+
 SPECS = (
     Spec("fusion_threshold", "FUSION_THRESHOLD", _int(0, "134217728 (128 MiB; 0 disables fusion)"),
-         "largest fused buffer in bytes; 0 disables fusion"),
+         "largest fused buffer in bytes; 0 disables fusion",
+         _flag("--fusion-threshold-mb", type=float, to_env=_mib_to_bytes, config="params.fusion_threshold_mb",
+               group="params", help="fuse tensors up to this many MiB (0 disables)")),
     Spec("cycle_time_ms", "CYCLE_TIME", _float(0.0, "1 (milliseconds)"),
-         "while a reduction is running, how long ready tensors wait (milliseconds) to be fused together"),
+         "while a reduction is running, how long ready tensors wait (milliseconds) to be fused together",
+         _flag("--cycle-time-ms", type=float, config="params.cycle_time_ms", group="params",
+               help="milliseconds between engine cycles")),
     Spec("cache_capacity", "CACHE_CAPACITY", _int(0, "1024 (0 disables the response cache)"),
-         "names remembered for one-bit negotiation; 0 disables the response cache"),
+         "names remembered for one-bit negotiation; 0 disables the response cache",
+         _flag("--cache-capacity", type=int, config="params.cache_capacity", group="params",
+               help="entries in the response cache (0 turns it off)")),
     Spec("stall_check_time_s", "STALL_CHECK_TIME_SECONDS", _float(0.0, "60", strictly_above=True),
-         "seconds a collective may wait for some ranks before the stall warning"),
+         "seconds a collective may wait for some ranks before the stall warning",
+         _flag("--stall-check-warning-time-seconds", type=float, config="stall_check.warning_time_seconds",
+               group="stall", help="warn about ranks missing from a collective after this many seconds "
+                                   "(default 60)")),
     Spec("stall_check_enabled", "STALL_CHECK_DISABLE", _not_bool,
-         "1 turns the stall warning off"),
+         "1 turns the stall warning off",
+         _flag("--no-stall-check", off=("--stall-check",), config="stall_check.enabled", config_negated=True,
+               group="stall", help="turn the stall warning off")),
     Spec("stall_shutdown_time_s", "STALL_SHUTDOWN_TIME_SECONDS", _float(0.0, "600 (0 never shuts down)"),
-         "fail a collective that stalled this many seconds (0: never)"),
+         "fail a collective that stalled this many seconds (0: never)",
+         _flag("--stall-check-shutdown-time-seconds", type=float, config="stall_check.shutdown_time_seconds",
+               group="stall", help="fail a collective that stalled this many seconds (default 0: never)")),
     Spec("collective_timeout_s", "GLOO_TIMEOUT_SECONDS", _float(0.0, "60", strictly_above=True),
          "longest wait inside one transfer, in seconds (Horovod: 30; a stopped or lost peer is caught by "
-         "the heartbeat)"),
+         "the heartbeat)",
+         _flag("--gloo-timeout-seconds", type=float, config="library_options.gloo_timeout_seconds",
+               group="library", help="seconds a collective may wait for its peers (default 60)")),
     Spec("start_timeout_s", "START_TIMEOUT", _float(0.0, "30", strictly_above=True),
-         "how long ranks wait for each other at init(), in seconds"),
+         "how long ranks wait for each other at init(), in seconds",
+         _flag("--start-timeout", type=float, group="",
+               help="seconds workers wait for each other at start (default HOROVOD_START_TIMEOUT or 30)")),
     Spec("heartbeat_timeout_s", "HEARTBEAT_TIMEOUT_SECONDS", _float(0.0, "15", strictly_above=True),
          "a rank silent this many seconds is declared lost (roundel only)"),
     Spec("timeline_filename", "TIMELINE", _text,
-         "write a timeline to this file (DYNAMIC: start it later with hvd.start_timeline)"),
+         "write a timeline to this file (DYNAMIC: start it later with hvd.start_timeline)",
+         _flag("--timeline-filename", config="timeline.filename", group="timeline",
+               help="write a timeline of collectives to this file")),
     Spec("timeline_mark_cycles", "TIMELINE_MARK_CYCLES", _bool,
-         "1 marks each engine cycle in the timeline"),
+         "1 marks each engine cycle in the timeline",
+         _flag("--timeline-mark-cycles", off=("--no-timeline-mark-cycles",), config="timeline.mark_cycles",
+               group="timeline", help="mark engine cycles in the timeline")),
     Spec("autotune", "AUTOTUNE", _bool,
-         "1 tunes fusion threshold, cycle time and response cache while the job runs"),
+         "1 tunes fusion threshold, cycle time and response cache while the job runs",
+         _flag("--autotune", off=("--no-autotune",), config="autotune.enabled", group="autotune",
+               help="tune fusion threshold, cycle time and response cache while training (needs scikit-learn)")),
     Spec("autotune_log", "AUTOTUNE_LOG", _text,
-         "autotune writes each sample to this CSV file"),
+         "autotune writes each sample to this CSV file",
+         _flag("--autotune-log-file", config="autotune.log_file", group="autotune",
+               help="file to log autotune samples to")),
     Spec("autotune_warmup_samples", "AUTOTUNE_WARMUP_SAMPLES", _int(0, "3"),
-         "samples autotune discards before tuning"),
+         "samples autotune discards before tuning",
+         _flag("--autotune-warmup-samples", type=int, config="autotune.warmup_samples", group="autotune",
+               help="samples to discard first")),
     Spec("autotune_steps_per_sample", "AUTOTUNE_STEPS_PER_SAMPLE", _int(1, "10"),
-         "steps per autotune sample (at least 1)"),
+         "steps per autotune sample (at least 1)",
+         _flag("--autotune-steps-per-sample", type=int, config="autotune.steps_per_sample", group="autotune",
+               help="steps per autotune sample")),
     Spec("autotune_bayes_opt_max_samples", "AUTOTUNE_BAYES_OPT_MAX_SAMPLES", _int(0, "20"),
-         "most samples of autotune's Bayesian optimization"),
+         "most samples of autotune's Bayesian optimization",
+         _flag("--autotune-bayes-opt-max-samples", type=int, config="autotune.bayes_opt_max_samples",
+               group="autotune", help="most Bayesian optimisation samples")),
     Spec("autotune_gaussian_process_noise", "AUTOTUNE_GAUSSIAN_PROCESS_NOISE", _fraction,
-         "noise of autotune's Gaussian process, between 0 and 1"),
+         "noise of autotune's Gaussian process, between 0 and 1",
+         _flag("--autotune-gaussian-process-noise", type=float, config="autotune.gaussian_process_noise",
+               group="autotune", help="noise of the Gaussian process")),
     Spec("hierarchical_allreduce", "HIERARCHICAL_ALLREDUCE", _bool,
-         "1: allreduce through one leader per host when the job spans hosts with equal slots"),
+         "1: allreduce through one leader per host when the job spans hosts with equal slots",
+         _flag("--hierarchical-allreduce", off=("--no-hierarchical-allreduce",),
+               config="params.hierarchical_allreduce", group="params",
+               help="hierarchical allreduce (equal slots per host)")),
     Spec("hierarchical_allgather", "HIERARCHICAL_ALLGATHER", _bool,
-         "1: allgather through one leader per host when the job spans hosts with equal slots"),
+         "1: allgather through one leader per host when the job spans hosts with equal slots",
+         _flag("--hierarchical-allgather", off=("--no-hierarchical-allgather",),
+               config="params.hierarchical_allgather", group="params",
+               help="hierarchical allgather (equal slots per host)")),
     Spec("torus_allreduce", "TORUS_ALLREDUCE", _bool,
-         "read and validated; no effect yet"),
+         "read and validated; no effect yet",
+         _flag("--torus-allreduce", off=("--no-torus-allreduce",), config="params.torus_allreduce",
+               group="params", help="torus allreduce (not yet used)"),
+         not_yet=True),
     Spec("elastic_timeout_s", "ELASTIC_TIMEOUT", _float(0.0, "600", strictly_above=True),
-         "elastic: how long to wait for --min-np slots, in seconds"),
+         "elastic: how long to wait for --min-np slots, in seconds",
+         _flag("--elastic-timeout", type=float, group="elastic",
+               help="seconds to wait for --min-np slots or for workers to rejoin "
+                    "(default HOROVOD_ELASTIC_TIMEOUT or 600)")),
     Spec("log_level", "LOG_LEVEL", _log_level,
-         "trace, debug, info, warning, error or fatal"),
+         "trace, debug, info, warning, error or fatal",
+         _flag("--log-level", type=str.upper, choices=tuple(level.upper() for level in _LOG_LEVELS),
+               to_env=str.lower, implied_by=("verbose", "DEBUG"), config="logging.level", group="logging",
+               help="the workers' log level (default WARNING)")),
     Spec("log_hide_time", "LOG_HIDE_TIME", _bool,
-         "1 drops the time from roundel's log lines"),
+         "1 drops the time from roundel's log lines",
+         _flag("--log-with-timestamp", "--no-log-hide-timestamp",
+               off=("--log-without-timestamp", "--log-hide-timestamp"),
+               off_help="leave the time off the workers' log lines", to_env=_bit_not,
+               config="logging.with_timestamp", group="logging",
+               help="put the time on the workers' log lines (the default)")),
     Spec("cpu_operations", "CPU_OPERATIONS", _cpu_operations,
-         "transport of CPU tensors: gloo, or mpi under mpirun"),
+         "transport of CPU tensors: gloo, or mpi under mpirun (`roundelrun --mpi` chooses mpi when mpi4py "
+         "is installed)"),
     Spec("gpu_operations", "GPU_OPERATIONS", _gpu_operations,
-         "transport of CUDA tensors: nccl, or gloo/mpi through host memory"),
+         "transport of CUDA tensors: nccl, or gloo/mpi through host memory",
+         _flag("--gpu-operations", type=str.lower, choices=("nccl", "gloo", "mpi"), group="library",
+               help="what moves CUDA tensors: nccl (the default), or gloo/mpi through host memory")),
     Spec("bucket_cap_mb", "BUCKET_CAP_MB", _float(0.0, "25 (MiB per gradient bucket; 0 reduces each gradient alone)"),
          "default gradient bucket size (MiB) of the torch DistributedOptimizer; 0 reduces each gradient "
-         "alone (roundel only)"),
+         "alone (roundel only)",
+         _flag("--bucket-cap-mb", type=float, group="params",
+               help="torch DistributedOptimizer's default gradient bucket size in MiB (default 25; 0: none)")),
     Spec("coordinator_reduce_bytes", "COORDINATOR_REDUCE_BYTES", _coordinator_reduce_bytes,
          "CPU allreduces up to this many bytes are reduced by rank 0's coordinator from data sent with the "
          "requests; 0 sends all over the transport; at most 65536 (roundel only)"),
@@ -253,9 +389,29 @@ SPECS = (
          "on one host, collectives go through shared memory; 0 keeps them on Gloo (roundel only)"),
     Spec("straggler_report", "STRAGGLER_REPORT", _straggler_report,
          "1: rank 0 prints each rank's lag behind the others when the job ends; auto: when it ran longer "
-         "than a minute (roundel only)"),
+         "than a minute (roundel only)",
+         _flag("--straggler-report", off=("--no-straggler-report",), off_help="never print the straggler table",
+               group="observability", help="print each rank's lag behind the others when the job ends "
+                                           "(default: when the job ran longer than a minute)")),
     Spec("metrics_port", "METRICS_PORT", _metrics_port,
-         "[HOST:]PORT where rank 0 serves the job's counters for Prometheus (roundel only)"),
+         "[HOST:]PORT where rank 0 serves the job's counters for Prometheus (roundel only)",
+         _flag("--metrics-port", metavar="[HOST:]PORT", group="observability",
+               help="serve the job's counters in Prometheus' text format from rank 0 "
+                    "(HOST default: every interface)")),
     Spec("disable_group_fusion", "DISABLE_GROUP_FUSION", _bool,
          "1: a grouped call's tensors are fused only with each other"),
+    Spec(None, "MPI_THREADS_DISABLE", _bool,
+         "accepted and handed to the workers; no effect in roundel (it drives no MPI threads)",
+         _flag("--mpi-threads-disable", off=("--no-mpi-threads-disable",), config="library_options.mpi_threads_disable",
+               group="library", help="no effect in roundel")),
+    Spec(None, "NUM_NCCL_STREAMS", _whole,
+         "accepted and handed to the workers; no effect in roundel (NCCL runs through torch.distributed)",
+         _flag("--num-nccl-streams", type=int, config="library_options.num_nccl_streams", group="library",
+               help="no effect in roundel")),
+    Spec(None, "THREAD_AFFINITY", _whole,
+         "accepted and handed to the workers; no effect in roundel",
+         _flag("--thread-affinity", type=int, config="library_options.thread_affinity", group="library",
+               help="no effect in roundel")),
 )
+"""The one table of settings: ``Settings.from_env``, ``roundelrun``'s settings flags, the variables handed to
+the workers, the config-file keys and docs/settings.md are all made from it."""

@@ -3,7 +3,8 @@
 Accepted keys are the long flag names (``fusion-threshold-mb`` or
 ``fusion_threshold_mb``, ``cycle-time-ms``, ``cache-capacity``, ``start-timeout``,
 ``verbose``, ``ssh-port``, ``network-interfaces``, ``output-filename``, ...)
-and every section of Horovod 0.28.1's config file::
+and every section of Horovod 0.28.1's config file (each setting's key is
+declared with it in :data:`roundel.common.settings.SPECS`)::
 
     controller: gloo                      # or mpi
     params: {fusion_threshold_mb: 32, cycle_time_ms: 5, cache_capacity: 2048,
@@ -16,8 +17,9 @@ and every section of Horovod 0.28.1's config file::
                       gloo_timeout_seconds: 60}
     logging: {level: info, with_timestamp: true}
 
-A flag given on the command line wins over the file. Unknown keys and
-values of the wrong type are errors naming the file and key.
+A flag given on the command line wins over the file, and the file wins over
+the environment (the launcher hands the workers what it sets). Unknown keys
+and values of the wrong type are errors naming the file and key.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import argparse
 
 import yaml
 
+from roundel.common.settings import SPECS, Flag
+
 __all__ = ["ConfigError", "apply", "load"]
 
 
@@ -33,38 +37,38 @@ class ConfigError(ValueError):
     """The config file cannot be read or holds an unknown key or a bad value."""
 
 
-# dest -> type of the value, for top-level keys (flag names)
+_SETTING_FLAGS = [spec.flag for spec in SPECS if spec.flag is not None]
+
+
+def _kind(flag: Flag) -> type:
+    """The type a config value of ``flag`` must have: bool for a switch, the flag's int or float, else str."""
+    if flag.switch:
+        return bool
+    return flag.type if flag.type in (int, float) else str
+
+
+# dest -> type of the value, for the top-level keys of the launcher's own flags (a setting's flag is one too)
 _FLAGS = {
-    "fusion_threshold_mb": float, "cycle_time_ms": float, "cache_capacity": int, "disable_cache": bool,
-    "timeline_filename": str, "start_timeout": float, "verbose": bool, "ssh_port": int,
-    "ssh_identity_file": str, "ssh_strict_host_key_checking": str, "network_interfaces": str,
-    "network_interface": str, "output_filename": str, "mpi_args": str, "gloo_timeout_seconds": float,
-    "log_level": str, "elastic_timeout": float, "prefix_output_with_timestamp": bool,
+    "disable_cache": bool, "verbose": bool, "ssh_port": int, "ssh_identity_file": str,
+    "ssh_strict_host_key_checking": str, "network_interfaces": str, "network_interface": str,
+    "output_filename": str, "mpi_args": str, "prefix_output_with_timestamp": bool,
 }
 _NICS = ("network_interfaces", "network_interface")
-# section -> key -> (dest, type); "no_stall_check" is stored inverted from stall_check.enabled
-_SECTIONS = {
-    "params": {"fusion_threshold_mb": ("fusion_threshold_mb", float), "cycle_time_ms": ("cycle_time_ms", float),
-               "cache_capacity": ("cache_capacity", int),
-               "hierarchical_allreduce": ("hierarchical_allreduce", bool),
-               "hierarchical_allgather": ("hierarchical_allgather", bool),
-               "torus_allreduce": ("torus_allreduce", bool)},
-    "autotune": {"enabled": ("autotune", bool), "log_file": ("autotune_log_file", str),
-                 "warmup_samples": ("autotune_warmup_samples", int),
-                 "steps_per_sample": ("autotune_steps_per_sample", int),
-                 "bayes_opt_max_samples": ("autotune_bayes_opt_max_samples", int),
-                 "gaussian_process_noise": ("autotune_gaussian_process_noise", float)},
-    "timeline": {"filename": ("timeline_filename", str), "mark_cycles": ("timeline_mark_cycles", bool)},
-    "stall_check": {"enabled": ("no_stall_check", bool),
-                    "warning_time_seconds": ("stall_check_warning_time_seconds", float),
-                    "shutdown_time_seconds": ("stall_check_shutdown_time_seconds", float)},
-    "library_options": {"mpi_threads_disable": ("mpi_threads_disable", bool),
-                        "num_nccl_streams": ("num_nccl_streams", int),
-                        "thread_affinity": ("thread_affinity", int),
-                        "gloo_timeout_seconds": ("gloo_timeout_seconds", float)},
-    "logging": {"level": ("log_level", str), "with_timestamp": ("log_with_timestamp", bool)},
-}
 _CONTROLLERS = {"gloo": "gloo", "mpi": "mpi"}
+_BY_DEST = {flag.dest: flag for flag in _SETTING_FLAGS}
+
+
+def _sections() -> dict[str, dict[str, Flag]]:
+    """Horovod's sections: section -> key -> the flag of the setting that key sets."""
+    sections: dict[str, dict[str, Flag]] = {}
+    for flag in _SETTING_FLAGS:
+        if flag.config:
+            section, key = flag.config.split(".")
+            sections.setdefault(section, {})[key] = flag
+    return sections
+
+
+_SECTIONS = _sections()
 
 
 def _typed(value, kind, where: str):
@@ -79,6 +83,18 @@ def _typed(value, kind, where: str):
     if not isinstance(value, (str, int, float)) or isinstance(value, bool):
         raise ConfigError(f"{where}: expected a string, not {value!r}")
     return str(value)
+
+
+def _setting(flag: Flag, value, where: str, negated: bool = False):
+    """The value for ``flag``'s ``dest`` of a setting's config ``value``, as its flag would have parsed it."""
+    typed = _typed(value, _kind(flag), where)
+    if flag.switch:
+        return (not typed) if negated else typed
+    if isinstance(typed, str) and flag.type is not None:
+        typed = flag.type(typed)  # str.upper, str.lower: the spelling the flag gives
+    if flag.choices is not None and typed not in flag.choices:
+        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(flag.choices)}")
+    return typed
 
 
 def load(path: str) -> dict:
@@ -105,36 +121,37 @@ def load(path: str) -> dict:
             flags[controller] = True
         elif name in _NICS:
             flags["nics"] = [n.strip() for n in _typed(value, str, where).split(",") if n.strip()]
-        elif name in _FLAGS:
-            flags[name] = _typed(value, _FLAGS[name], where)
-        elif name in _SECTIONS:
+        elif name in _SECTIONS and (isinstance(value, dict) or name not in _BY_DEST):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: expected a mapping")
             for sub, subvalue in value.items():
                 subwhere = f"{where}.{sub}"
-                entry = _SECTIONS[name].get(str(sub).replace("-", "_"))
-                if entry is None:
+                flag = _SECTIONS[name].get(str(sub).replace("-", "_"))
+                if flag is None:
                     raise ConfigError(f"{subwhere}: unknown setting (known: {', '.join(_SECTIONS[name])})")
-                dest, kind = entry
-                typed = _typed(subvalue, kind, subwhere)
-                flags[dest] = (not typed) if dest == "no_stall_check" else typed
+                flags[flag.dest] = _setting(flag, subvalue, subwhere, negated=flag.config_negated)
+        elif name in _BY_DEST:  # `autotune: true` is the flag, `autotune: {...}` Horovod's section
+            flags[name] = _setting(_BY_DEST[name], value, where)
+        elif name in _FLAGS:
+            flags[name] = _typed(value, _FLAGS[name], where)
         else:
-            raise ConfigError(f"{where}: unknown setting (known: controller, {', '.join(sorted(_FLAGS))}, "
+            known = ", ".join(sorted({*_FLAGS, *_BY_DEST}))
+            raise ConfigError(f"{where}: unknown setting (known: controller, {known}, "
                               f"{', '.join(_SECTIONS)})")
     return flags
 
 
-def apply(args: argparse.Namespace, config: dict, given: set[str] = frozenset()) -> None:
-    """Fill ``args`` from ``config`` (from :func:`load`) where the command line left the flag unset.
+def apply(args: argparse.Namespace, config: dict, given: set[str]) -> None:
+    """Fill ``args`` from ``config`` (from :func:`load`) where the command line did not set the flag.
 
     ``given`` holds the flags (their ``dest``) the command line set, even to their default value: those
-    win; so does ``--verbose`` over the file's log level.
+    win over the file, and so does a flag that implies a setting's value (``--verbose``: the log level).
     """
     for dest, value in config.items():
         if dest in _CONTROLLERS and (args.gloo or args.mpi):
             continue  # a controller chosen on the command line wins
-        if dest in given or (dest == "log_level" and "verbose" in given):
+        flag = _BY_DEST.get(dest)
+        implied_by = flag.implied_by[0] if flag is not None and flag.implied_by else None
+        if dest in given or implied_by in given:
             continue
-        current = getattr(args, dest, None)
-        if current is None or current is False or current == "":
-            setattr(args, dest, value)
+        setattr(args, dest, value)

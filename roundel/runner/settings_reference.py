@@ -1,8 +1,8 @@
 """The settings reference page, ``docs/settings.md``, made from the settings' own declarations.
 
-Each row comes from ``roundel.common.settings.SPECS`` (variable, meaning),
-the ``Settings`` defaults and the launcher's ``flags.ENV_FLAGS``, so the page
-cannot drift from the code: ``tests/test_settings_reference.py`` fails when
+Each row comes from the settings table, ``roundel.common.settings.SPECS``
+(variable, flags, config key, meaning), and the ``Settings`` defaults, so
+the page cannot drift from the code: ``tests/test_settings_reference.py`` fails when
 the file differs from what this makes. After changing a setting, run
 ``python -m roundel.runner.settings_reference`` to write the page again.
 """
@@ -14,12 +14,8 @@ import sys
 from pathlib import Path
 
 from roundel.common.settings import MIB, SPECS, Settings
-from roundel.runner.flags import ENV_FLAGS
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
-
-# flags that set a setting outside ENV_FLAGS (they choose among values rather than carry one)
-_OTHER_FLAGS = {"LOG_LEVEL": ["--verbose (= debug)"], "CPU_OPERATIONS": ["--gloo", "--mpi"]}
 
 INTRO = """\
 # Settings
@@ -29,15 +25,20 @@ Each setting is an environment variable under its `ROUNDEL_` name or the
 and most are `roundelrun` flags too. A flag given on the command line beats
 the config file (`--config-file` takes Horovod's YAML), which beats the
 environment. Bad values stop `hvd.init()` and `roundelrun` with an error
-naming the variable. This page is made from the code
+naming the variable. A setting without a `Settings` field is accepted
+and handed to the workers but has no effect in roundel. The config-file key
+is the one of Horovod's config file where it has one; each flag's long name
+(without `--`, with `-` or `_`) is a top-level key too. This page is made from the code
 (`python -m roundel.runner.settings_reference`).
 
-| variable suffix (`ROUNDEL_`/`HOROVOD_`) | flag | default | meaning |
-| --- | --- | --- | --- |
+| variable suffix (`ROUNDEL_`/`HOROVOD_`) | flag | config key | default | meaning |
+| --- | --- | --- | --- | --- |
 """
 
 
 def _default(spec) -> str:
+    if spec.field is None:
+        return "unset"
     value = {f.name: f.default for f in dataclasses.fields(Settings)}[spec.field]
     if spec.suffix.endswith("_DISABLE"):  # the variable says the opposite of the field
         value = not value
@@ -50,20 +51,28 @@ def _default(spec) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _flags(spec) -> str:
+    flag = spec.flag
+    if flag is None:
+        return ""
+    shown = ", ".join(f"`{name}`" for name in flag.names + flag.off)
+    if flag.implied_by is not None:
+        dest, value = flag.implied_by
+        shown += f", `--{dest.replace('_', '-')}` (= {str(value).lower()})"
+    return shown
+
+
 def page() -> str:
     """The whole page, as it should be in ``docs/settings.md``."""
-    flags = {}
-    for _, flag, var, _ in ENV_FLAGS:
-        flags.setdefault(var.removeprefix("ROUNDEL_"), []).append(flag)
     rows = []
     for spec in SPECS:
-        named = flags.get(spec.suffix, []) + _OTHER_FLAGS.get(spec.suffix, [])
-        shown = ", ".join(f"`{flag}`" for flag in named)
-        rows.append(f"| `{spec.suffix}` | {shown} | {_default(spec)} | {spec.meaning} |")
+        config = "" if spec.flag is None else f"`{spec.flag.config or spec.flag.dest}`"
+        rows.append(f"| `{spec.suffix}` | {_flags(spec)} | {config} | {_default(spec)} | {spec.meaning} |")
     return INTRO + "\n".join(rows) + "\n"
 
 
 def main(argv=None) -> int:
+    """Write the page to ``argv[0]`` (default ``docs/settings.md``); return the exit status, 0."""
     path = Path((argv or sys.argv[1:] or [PAGE])[0])
     path.write_text(page())
     print(f"wrote {path}")
