@@ -9,6 +9,8 @@ the file differs from what this makes. After changing a setting, run
 
 from __future__ import annotations
 
+import argparse
+
 import dataclasses
 import sys
 from pathlib import Path
@@ -72,8 +74,10 @@ def page() -> str:
 
 
 def main(argv=None) -> int:
-    """Write the page to ``argv[0]`` (default ``docs/settings.md``); return the exit status, 0."""
-    path = Path((argv or sys.argv[1:] or [PAGE])[0])
+    """Write the page to the path given (default ``docs/settings.md``); return the exit status."""
+    parser = argparse.ArgumentParser(description="Write the settings reference page from roundel's settings table.")
+    parser.add_argument("path", nargs="?", default=str(PAGE), help="where to write it (default: %(default)s)")
+    path = Path(parser.parse_args(argv).path)
     path.write_text(page())
     print(f"wrote {path}")
     return 0
