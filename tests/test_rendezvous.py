@@ -176,6 +176,13 @@ def test_two_processes(server, client, secret):
 def test_wrong_secret_is_refused(server, client):
     with pytest.raises(RendezvousError, match="secret does not match"):
         RendezvousClient(server.host, server.port, b"not the secret", connect_timeout=5)
+    # a client that skips checking the server's proof still cannot prove the secret itself
+    with socket.create_connection((server.host, server.port), timeout=5) as sock:
+        sock.sendall(wire.MAGIC + struct.pack("!I", 0) + os.urandom(32))
+        assert sock.recv(72, socket.MSG_WAITALL).startswith(wire.MAGIC)
+        sock.sendall(os.urandom(32))  # a wrong proof
+        sock.settimeout(5)
+        assert sock.recv(100) == b""  # closed without a welcome
     client.set("still", b"works")
     assert client.get("still") == b"works"
 
@@ -184,11 +191,10 @@ def test_client_refuses_server_without_secret(secret):
     """A listener that cannot prove it holds the secret is not trusted with the job's data."""
     impostor = socket.create_server(("127.0.0.1", 0))
 
-    def serve():
+    def serve():  # answers in the protocol's shape, with a random nonce and proof
         conn, _ = impostor.accept()
-        conn.sendall(os.urandom(32))
-        conn.recv(64, socket.MSG_WAITALL)
-        conn.sendall(os.urandom(32))
+        conn.recv(44, socket.MSG_WAITALL)
+        conn.sendall(wire.MAGIC + os.urandom(64))
         conn.recv(1)
         conn.close()
 
@@ -202,7 +208,6 @@ def test_client_refuses_server_without_secret(secret):
 
 def test_random_bytes_are_dropped(server, client):
     sock = socket.create_connection((server.host, server.port))
-    sock.recv(32, socket.MSG_WAITALL)
     try:
         sock.sendall(os.urandom(10 * 1024))
     except ConnectionResetError:
