@@ -18,6 +18,11 @@ nonces are 32 fresh random bytes::
 
     transcript = magic | claim | nonce_i | nonce_r        (fixed length: 76 bytes)
 
+The labels are ASCII strings of their own (``RESPONDER_PROOF`` and the others
+below, all starting ``roundel-wire/v1``). Every handshake message has a fixed
+size (44, 72, 32 and 36 bytes), so nothing a peer sends before it has proven
+the secret sets how much is read.
+
 Every MAC is HMAC-SHA256. Each side proves the secret over the other's fresh
 nonce (so a proof cannot be replayed) under its own role label (so a proof
 cannot be reflected back to its maker), over the magic (so a proof for one

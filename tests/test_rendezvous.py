@@ -55,7 +55,7 @@ def assert_dropped(sock):
 
 
 def authenticated_channel(server, secret):
-    """A raw connection past the handshake (rendezvous_wire's protocol), to send hand-made frames."""
+    """A raw connection past the handshake (roundel.authwire's, as the store speaks it), to send hand-made frames."""
     sock = socket.create_connection((server.host, server.port), timeout=5)
     return wire.client_handshake(sock, secret, time.monotonic() + 5)
 
