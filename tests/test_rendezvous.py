@@ -206,6 +206,28 @@ def test_client_refuses_server_without_secret(secret):
     impostor.close()
 
 
+def test_client_refuses_a_server_of_another_protocol(secret):
+    """Something else answers at the address (here: an older store that greets with a bare nonce): the
+    client says so at once instead of retrying."""
+    other = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = other.accept()
+        with conn:
+            conn.sendall(os.urandom(32))
+            conn.settimeout(5)
+            conn.recv(100)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    start = time.monotonic()
+    with pytest.raises(RendezvousError, match="does not speak roundel's rendezvous protocol"):
+        RendezvousClient("127.0.0.1", other.getsockname()[1], secret, connect_timeout=10)
+    assert time.monotonic() - start < 3
+    t.join(5)
+    other.close()
+
+
 def test_random_bytes_are_dropped(server, client):
     sock = socket.create_connection((server.host, server.port))
     try:

@@ -7,10 +7,11 @@ adapter that Gloo calls from its own threads).
 Wire protocol (TCP; the handshake and frame tags are ``roundel.authwire``'s, the
 framing wire.py's): after a handshake in which both sides prove they hold the
 job's secret, each request and response is one frame tagged with a
-per-connection, per-direction session key and an implicit sequence number. A request body is ``!BdI`` (op
-code, seconds to wait, key length), the key (UTF-8) and the value; a response
-body is ``!B`` (status) and the payload. The server never parses anything but
-these fixed fields, and only after the frame's tag checks.
+per-connection, per-direction session key and an implicit sequence number. A
+request body is ``!BdI`` (op code, seconds to wait, key length), the key
+(UTF-8) and the value; a response body is ``!B`` (status) and the payload.
+The server never parses anything but these fixed fields, and only after the
+frame's tag checks.
 
 Bounds:
 
@@ -63,7 +64,7 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 HANDSHAKE_TIMEOUT_S = 5.0  # a client's wait for the server's side of the handshake
-FIRST_MESSAGE_S = 1.0  # the server's wait for a client's answer
+FIRST_MESSAGE_S = 1.0  # the server's wait for a client's whole side of the handshake
 MAX_PENDING_HANDSHAKES = 64
 GET_POLL_S = 5.0
 RESPONSE_GRACE_S = 10.0
@@ -370,6 +371,10 @@ class RendezvousClient:
                 f"{self._where()} and this client hold different secrets: the job secret does not match (check "
                 "ROUNDEL_SECRET; it must be the one roundelrun handed to this job), or the process at that "
                 "address does not hold this job's secret; refusing to use it") from None
+        except authwire.NotThisProtocol:
+            sock.close()
+            raise RendezvousError(f"the process at {self.host}:{self.port} does not speak roundel's rendezvous "
+                                  "protocol (it is not this job's store, or runs another roundel version)") from None
         except BaseException:
             sock.close()
             raise
