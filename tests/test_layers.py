@@ -3,7 +3,7 @@
     adapters   roundel.torch · roundel.tensorflow · roundel.keras · roundel.jax · roundel.mxnet   (and roundel.timeline, a tool)
     core       roundel.common
     below it   roundel.transport · roundel.rendezvous               (not each other)
-    ground     roundel.errors · roundel.excepthook · roundel.ops · the roundel package itself
+    ground     roundel.errors · roundel.excepthook · roundel.ops · roundel.authwire · the roundel package itself
     launcher   roundel.runner (may use everything but the adapters; no worker needs it)
     drivers    roundel.spark · roundel.ray (launchers inside Spark and on Ray: use roundel.runner)
 
@@ -22,7 +22,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "roundel"
 
-GROUND = ("roundel", "roundel.errors", "roundel.excepthook", "roundel.ops")
+GROUND = ("roundel", "roundel.authwire", "roundel.errors", "roundel.excepthook", "roundel.ops")
 LEVELS = {
     "ground": 0,
     "roundel.transport": 1, "roundel.rendezvous": 1,

@@ -55,7 +55,7 @@ def assert_dropped(sock):
 
 
 def authenticated_channel(server, secret):
-    """A raw connection past the handshake (rendezvous_wire's protocol), to send hand-made frames."""
+    """A raw connection past the handshake (roundel.authwire's, as the store speaks it), to send hand-made frames."""
     sock = socket.create_connection((server.host, server.port), timeout=5)
     return wire.client_handshake(sock, secret, time.monotonic() + 5)
 
@@ -176,6 +176,13 @@ def test_two_processes(server, client, secret):
 def test_wrong_secret_is_refused(server, client):
     with pytest.raises(RendezvousError, match="secret does not match"):
         RendezvousClient(server.host, server.port, b"not the secret", connect_timeout=5)
+    # a client that skips checking the server's proof still cannot prove the secret itself
+    with socket.create_connection((server.host, server.port), timeout=5) as sock:
+        sock.sendall(wire.MAGIC + struct.pack("!I", 0) + os.urandom(32))
+        assert sock.recv(72, socket.MSG_WAITALL).startswith(wire.MAGIC)
+        sock.sendall(os.urandom(32))  # a wrong proof
+        sock.settimeout(5)
+        assert sock.recv(100) == b""  # closed without a welcome
     client.set("still", b"works")
     assert client.get("still") == b"works"
 
@@ -184,11 +191,10 @@ def test_client_refuses_server_without_secret(secret):
     """A listener that cannot prove it holds the secret is not trusted with the job's data."""
     impostor = socket.create_server(("127.0.0.1", 0))
 
-    def serve():
+    def serve():  # answers in the protocol's shape, with a random nonce and proof
         conn, _ = impostor.accept()
-        conn.sendall(os.urandom(32))
-        conn.recv(64, socket.MSG_WAITALL)
-        conn.sendall(os.urandom(32))
+        conn.recv(44, socket.MSG_WAITALL)
+        conn.sendall(wire.MAGIC + os.urandom(64))
         conn.recv(1)
         conn.close()
 
@@ -200,9 +206,30 @@ def test_client_refuses_server_without_secret(secret):
     impostor.close()
 
 
+def test_client_refuses_a_server_of_another_protocol(secret):
+    """Something else answers at the address (here: an older store that greets with a bare nonce): the
+    client says so at once instead of retrying."""
+    other = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = other.accept()
+        with conn:
+            conn.sendall(os.urandom(32))
+            conn.settimeout(5)
+            conn.recv(100)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    start = time.monotonic()
+    with pytest.raises(RendezvousError, match="does not speak roundel's rendezvous protocol"):
+        RendezvousClient("127.0.0.1", other.getsockname()[1], secret, connect_timeout=10)
+    assert time.monotonic() - start < 3
+    t.join(5)
+    other.close()
+
+
 def test_random_bytes_are_dropped(server, client):
     sock = socket.create_connection((server.host, server.port))
-    sock.recv(32, socket.MSG_WAITALL)
     try:
         sock.sendall(os.urandom(10 * 1024))
     except ConnectionResetError:

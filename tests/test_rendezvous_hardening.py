@@ -2,8 +2,8 @@
 and another local user holding its pre-authentication slots while a job starts or an elastic job grows.
 
 Servers that need their own open-file limit run in a subprocess; the others in
-this process. Frames are built here from the protocol as rendezvous_wire.py
-documents it, so a mistake there cannot hide in a shared helper.
+this process. The handshake and frames are built here from the protocol as
+roundel/authwire.py documents it, so a mistake there cannot hide in a shared helper.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from roundel.rendezvous.store import RendezvousClient, RendezvousError, Rendezvo
 DETECTION_BOUND_S = 15.0
 HANDSHAKE_DEADLINE_S = 1.0  # rendezvous.FIRST_MESSAGE_S
 PENDING_CAP = 64  # rendezvous.MAX_PENDING_HANDSHAKES
-FRAME_DEADLINE_S = 10.0  # rendezvous_wire.FRAME_DEADLINE_S: a frame once begun must arrive within this
+FRAME_DEADLINE_S = 10.0  # rendezvous.wire.FRAME_DEADLINE_S: a frame once begun must arrive within this
 
 _SERVER = """
 import logging, os, resource, sys, time
@@ -148,7 +148,10 @@ def wait_dropped(sock: socket.socket, timeout: float) -> float:
     return time.monotonic() - start
 
 
-# ---- the protocol, written out from rendezvous_wire.py's docstring ----
+# ---- the protocol, written out from roundel/authwire.py's docstring (the store's magic: RNDLRDV1) ----
+
+MAGIC = b"RNDLRDV1"
+
 
 def _mac(key: bytes, data: bytes) -> bytes:
     return hmac.new(key, data, hashlib.sha256).digest()
@@ -159,13 +162,18 @@ class RawSession:
 
     def __init__(self, port: int, secret: bytes):
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        server_nonce = self.recv(32)
         nonce = os.urandom(32)
-        self.sock.sendall(_mac(secret, b"client" + server_nonce) + nonce)
-        assert self.recv(32) == _mac(secret, b"server" + nonce)
-        self.c2s = _mac(secret, b"roundel-rendezvous c2s" + server_nonce + nonce)
-        self.s2c = _mac(secret, b"roundel-rendezvous s2c" + server_nonce + nonce)
+        self.sock.sendall(MAGIC + struct.pack("!I", 0) + nonce)
+        assert self.recv(8) == MAGIC
+        server_nonce = self.recv(32)
+        transcript = MAGIC + struct.pack("!I", 0) + nonce + server_nonce
+        assert self.recv(32) == _mac(secret, b"roundel-wire/v1 responder proof" + transcript)
+        self.sock.sendall(_mac(secret, b"roundel-wire/v1 initiator proof" + transcript))
+        session = _mac(secret, b"roundel-wire/v1 session key" + transcript)
+        self.c2s = _mac(session, b"roundel-wire/v1 initiator-to-responder")
+        self.s2c = _mac(session, b"roundel-wire/v1 responder-to-initiator")
         self.sent = self.received = 0
+        assert self.answer() == (None, b"")  # the welcome: an empty frame, the server's frame 0
 
     def recv(self, n: int) -> bytes:
         data = self.sock.recv(n, socket.MSG_WAITALL)
@@ -179,13 +187,13 @@ class RawSession:
         length = struct.pack("!I", len(body))
         return length + body + _mac(self.c2s, struct.pack("!Q", seq) + length + body)
 
-    def answer(self) -> tuple[int, bytes]:
-        """The next response (status, payload), checking its tag."""
+    def answer(self) -> tuple[int | None, bytes]:
+        """The next response (status, payload; None for an empty frame), checking its tag."""
         length = self.recv(4)
         body = self.recv(struct.unpack("!I", length)[0])
         assert self.recv(32) == _mac(self.s2c, struct.pack("!Q", self.received) + length + body)
         self.received += 1
-        return body[0], body[1:]
+        return (body[0] if body else None), body[1:]
 
 
 def request(op: int, key: str, value: bytes = b"", wait: float = 0.0) -> bytes:
@@ -301,13 +309,13 @@ def test_elastic_scale_up_while_another_user_holds_the_stores_pre_auth_slots(tmp
 # ---- slow and silent peers ----
 
 def _slow_sender(port: int, results: list, index: int, max_bytes: int = 15) -> None:
-    """Send one byte a second of a (wrong) handshake answer; record when the server dropped us."""
+    """Send one byte a second of an opening message; record when the server dropped us."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     start = time.monotonic()
     try:
-        sock.recv(32, socket.MSG_WAITALL)  # the server's nonce
-        for _ in range(max_bytes):
-            sock.sendall(b"x")
+        opening = MAGIC + struct.pack("!I", 0) + os.urandom(32)
+        for i in range(max_bytes):
+            sock.sendall(opening[i:i + 1])
             readable, _, _ = select.select([sock], [], [], 1.0)
             if readable and not sock.recv(4096):
                 break
@@ -495,7 +503,8 @@ class TamperingProxy:
 
 
 def test_client_rejects_a_tampered_answer(server, secret):
-    proxy = TamperingProxy(server.port, flip_at=64 + 4)  # the handshake's 64 bytes, a length, then the status
+    # the server's handshake (its 72-byte answer, the 36-byte welcome), a length, then the status
+    proxy = TamperingProxy(server.port, flip_at=72 + 36 + 4)
     try:
         c = RendezvousClient("127.0.0.1", proxy.port, secret, connect_timeout=10)
         with pytest.raises(RendezvousError, match="failed its integrity check"):

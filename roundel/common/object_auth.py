@@ -15,32 +15,29 @@ are refused.
 from __future__ import annotations
 
 import functools
-import hashlib
 import hmac
 import struct
 
+from roundel import authwire
 from roundel.errors import RoundelInternalError
 
 __all__ = ["SEAL_BYTES", "seal", "unseal"]
 
-TAG_BYTES = 32
 _SEQUENCE = struct.Struct("!Q")
-SEAL_BYTES = _SEQUENCE.size + TAG_BYTES
+SEAL_BYTES = _SEQUENCE.size + authwire.TAG_BYTES
 """Bytes a seal adds after the payload: the sequence number, then the tag."""
 _CONTEXT = struct.Struct("!qQQQ")  # sender rank, sequence number, lengths of the generation and the name
 
 
 @functools.lru_cache(maxsize=4)
 def _object_key(secret: bytes) -> bytes:
-    return hmac.new(secret, b"roundel/object-auth/v2", hashlib.sha256).digest()
+    return authwire.mac(secret, b"roundel/object-auth/v2")
 
 
 def _tag(secret: bytes, generation: str, name: str, sequence: int, sender: int, payload) -> bytes:
     generation_label, label = generation.encode(), name.encode()
-    mac = hmac.new(_object_key(secret), _CONTEXT.pack(sender, sequence, len(generation_label), len(label)) +
-                   generation_label + label, hashlib.sha256)
-    mac.update(payload)
-    return mac.digest()
+    return authwire.mac(_object_key(secret), _CONTEXT.pack(sender, sequence, len(generation_label), len(label)),
+                        generation_label, label, payload)
 
 
 def seal(secret: bytes, generation: str, name: str, sequence: int, sender: int, payload) -> bytes:

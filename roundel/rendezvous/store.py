@@ -4,42 +4,42 @@
 :class:`RendezvousClient` (directly, or through a ``torch.distributed`` Store
 adapter that Gloo calls from its own threads).
 
-Wire protocol (TCP; see wire.py for the handshake and framing):
-after a handshake in which both sides prove they hold the job's secret, each
-request and response is one frame tagged with a per-connection, per-direction
-session key and an implicit sequence number. A request body is ``!BdI`` (op
-code, seconds to wait, key length), the key (UTF-8) and the value; a response
-body is ``!B`` (status) and the payload. The server never parses anything but
-these fixed fields, and only after the frame's tag checks.
+Wire protocol (TCP; the handshake and frame tags are ``roundel.authwire``'s, the
+framing wire.py's): after a handshake in which both sides prove they hold the
+job's secret, each request and response is one frame tagged with a
+per-connection, per-direction session key and an implicit sequence number. A
+request body is ``!BdI`` (op code, seconds to wait, key length), the key
+(UTF-8) and the value; a response body is ``!B`` (status) and the payload.
+The server never parses anything but these fixed fields, and only after the
+frame's tag checks.
 
 Bounds:
 
-- Server: at most MAX_PENDING_HANDSHAKES connections waiting for their first
-  message at once; when full, a new one evicts the one waiting longest (a real
-  client answers at once, so connections held open by someone else cannot
+- Server: at most MAX_PENDING_HANDSHAKES connections waiting to prove the
+  secret at once; when full, a new one evicts the one waiting longest (a real
+  client proves it at once, so connections held open by someone else cannot
   keep it out). Each has FIRST_MESSAGE_S to finish the handshake however
   slowly it sends; a request or response frame, once begun,
   must arrive within wire.FRAME_DEADLINE_S (plus one second per MiB).
   Idle authenticated connections stay open (workers pool them for the whole
   job); TCP keepalive and TCP_USER_TIMEOUT drop those whose peer vanished.
   Failed ``accept`` calls (out of file descriptors, memory) are logged,
-  rate-limited, and retried after a short pause.
+  rate-limited, and retried (see ``authwire.accept_loop``).
 - Client: every answer is awaited at most RESPONSE_GRACE_S, plus the server-side
   wait of a ``get``; a ``get`` is served as waits of at most GET_POLL_S each,
   so whatever its timeout, a stopped, crashed or unreachable server is
   reported (RendezvousError) within GET_POLL_S + RESPONSE_GRACE_S = 15 s.
   The first connection is retried for ``connect_timeout`` (the server may
-  still be starting or be shedding connections; a client is told its secret
-  is wrong only after SECRET_REJECTIONS refusals in a row); a later one (more threads than pooled connections, or
-  one lost) for at most RESPONSE_GRACE_S. TCP keepalive and TCP_USER_TIMEOUT
-  are set on every authenticated socket.
+  still be starting or be shedding connections; a wrong proof from the server,
+  which means the two hold different secrets, is not retried); a later one
+  (more threads than pooled connections, or one lost) for at most
+  RESPONSE_GRACE_S. TCP keepalive and TCP_USER_TIMEOUT are set on every
+  socket.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import math
 import queue
 import secrets
 import socket
@@ -48,6 +48,7 @@ import threading
 import time
 from typing import Callable
 
+from roundel import authwire
 from roundel.errors import RoundelError
 from roundel.rendezvous import wire
 
@@ -63,12 +64,10 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 HANDSHAKE_TIMEOUT_S = 5.0  # a client's wait for the server's side of the handshake
-FIRST_MESSAGE_S = 1.0  # the server's wait for a client's answer
+FIRST_MESSAGE_S = 1.0  # the server's wait for a client's whole side of the handshake
 MAX_PENDING_HANDSHAKES = 64
-SECRET_REJECTIONS = 3
 GET_POLL_S = 5.0
 RESPONSE_GRACE_S = 10.0
-ACCEPT_BACKOFF_S = (0.05, 0.2)  # first and longest pause after a failed accept
 LOG_INTERVAL_S = 10.0
 
 _REQUEST = struct.Struct("!BdI")
@@ -113,28 +112,6 @@ def _unpack_keys(data: bytes) -> list[str]:
     return keys
 
 
-class _RateLimitedLog:
-    """Logs each kind of message at most once per LOG_INTERVAL_S, counting the ones it held back."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def warning(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -math.inf) < LOG_INTERVAL_S:
-                self._held[kind] = self._held.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            held = self._held.pop(kind, 0)
-        log.warning("%s%s", message, f" ({held} more like this since the last report)" if held else "")
-
-
-_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-
-
 class RendezvousServer:
     """Key-value store served over TCP to clients that hold ``secret``.
 
@@ -153,8 +130,9 @@ class RendezvousServer:
         self._accept_thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
-        self._pending = wire.PendingConnections(MAX_PENDING_HANDSHAKES)
-        self._log = _RateLimitedLog()
+        self._pending = authwire.PendingConnections(MAX_PENDING_HANDSHAKES)
+        self._refusals: authwire.RateLimitedLog | None = None
+        self._troubles: authwire.RateLimitedLog | None = None
         # Called with (key, value) after each client's set, on that client's thread (roundelrun --verbose).
         self.on_set: Callable[[str, bytes], None] | None = None
 
@@ -165,9 +143,13 @@ class RendezvousServer:
         listener = socket.create_server((self.host, self.port), backlog=socket.SOMAXCONN)
         self._listener = listener
         self.port = listener.getsockname()[1]
+        where = f"roundel rendezvous server on port {self.port}"
+        self._refusals = authwire.RateLimitedLog(log, f"{where} refused connections", LOG_INTERVAL_S)
+        self._troubles = authwire.RateLimitedLog(log, f"{where} could not accept connections", LOG_INTERVAL_S)
         self._accept_thread = threading.Thread(
-            target=self._accept_loop, name="roundel-rendezvous-accept", daemon=True
-        )
+            target=authwire.accept_loop, name="roundel-rendezvous-accept", daemon=True,
+            args=(listener, self._pending, self._serve, lambda: self._stopping, self._refusals, self._troubles,
+                  "roundel-rendezvous-conn"))
         self._accept_thread.start()
         return self.port
 
@@ -191,6 +173,8 @@ class RendezvousServer:
                 pass
         if self._accept_thread is not None:
             self._accept_thread.join(timeout=5)
+            self._refusals.flush()
+            self._troubles.flush()
 
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key`` and wake clients waiting for it."""
@@ -208,57 +192,11 @@ class RendezvousServer:
         with self._cond:
             return self._data.pop(key, None)
 
-    def _accept_loop(self) -> None:
-        backoff = 0.0
-        while not self._stopping:
-            if backoff:
-                time.sleep(backoff)
-            try:
-                conn, addr = self._listener.accept()
-            except OSError as exc:
-                if self._stopping:
-                    return
-                backoff = self._accept_failed(exc, backoff)
-                continue
-            if self._stopping:
-                conn.close()
-                return
-            backoff = 0.0
-            if self._pending.admit(conn):
-                self._log.warning("evicted", f"rendezvous server on port {self.port}: {MAX_PENDING_HANDSHAKES} "
-                                  "connections were waiting to authenticate; closed the one waiting longest to "
-                                  f"admit one from {addr[0]} (a flood of unauthenticated connections?)")
-            try:
-                threading.Thread(target=self._serve, args=(conn, addr), name="roundel-rendezvous-conn",
-                                 daemon=True).start()
-            except RuntimeError as exc:  # the process cannot start another thread
-                self._pending.answered(conn)
-                conn.close()
-                self._log.warning("thread", f"rendezvous server on port {self.port}: dropped a connection from "
-                                  f"{addr[0]}: cannot start a thread to serve it ({exc}); retrying")
-                backoff = ACCEPT_BACKOFF_S[0]
-
-    def _accept_failed(self, exc: OSError, backoff: float) -> float:
-        """Log a failed accept (rate-limited) and return the pause before the next one."""
-        if exc.errno in (errno.ECONNABORTED, errno.EINTR, errno.EAGAIN, errno.EPROTO):
-            return 0.0  # that connection is gone; the next one may be fine
-        hint = (" Raise the open-file limit (ulimit -n) of this process if it persists."
-                if exc.errno in _OUT_OF_RESOURCES else "")
-        self._log.warning(f"accept-{exc.errno}", f"rendezvous server on port {self.port}: accept failed ({exc}); "
-                          f"retrying.{hint}")
-        low, high = ACCEPT_BACKOFF_S
-        return min(high, max(low, backoff * 2))
-
-    def _serve(self, conn: socket.socket, addr) -> None:
+    def _serve(self, conn: socket.socket, peer: str) -> None:
         with self._conns_lock:
             self._conns.add(conn)
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             channel = wire.server_handshake(conn, self._secret, time.monotonic() + FIRST_MESSAGE_S, self._pending)
-            if channel is None:
-                log.debug("rendezvous: dropped %s: failed authentication", addr)
-                return
-            wire.enable_liveness_probes(conn)
             while not self._stopping:
                 try:
                     body = channel.receive(_REQUEST.size + MAX_MESSAGE_BYTES, first_byte_timeout=None)
@@ -270,9 +208,9 @@ class RendezvousServer:
                 if op == _OP_SET and self.on_set is not None:
                     self.on_set(key, value)
         except Exception as exc:  # anything a hostile or broken peer can cause
-            log.debug("rendezvous: dropped %s: %s", addr, exc)
+            log.debug("rendezvous: dropped %s: %s", peer, exc)
         finally:
-            self._pending.answered(conn)  # in case it failed before the handshake did
+            self._pending.release(conn)  # in case it failed before the handshake did
             with self._conns_lock:
                 self._conns.discard(conn)
             conn.close()
@@ -411,20 +349,11 @@ class RendezvousClient:
         seconds = min(self._connect_timeout, RESPONSE_GRACE_S) if self._was_connected else self._connect_timeout
         deadline = time.monotonic() + seconds
         delay = 0.05
-        rejections = 0
         while True:
             try:
                 channel = self._open(deadline)
                 self._was_connected = True
                 return channel
-            except wire.SecretRejected:  # or dropped by a server shedding connections: try again, a few times
-                rejections += 1
-                if rejections >= SECRET_REJECTIONS or time.monotonic() + delay >= deadline:
-                    raise RendezvousError(
-                        f"{self._where()} refused this client: the job secret does not match "
-                        "(check ROUNDEL_SECRET; it must be the one roundelrun handed to this job)") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
             except OSError as exc:  # refused, reset, timed out, or closed by a busy server
                 if time.monotonic() + delay >= deadline:
                     raise self._unreachable(seconds, exc) from None
@@ -435,12 +364,17 @@ class RendezvousClient:
         """One attempt at connecting and authenticating; OSError means it is worth another try."""
         sock = socket.create_connection((self.host, self.port), timeout=max(0.1, deadline - time.monotonic()))
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             channel = wire.client_handshake(sock, self._secret, time.monotonic() + HANDSHAKE_TIMEOUT_S)
-            wire.enable_liveness_probes(sock)
-        except wire.ImpostorServer:
+        except authwire.ProofFailed:
             sock.close()
-            raise RendezvousError(f"{self._where()} does not hold this job's secret; refusing to use it") from None
+            raise RendezvousError(
+                f"{self._where()} and this client hold different secrets: the job secret does not match (check "
+                "ROUNDEL_SECRET; it must be the one roundelrun handed to this job), or the process at that "
+                "address does not hold this job's secret; refusing to use it") from None
+        except authwire.NotThisProtocol:
+            sock.close()
+            raise RendezvousError(f"the process at {self.host}:{self.port} does not speak roundel's rendezvous "
+                                  "protocol (it is not this job's store, or runs another roundel version)") from None
         except BaseException:
             sock.close()
             raise

@@ -1,46 +1,26 @@
-"""The rendezvous store's wire: handshake, authenticated frames and bounded socket I/O.
+"""The rendezvous store's framing: blocking request and response frames over ``roundel.authwire``.
 
-Handshake (both sides prove they hold the job's secret, nothing else is parsed):
-the server sends a 32-byte random nonce ``ns``; the client answers
-``HMAC-SHA256(secret, b"client" + ns)`` and its own 32-byte nonce ``nc``; the
-server checks the proof (dropping the connection on mismatch) and answers
-``HMAC-SHA256(secret, b"server" + nc)``, which the client checks.
-
-Both sides then derive one session key per direction,
-``HMAC-SHA256(secret, b"roundel-rendezvous c2s" + ns + nc)`` and the same with
-``s2c``. Every later frame is ``!I`` body length, the body, and a 32-byte tag
-``HMAC-SHA256(direction key, !Q sequence number + length + body)``; sequence
-numbers count frames per direction from 0 and are never sent, so a tampered,
-replayed, reordered or dropped frame fails its check. Only a frame whose tag
+A connection starts with the handshake of ``roundel.authwire`` under the
+magic ``RNDLRDV1`` (the client is the initiator and claims 0); every later
+message is one authwire frame (``!I`` length, body, tag over the hidden
+sequence number), read and written with blocking calls bounded by deadlines:
+a frame in flight must keep moving, FRAME_DEADLINE_S for its first bytes and
+one more second per MIN_TRANSFER_RATE bytes of body. Only a frame whose tag
 checks is handed on to be parsed.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import secrets
 import socket
-import struct
-import threading
 import time
 
-NONCE_BYTES = 32
-TAG_BYTES = 32
-# A frame in flight must keep moving: FRAME_DEADLINE_S for its first bytes and
-# one more second per MIN_TRANSFER_RATE bytes of body.
+from roundel import authwire
+
+MAGIC = b"RNDLRDV1"
 FRAME_DEADLINE_S = 10.0
 MIN_TRANSFER_RATE = 1024 * 1024
-# TCP liveness probes on authenticated connections: an idle peer that vanished
-# is noticed after about KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_COUNT
-# seconds, and unacknowledged data is given up after USER_TIMEOUT_S.
-KEEPALIVE_IDLE_S = 5
-KEEPALIVE_INTERVAL_S = 5
-KEEPALIVE_COUNT = 3
-USER_TIMEOUT_S = 20
-
-_LENGTH = struct.Struct("!I")
-_SEQUENCE = struct.Struct("!Q")
+# An authenticated peer that vanished is noticed after about this long (TCP keepalive, TCP_USER_TIMEOUT).
+DEAD_PEER_S = 20
 
 
 class IntegrityError(ConnectionError):
@@ -51,77 +31,28 @@ class PeerClosed(ConnectionError):
     """The peer closed the connection between frames."""
 
 
-def proof(secret: bytes, role: bytes, nonce: bytes) -> bytes:
-    """The handshake proof that the side named ``role`` holds ``secret``."""
-    return hmac.new(secret, role + nonce, hashlib.sha256).digest()
-
-
-def session_keys(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> tuple[bytes, bytes]:
-    """(client-to-server key, server-to-client key) of one connection."""
-    nonces = server_nonce + client_nonce
-    return (hmac.new(secret, b"roundel-rendezvous c2s" + nonces, hashlib.sha256).digest(),
-            hmac.new(secret, b"roundel-rendezvous s2c" + nonces, hashlib.sha256).digest())
-
-
 def transfer_allowance(nbytes: int) -> float:
     """Seconds a frame of ``nbytes`` may take to cross the wire, on top of FRAME_DEADLINE_S."""
     return nbytes / MIN_TRANSFER_RATE
 
 
-def recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
-    """Read exactly ``n`` bytes before ``deadline`` (time.monotonic; None: no limit).
-
-    Raises TimeoutError when the deadline passes (however slowly bytes trickle
-    in) and ConnectionError when the peer closes first.
-    """
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"received {len(buf)} of {n} bytes before the deadline")
-            sock.settimeout(left)
-        else:
-            sock.settimeout(None)
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ConnectionError(f"peer closed the connection after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-def enable_liveness_probes(sock: socket.socket) -> None:
-    """Turn on TCP keepalive and TCP_USER_TIMEOUT (where the OS has them) on ``sock``."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-                        ("TCP_KEEPCNT", KEEPALIVE_COUNT), ("TCP_USER_TIMEOUT", USER_TIMEOUT_S * 1000)):
-        option = getattr(socket, name, None)
-        if option is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, option, value)
-
-
 class Channel:
-    """One authenticated connection: tagged, sequenced frames each way. Not thread-safe."""
+    """One authenticated connection: tagged, sequenced frames each way, blocking I/O. Not thread-safe."""
 
-    def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes):
+    def __init__(self, sock: socket.socket, session: authwire.Session):
         self.sock = sock
-        self._send_key = send_key
-        self._recv_key = recv_key
-        self._send_seq = 0
-        self._recv_seq = 0
-
-    def _tag(self, key: bytes, seq: int, length: bytes, body: bytes) -> bytes:
-        mac = hmac.new(key, _SEQUENCE.pack(seq) + length, hashlib.sha256)
-        mac.update(body)
-        return mac.digest()
+        self._send_key = session.send_key
+        self._recv_key = session.recv_key
+        self._send_seq = session.send_sequence
+        self._recv_seq = session.recv_sequence
 
     def send(self, body: bytes) -> None:
         """Send one frame, giving up (TimeoutError) if it does not leave within its deadline."""
-        length = _LENGTH.pack(len(body))
-        tag = self._tag(self._send_key, self._send_seq, length, body)
+        header = authwire.HEADER.pack(len(body))
+        tag = authwire.frame_tag(self._send_key, self._send_seq, header, body)
         self._send_seq += 1
         self.sock.settimeout(FRAME_DEADLINE_S + transfer_allowance(len(body)))
-        self.sock.sendall(length + body + tag)
+        self.sock.sendall(header + body + tag)
 
     def receive(self, max_bytes: int, first_byte_timeout: float | None) -> bytes:
         """The body of the next frame, once its tag checks.
@@ -137,13 +68,14 @@ class Channel:
         if not first:
             raise PeerClosed("peer closed the connection")
         deadline = time.monotonic() + FRAME_DEADLINE_S
-        length = first + recv_exact(self.sock, _LENGTH.size - 1, deadline)
-        (size,) = _LENGTH.unpack(length)
+        header = first + authwire.recv_exact(self.sock, authwire.HEADER.size - 1, deadline, "a frame's length")
+        (size,) = authwire.HEADER.unpack(header)
         if size > max_bytes:
             raise ValueError(f"frame of {size} bytes exceeds the limit of {max_bytes}")
-        rest = recv_exact(self.sock, size + TAG_BYTES, deadline + transfer_allowance(size))
+        rest = authwire.recv_exact(self.sock, size + authwire.TAG_BYTES, deadline + transfer_allowance(size),
+                                   "a frame")
         body, tag = rest[:size], rest[size:]
-        if not hmac.compare_digest(tag, self._tag(self._recv_key, self._recv_seq, length, body)):
+        if not authwire.frame_ok(self._recv_key, self._recv_seq, header, body, tag):
             raise IntegrityError("a frame failed its integrity check (tampered, replayed or corrupted)")
         self._recv_seq += 1
         return body
@@ -157,98 +89,27 @@ class Channel:
         self.sock.close()
 
 
-class PendingConnections:
-    """Accepted connections that have not yet sent their first message, at most ``limit`` of them.
-
-    When full, admitting another evicts the one waiting the longest (shut
-    down, which wakes the thread serving it): a real client answers at once,
-    so connections held silent by someone else make way for it instead of
-    keeping it out. Thread-safe.
-    """
-
-    def __init__(self, limit: int):
-        self._limit = limit
-        self._lock = threading.Lock()
-        self._waiting: dict[socket.socket, None] = {}  # oldest first
-
-    def admit(self, sock: socket.socket) -> bool:
-        """Track ``sock``; True if the oldest waiting connection was evicted to make room."""
-        with self._lock:
-            evicted = len(self._waiting) >= self._limit
-            if evicted:
-                oldest = next(iter(self._waiting))
-                del self._waiting[oldest]
-                try:  # under the lock, so its thread has not closed it yet (see answered)
-                    oldest.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            self._waiting[sock] = None
-        return evicted
-
-    def answered(self, sock: socket.socket) -> bool:
-        """Stop tracking ``sock`` (its first message came, or it failed); False if it was evicted."""
-        with self._lock:
-            if sock not in self._waiting:
-                return False
-            del self._waiting[sock]
-            return True
-
-
-class ServerRefused(ConnectionError):
-    """The server closed the connection before it sent its nonce (busy or stopping)."""
-
-
-class SecretRejected(ConnectionError):
-    """The server closed the connection after checking this client's proof."""
-
-
-class ImpostorServer(ConnectionError):
-    """The peer could not prove that it holds the job's secret."""
-
-
 def server_handshake(sock: socket.socket, secret: bytes, deadline: float,
-                     pending: PendingConnections | None = None) -> Channel | None:
-    """Run the server's side; a Channel, or None if the client's proof is wrong.
+                     pending: authwire.PendingConnections) -> Channel:
+    """Run the server's (responder's) side; a Channel once the client has proven the secret.
 
-    The whole exchange must finish before ``deadline``: TimeoutError otherwise.
-    With ``pending``, ``sock`` is tracked there until the client's answer comes
-    (ConnectionError if it was evicted first).
+    The whole exchange must finish before ``deadline`` (time.monotonic).
+    ``sock`` leaves ``pending`` once its proof checks. Raises
+    authwire.ProofFailed for a wrong proof, other authwire.HandshakeError
+    (TimeoutError for a missed deadline) or OSError; the caller closes ``sock``.
     """
-    nonce = secrets.token_bytes(NONCE_BYTES)
-    sock.settimeout(max(0.001, deadline - time.monotonic()))
-    try:
-        sock.sendall(nonce)
-        answer = recv_exact(sock, TAG_BYTES + NONCE_BYTES, deadline)
-    finally:
-        evicted = pending is not None and not pending.answered(sock)
-    if evicted:
-        raise ConnectionError("evicted to make room for a newer connection before it answered")
-    if not hmac.compare_digest(answer[:TAG_BYTES], proof(secret, b"client", nonce)):
-        return None
-    client_nonce = answer[TAG_BYTES:]
-    sock.settimeout(max(0.001, deadline - time.monotonic()))
-    sock.sendall(proof(secret, b"server", client_nonce))
-    to_server, to_client = session_keys(secret, nonce, client_nonce)
-    return Channel(sock, to_client, to_server)
+    authwire.tune(sock, DEAD_PEER_S)
+    opening = authwire.read_opening(sock, MAGIC, deadline)
+    return Channel(sock, authwire.answer(sock, secret, opening, deadline, lambda: pending.release(sock)))
 
 
 def client_handshake(sock: socket.socket, secret: bytes, deadline: float) -> Channel:
-    """Run the client's side; a Channel once both proofs check.
+    """Run the client's (initiator's) side; a Channel once both proofs check.
 
-    Raises ServerRefused, SecretRejected, ImpostorServer, TimeoutError or OSError.
+    Raises authwire.ProofFailed (the server does not hold ``secret``, or this
+    client's is wrong), authwire.Refused and authwire.Unwelcome (closed by a
+    busy or stopping server), other authwire.HandshakeError, TimeoutError or
+    OSError.
     """
-    try:
-        server_nonce = recv_exact(sock, NONCE_BYTES, deadline)
-    except ConnectionError as exc:
-        raise ServerRefused(str(exc)) from None
-    nonce = secrets.token_bytes(NONCE_BYTES)
-    sock.settimeout(max(0.001, deadline - time.monotonic()))
-    sock.sendall(proof(secret, b"client", server_nonce) + nonce)
-    try:
-        answer = recv_exact(sock, TAG_BYTES, deadline)
-    except ConnectionError as exc:
-        raise SecretRejected(str(exc)) from None
-    if not hmac.compare_digest(answer, proof(secret, b"server", nonce)):
-        raise ImpostorServer("the server's proof is wrong")
-    to_server, to_client = session_keys(secret, server_nonce, nonce)
-    return Channel(sock, to_server, to_client)
+    authwire.tune(sock, DEAD_PEER_S)
+    return Channel(sock, authwire.initiate(sock, secret, MAGIC, 0, deadline))

@@ -3,35 +3,31 @@
 Only control messages (requests, batches, cache bits, heartbeats) travel here;
 tensor data goes through the transport backend.
 
-Handshake (both ends hold the job's secret; nonces are 32 random bytes)::
+Handshake and frames are ``roundel.authwire``'s (its docstring lays out the
+bytes): the rank is the initiator and claims its rank, the coordinator the
+responder, under the magic ``RNDLCTL1``. Both prove the job's secret over the
+other's fresh nonce under their own role label; a rank checks the
+coordinator's proof before revealing its own, and the coordinator's welcome
+(its frame 0) tells the rank it is in. Every frame afterwards is
+``length | payload | MAC`` under a per-direction key, over an implicit
+sequence number: a frame altered, replayed, reordered or moved to another
+connection fails the check, and the connection is dropped as if its peer were
+lost. What this module adds is the control channel's own I/O: frames sent
+without blocking (``Connection``) and read from whatever chunks arrive
+(``FrameReader``); payloads are ``control_codec`` data, never pickle.
 
-    rank        -> coordinator   MAGIC, rank, nonce_r
-    coordinator -> rank          MAGIC, nonce_c, HMAC(secret, COORDINATOR_PROOF | rank | nonce_r | nonce_c)
-    rank        -> coordinator   HMAC(secret, RANK_PROOF | rank | nonce_r | nonce_c)
-    coordinator -> rank          an empty frame (sequence 0): "you are in"
-
-Each side proves the secret over the other side's fresh nonce, under its own
-role label, so a proof can be neither replayed nor reflected; a rank checks
-the coordinator's proof before revealing its own. Every frame afterwards is
-``length | payload | MAC``, the MAC being HMAC-SHA256 under a per-direction key
-derived from the secret and both nonces, over an implicit per-direction
-sequence number, the length and the payload: a frame altered, replayed,
-reordered or moved to another connection fails the check, and the connection
-is dropped as if its peer were lost. Payloads are ``control_codec`` data,
-never pickle.
-
-The coordinator's ``Listener`` accepts on its own thread and runs each
-handshake on a short-lived thread, at most ``MAX_HANDSHAKES`` at once, each
-bounded overall however slowly its bytes trickle in: the rank's opening
-message within ``HELLO_DEADLINE_S``, the whole handshake within
-``HANDSHAKE_DEADLINE_S``. A real rank sends its opening message at once and
-its proof as soon as the coordinator's arrives, so when slots or file
-descriptors run short, the connection that has waited longest without
-proving the secret (silent, or stalled after its opening message) makes way
-for it; a rank turned away retries with backoff. Idle, stalled or junk
-connections thus delay a real rank by about a second at most; running out of file descriptors
-or threads only slows accepting down; refusals are logged at most once per
-``REFUSAL_LOG_INTERVAL_S``, with counts.
+The coordinator's ``Listener`` accepts on its own thread (``authwire.accept_loop``)
+and runs each handshake on a short-lived thread, at most ``MAX_HANDSHAKES``
+waiting to prove the secret at once, each bounded overall however slowly its
+bytes trickle in: the rank's opening message within ``HELLO_DEADLINE_S``, the
+whole handshake within ``HANDSHAKE_DEADLINE_S``. A real rank sends its
+opening message at once and its proof as soon as the coordinator's arrives,
+so when slots or file descriptors run short, the connection that has waited
+longest without proving the secret (silent, or stalled after its opening
+message) makes way for it; a rank turned away retries with backoff. Idle,
+stalled or junk connections thus delay a real rank by about a second at most;
+running out of file descriptors or threads only slows accepting down;
+refusals are logged at most once per ``REFUSAL_LOG_INTERVAL_S``, with counts.
 
 On Linux the listener also accepts on an abstract Unix socket with a random
 name (``Listener.local_name``). A rank on the coordinator's host connects
@@ -44,21 +40,17 @@ connects over TCP.
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import hmac
 import logging
-import os
 import random
 import secrets
 import select
 import socket
-import struct
 import sys
 import threading
 import time
 from typing import Callable
 
+from roundel import authwire
 from roundel.common.control import codec as control_codec
 
 log = logging.getLogger("roundel")
@@ -77,24 +69,6 @@ REFUSAL_LOG_INTERVAL_S = 10.0
 #: small message pay for mapping fresh memory. Longer frames take several reads.
 RECV_BYTES = 64 * 1024
 
-_NONCE_BYTES = 32
-_MAC_BYTES = 32
-_HEADER = struct.Struct("!I")
-_SEQUENCE = struct.Struct("!Q")
-_RANK = struct.Struct("!I")
-_RANK_HELLO_BYTES = len(MAGIC) + _RANK.size + _NONCE_BYTES
-_COORDINATOR_HELLO_BYTES = len(MAGIC) + _NONCE_BYTES + _MAC_BYTES
-
-_COORDINATOR_PROOF = b"roundel-control/v1/coordinator-proof"
-_RANK_PROOF = b"roundel-control/v1/rank-proof"
-_SESSION = b"roundel-control/v1/session"
-_RANK_TO_COORDINATOR = b"roundel-control/v1/rank-to-coordinator"
-_COORDINATOR_TO_RANK = b"roundel-control/v1/coordinator-to-rank"
-
-# accept() failures that mean "out of a resource for now", not "the listener is gone"
-_SCARCE = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-_BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.01, 0.5
-
 
 class ChannelError(ConnectionError):
     """The peer failed the handshake, closed the connection or sent a bad frame."""
@@ -105,73 +79,15 @@ class AuthenticationError(ChannelError):
 
 
 class _Busy(ChannelError):
-    """The coordinator closed the connection before its handshake began (it sheds load); try again."""
-
-
-def _mac(key: bytes, data: bytes) -> bytes:
-    return hmac.digest(key, data, hashlib.sha256)
-
-
-def _proofs(secret: bytes, rank: int, rank_nonce: bytes, coordinator_nonce: bytes) -> tuple[bytes, bytes]:
-    """(coordinator's proof, rank's proof) for one handshake."""
-    transcript = _RANK.pack(rank) + rank_nonce + coordinator_nonce
-    return _mac(secret, _COORDINATOR_PROOF + transcript), _mac(secret, _RANK_PROOF + transcript)
-
-
-def _session_keys(secret: bytes, rank: int, rank_nonce: bytes, coordinator_nonce: bytes) -> tuple[bytes, bytes]:
-    """(rank→coordinator key, coordinator→rank key), HKDF-style from the secret and both nonces."""
-    session = _mac(secret, _SESSION + _RANK.pack(rank) + rank_nonce + coordinator_nonce)
-    return _mac(session, _RANK_TO_COORDINATOR), _mac(session, _COORDINATOR_TO_RANK)
+    """The coordinator closed the connection before answering, or after the proof without a welcome (it
+    sheds load); try again."""
 
 
 def _tune(sock: socket.socket) -> None:
-    """Non-blocking from now on (``Connection`` queues what the socket does not take); over TCP, no
-    Nagle delay, and keepalive and TCP_USER_TIMEOUT so a vanished peer is noticed in about 25 s."""
+    """Non-blocking from now on (``Connection`` queues what the socket does not take); over TCP, a
+    vanished peer is noticed in about USER_TIMEOUT_S."""
     sock.setblocking(False)
-    if sock.family == socket.AF_UNIX:  # a local peer that dies closes its end at once
-        return
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3),
-                          ("TCP_USER_TIMEOUT", int(USER_TIMEOUT_S * 1000))):
-        if hasattr(socket, option):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-
-
-class _Incomplete(ChannelError):
-    """Fewer bytes than expected arrived before the deadline or the end of the stream."""
-
-    def __init__(self, message: str, received: bytes):
-        super().__init__(message)
-        self.received = received
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
-    """``n`` bytes, all of them before ``deadline`` (time.monotonic), however slowly they trickle in."""
-    chunks = []
-    while n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise _Incomplete(f"timed out waiting for {what}", b"".join(chunks))
-        sock.settimeout(remaining)
-        try:
-            chunk = sock.recv(n)
-        except socket.timeout:
-            raise _Incomplete(f"timed out waiting for {what}", b"".join(chunks)) from None
-        if not chunk:
-            raise _Incomplete(f"connection closed while waiting for {what}", b"".join(chunks))
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-def _describe(address) -> str:
-    if isinstance(address, (str, bytes)):  # a Unix socket's peer has no name
-        return "a local socket"
-    try:
-        return f"{address[0]}:{address[1]}"
-    except (TypeError, IndexError):
-        return str(address)
+    authwire.tune(sock, USER_TIMEOUT_S)
 
 
 class Connection:
@@ -189,15 +105,15 @@ class Connection:
     shut down as lost.
     """
 
-    def __init__(self, sock: socket.socket, rank: int, peer: str, send_key: bytes, recv_key: bytes,
-                 recv_sequence: int, send_sequence: int, send_timeout_s: float = SEND_TIMEOUT_S):
+    def __init__(self, sock: socket.socket, rank: int, peer: str, session: authwire.Session,
+                 send_timeout_s: float = SEND_TIMEOUT_S):
         self.rank = rank
         self.peer = peer
         self._sock = sock
-        self._send_key = send_key
-        self._recv_key = recv_key
-        self._recv_sequence = recv_sequence
-        self._send_sequence = send_sequence
+        self._send_key = session.send_key
+        self._recv_key = session.recv_key
+        self._recv_sequence = session.recv_sequence
+        self._send_sequence = session.send_sequence
         self._send_lock = threading.Lock()
         self._send_timeout_s = send_timeout_s
         self._queued = bytearray()  # frames, or their tails, the socket has not taken yet
@@ -229,11 +145,11 @@ class Connection:
         """Send a message already encoded with ``control_codec.encode`` (one encoding for several peers)."""
         if len(payload) > MAX_FRAME:
             raise ChannelError(f"control message of {len(payload)} bytes exceeds the {MAX_FRAME}-byte limit")
-        header = _HEADER.pack(len(payload))
+        header = authwire.HEADER.pack(len(payload))
         with self._send_lock:
-            mac = _mac(self._send_key, _SEQUENCE.pack(self._send_sequence) + header + payload)
+            tag = authwire.frame_tag(self._send_key, self._send_sequence, header, payload)
             self._send_sequence += 1
-            frame = header + payload + mac
+            frame = header + payload + tag
             if self._queued:
                 self._queued += frame
                 self._write_queued()
@@ -338,22 +254,23 @@ class FrameReader:
         self._buffer += data
         messages = []
         buffer = self._buffer
-        while len(buffer) >= _HEADER.size:
-            (length,) = _HEADER.unpack_from(buffer)
+        header_bytes, tag_bytes = authwire.HEADER.size, authwire.TAG_BYTES
+        while len(buffer) >= header_bytes:
+            (length,) = authwire.HEADER.unpack_from(buffer)
             if length > MAX_FRAME:
                 self._fail(f"it announced a frame of {length} bytes, over the {MAX_FRAME}-byte limit")
                 break
-            end = _HEADER.size + length + _MAC_BYTES
+            end = header_bytes + length + tag_bytes
             if len(buffer) < end:
                 break
-            signed = bytes(buffer[:end - _MAC_BYTES])
-            expected = _mac(self._key, _SEQUENCE.pack(self._sequence) + signed)
-            if not hmac.compare_digest(expected, bytes(buffer[end - _MAC_BYTES:end])):
+            payload = bytes(buffer[header_bytes:end - tag_bytes])
+            if not authwire.frame_ok(self._key, self._sequence, buffer[:header_bytes], payload,
+                                     buffer[end - tag_bytes:end]):
                 self._fail(f"frame {self._sequence} failed its integrity check (altered, replayed, "
                            "reordered or not from this connection)")
                 break
             try:
-                messages.append(control_codec.decode(signed[_HEADER.size:]))
+                messages.append(control_codec.decode(payload))
             except control_codec.DecodeError as exc:
                 self._fail(f"frame {self._sequence} is not a valid control message ({exc})")
                 break
@@ -417,47 +334,23 @@ def _connect_once(open_socket: Callable[[], socket.socket], where: str, secret: 
     attempt_deadline = min(deadline, time.monotonic() + HANDSHAKE_DEADLINE_S + 1.0)
     sock = open_socket()
     try:
-        nonce = os.urandom(_NONCE_BYTES)
         try:
-            sock.sendall(MAGIC + _RANK.pack(rank) + nonce)
-            magic = _recv_exact(sock, len(MAGIC), attempt_deadline, "the coordinator's handshake")
-        except _Incomplete as exc:
-            if not exc.received:
-                raise _Busy(str(exc)) from None
-            magic = exc.received
-        except (ConnectionResetError, BrokenPipeError) as exc:
-            raise _Busy(f"connection reset ({exc})") from None
-        if magic != MAGIC:
+            session = authwire.initiate(sock, secret, MAGIC, rank, attempt_deadline)
+        except (authwire.Refused, authwire.Unwelcome) as exc:  # shedding load, or displaced: try again
+            raise _Busy(str(exc)) from None
+        except authwire.NotThisProtocol:
             raise AuthenticationError(
                 f"the process at {where} does not speak roundel's control protocol (it is not this job's "
-                "coordinator, or runs another roundel version); refusing it")
-        try:
-            hello = magic + _recv_exact(sock, _COORDINATOR_HELLO_BYTES - len(MAGIC), attempt_deadline,
-                                        "the coordinator's proof")
-        except _Incomplete as exc:
-            raise ChannelError(f"the coordinator at {where} stopped in the middle of its handshake: {exc}") from None
-        coordinator_nonce = hello[len(MAGIC):len(MAGIC) + _NONCE_BYTES]
-        coordinator_proof, rank_proof = _proofs(secret, rank, nonce, coordinator_nonce)
-        if not hmac.compare_digest(hello[-_MAC_BYTES:], coordinator_proof):
+                "coordinator, or runs another roundel version); refusing it") from None
+        except authwire.ProofFailed as exc:
             raise AuthenticationError(
-                f"the coordinator at {where} could not prove it holds this job's secret; refusing to talk to "
-                "it (another process may have taken its address, or the ranks were started with different "
-                "secrets)")
-        sock.sendall(rank_proof)
-        to_coordinator, from_coordinator = _session_keys(secret, rank, nonce, coordinator_nonce)
-        try:
-            welcome = _recv_exact(sock, _HEADER.size + _MAC_BYTES, attempt_deadline, "the coordinator's welcome")
-        except _Incomplete as exc:
-            if exc.received:
-                raise
-            raise _Busy(str(exc)) from None
-        if welcome[:_HEADER.size] != _HEADER.pack(0) or not hmac.compare_digest(
-                welcome[_HEADER.size:], _mac(from_coordinator, _SEQUENCE.pack(0) + _HEADER.pack(0))):
-            raise AuthenticationError(f"the coordinator at {where} sent a welcome frame that fails its "
-                                      "integrity check; refusing it")
+                f"the coordinator at {where} could not prove it holds this job's secret ({exc}); refusing to "
+                "talk to it (another process may have taken its address, or the ranks were started with "
+                "different secrets)") from None
+        except authwire.HandshakeError as exc:
+            raise ChannelError(f"the coordinator at {where} stopped in the middle of its handshake: {exc}") from None
         _tune(sock)
-        return Connection(sock, 0, where, to_coordinator, from_coordinator, recv_sequence=1, send_sequence=0,
-                          send_timeout_s=send_timeout_s)
+        return Connection(sock, 0, where, session, send_timeout_s)
     except BaseException:
         sock.close()
         raise
@@ -473,83 +366,27 @@ def handshake(sock: socket.socket, secret: bytes, hello_by: float, deadline: flo
     ChannelError (AuthenticationError for a wrong proof) or OSError; the
     caller closes the socket then.
     """
-    return _answer(sock, secret, _read_opening(sock, min(hello_by, deadline)), deadline, send_timeout_s)
-
-
-def _read_opening(sock: socket.socket, hello_by: float) -> bytes:
-    return _recv_exact(sock, _RANK_HELLO_BYTES, hello_by, "the rank's opening message")
-
-
-def _answer(sock: socket.socket, secret: bytes, hello: bytes, deadline: float, send_timeout_s: float,
-            proven: Callable[[], bool] = lambda: True) -> Connection:
-    """The coordinator's part of the handshake once the rank's opening message has arrived.
-
-    ``proven()`` is called once the rank's proof checks; False (the connection was displaced meanwhile)
-    ends the handshake with ChannelError before the welcome is sent.
-    """
-    if hello[:len(MAGIC)] != MAGIC:
-        raise ChannelError("the peer does not speak roundel's control protocol")
-    (rank,) = _RANK.unpack_from(hello, len(MAGIC))
-    rank_nonce = hello[-_NONCE_BYTES:]
-    nonce = os.urandom(_NONCE_BYTES)
-    coordinator_proof, rank_proof = _proofs(secret, rank, rank_nonce, nonce)
-    sock.settimeout(max(0.001, deadline - time.monotonic()))
-    sock.sendall(MAGIC + nonce + coordinator_proof)
-    proof = _recv_exact(sock, _MAC_BYTES, deadline, "the rank's proof")
-    if not hmac.compare_digest(proof, rank_proof):
-        raise AuthenticationError(f"a peer claiming rank {rank} failed to prove it holds the job's secret")
-    if not proven():
-        raise ChannelError(f"rank {rank} was dropped to make room before its handshake finished")
-    from_rank, to_rank = _session_keys(secret, rank, rank_nonce, nonce)
-    sock.settimeout(max(0.001, deadline - time.monotonic()))
-    sock.sendall(_HEADER.pack(0) + _mac(to_rank, _SEQUENCE.pack(0) + _HEADER.pack(0)))
-    _tune(sock)
     try:
-        peer = _describe(sock.getpeername())
+        peer = authwire.peer_name(sock.getpeername())
     except OSError:
         peer = "?"
-    return Connection(sock, rank, peer, to_rank, from_rank, recv_sequence=0, send_sequence=1,
-                      send_timeout_s=send_timeout_s)
+    return _answer(sock, peer, secret, min(hello_by, deadline), deadline, send_timeout_s)
 
 
-def _has_data(sock: socket.socket) -> bool:
-    """True when the peer has already sent something (a real rank sends its opening message at once)."""
+def _answer(sock: socket.socket, peer: str, secret: bytes, hello_by: float, deadline: float, send_timeout_s: float,
+            proven: Callable[[], bool] = lambda: True) -> Connection:
+    """The coordinator's part of the handshake (see ``authwire.answer`` for ``proven``)."""
     try:
-        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
-    except OSError:
-        return False
-
-
-class _RateLimitedLog:
-    """At most one warning per interval; the ones held back are counted into the next."""
-
-    def __init__(self, what: str, interval: float):
-        self._what = what
-        self._interval = interval
-        self._lock = threading.Lock()
-        self._last = -float("inf")
-        self._held: dict[str, int] = {}
-
-    def note(self, kind: str, detail: str) -> None:
-        with self._lock:
-            self._held[kind] = self._held.get(kind, 0) + 1
-            now = time.monotonic()
-            if now - self._last < self._interval:
-                return
-            self._emit(detail, now)
-
-    def flush(self) -> None:
-        with self._lock:
-            if self._held:
-                self._emit("", time.monotonic())
-
-    def _emit(self, detail: str, now: float) -> None:
-        counts = "; ".join(f"{count} {kind}" for kind, count in sorted(self._held.items()))
-        since = "" if self._last == -float("inf") else f" in the last {now - self._last:.0f} s"
-        log.warning("roundel coordinator %s%s: %s%s", self._what, since, counts,
-                    f" (latest: {detail})" if detail else "")
-        self._held.clear()
-        self._last = now
+        opening = authwire.read_opening(sock, MAGIC, hello_by)
+        session = authwire.answer(sock, secret, opening, deadline, proven)
+    except authwire.ProofFailed as exc:
+        raise AuthenticationError(f"{exc}: refused") from None
+    except authwire.NotThisProtocol:
+        raise ChannelError("the peer does not speak roundel's control protocol") from None
+    except authwire.HandshakeError as exc:
+        raise ChannelError(str(exc)) from None
+    _tune(sock)
+    return Connection(sock, session.claim, peer, session, send_timeout_s)
 
 
 def _local_listener(backlog: int) -> tuple[socket.socket | None, str | None]:
@@ -573,13 +410,14 @@ class Listener:
 
     ``on_connection(connection)`` is called (from a handshake thread) for each
     connection that completes the handshake; never after ``close()`` returns.
-    A real rank sends its opening message at once and its proof right after
-    the coordinator's answer, so connections that have not proven the secret
-    give way. When all handshake slots are taken, a newcomer that has sent
-    something takes the slot of the unproven connection accepted the longest
-    ago; a silent newcomer does so only if that one is DISPLACE_AFTER_S old,
-    and is closed at once otherwise. When accept() runs out of file
-    descriptors, the oldest unproven connection is dropped to free one.
+    At most ``max_handshakes`` connections wait to prove the secret at once
+    (``authwire.PendingConnections``): a real rank sends its opening message
+    at once and its proof right after the coordinator's answer, so when the
+    table is full, a newcomer that has sent something takes the place of the
+    unproven connection accepted the longest ago; a silent newcomer does so
+    only if that one is DISPLACE_AFTER_S old, and is closed at once otherwise.
+    When accept() runs out of file descriptors, the oldest unproven connection
+    is dropped to free one.
     """
 
     def __init__(self, host: str, secret: bytes, on_connection: Callable[[Connection], None],
@@ -591,21 +429,21 @@ class Listener:
         self._local_sock, self.local_name = _local_listener(backlog)
         self._secret = secret
         self._on_connection = on_connection
-        self._slots = threading.BoundedSemaphore(max_handshakes)
-        self._max_handshakes = max_handshakes
+        self._pending = authwire.PendingConnections(max_handshakes, DISPLACE_AFTER_S)
         self._hello_deadline_s = hello_deadline_s
         self._deadline_s = handshake_deadline_s
         self._send_timeout_s = send_timeout_s
-        self._unproven: dict[socket.socket, float] = {}  # accepted, proof not yet checked -> since
-        self._unproven_lock = threading.Lock()
         self._closed = False
         self._close_lock = threading.Lock()
-        self._refusals = _RateLimitedLog("refused connections", REFUSAL_LOG_INTERVAL_S)
-        self._troubles = _RateLimitedLog("could not accept connections", REFUSAL_LOG_INTERVAL_S)
+        self._refusals = authwire.RateLimitedLog(log, "roundel coordinator refused connections",
+                                                 REFUSAL_LOG_INTERVAL_S)
+        self._troubles = authwire.RateLimitedLog(log, "roundel coordinator could not accept connections",
+                                                 REFUSAL_LOG_INTERVAL_S)
         for listening in (self._sock, self._local_sock):
             if listening is not None:
-                threading.Thread(target=self._accept_loop, args=(listening,), name="roundel-accept",
-                                 daemon=True).start()
+                threading.Thread(target=authwire.accept_loop, name="roundel-accept", daemon=True,
+                                 args=(listening, self._pending, self._handshake, lambda: self._closed,
+                                       self._refusals, self._troubles, "roundel-handshake")).start()
 
     def close(self) -> None:
         """Stop accepting; handshakes still running are discarded."""
@@ -624,86 +462,23 @@ class Listener:
         self._refusals.flush()
         self._troubles.flush()
 
-    def _accept_loop(self, listening: socket.socket) -> None:
-        backoff = _BACKOFF_MIN_S
-        while not self._closed:
-            try:
-                sock, address = listening.accept()
-            except OSError as exc:
-                if self._closed or exc.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
-                    return  # the listener itself is gone
-                scarce = exc.errno in _SCARCE
-                self._troubles.note(f"accept() failures ({os.strerror(exc.errno)}; raise `ulimit -n`?)"
-                                    if scarce else "accept() failures", str(exc))
-                if scarce and self._displace_oldest_unproven(0.0):
-                    time.sleep(0.001)  # its handshake thread closes it, freeing a descriptor
-                    continue
-                time.sleep(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
-                continue
-            backoff = _BACKOFF_MIN_S
-            if not self._slots.acquire(blocking=False) and not (
-                    self._displace_oldest_unproven(0.0 if _has_data(sock) else DISPLACE_AFTER_S)
-                    and self._slots.acquire(timeout=0.5)):
-                sock.close()
-                self._refusals.note(f"turned away ({self._max_handshakes} handshakes already running)",
-                                    _describe(address))
-                continue
-            with self._unproven_lock:
-                self._unproven[sock] = time.monotonic()
-            try:
-                threading.Thread(target=self._handshake, args=(sock, address),
-                                 name="roundel-handshake", daemon=True).start()
-            except RuntimeError as exc:  # no thread could be started
-                self._stop_waiting(sock)
-                self._slots.release()
-                sock.close()
-                self._troubles.note("handshake threads that could not start", str(exc))
-                time.sleep(_BACKOFF_MAX_S)
-
-    def _displace_oldest_unproven(self, at_least_s: float) -> bool:
-        """Drop the oldest connection that has not proven the secret, if ``at_least_s`` old; True if one was."""
-        with self._unproven_lock:
-            if not self._unproven:
-                return False
-            sock, since = next(iter(self._unproven.items()))  # insertion order: the oldest first
-            if time.monotonic() - since < at_least_s:
-                return False
-            del self._unproven[sock]
-            try:  # wakes its handshake thread, which closes it; done under the lock so it is still open
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        return True
-
-    def _stop_waiting(self, sock: socket.socket) -> bool:
-        """Forget ``sock`` as unproven; False if it was displaced meanwhile."""
-        with self._unproven_lock:
-            return self._unproven.pop(sock, None) is not None
-
-    def _handshake(self, sock: socket.socket, address) -> None:
-        proven = False
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
+        released = False
 
         def prove() -> bool:
-            nonlocal proven
-            proven = self._stop_waiting(sock)
-            return proven
+            nonlocal released
+            released = True
+            return self._pending.release(sock)
 
         try:
             started = time.monotonic()
-            opening = _read_opening(sock, started + self._hello_deadline_s)
-            connection = _answer(sock, self._secret, opening, started + self._deadline_s, self._send_timeout_s,
-                                 prove)
+            connection = _answer(sock, peer, self._secret, started + self._hello_deadline_s,
+                                 started + self._deadline_s, self._send_timeout_s, prove)
         except (OSError, ValueError) as exc:
-            displaced = not proven and not self._stop_waiting(sock)
+            if self._pending.release(sock) or released:  # a displaced one was counted when it was displaced
+                self._refusals.note("failed handshakes", f"{peer}: {exc}")
             sock.close()
-            if displaced:
-                self._refusals.note("unproven ones dropped to make room", _describe(address))
-            else:
-                self._refusals.note("failed handshakes", f"{_describe(address)}: {exc}")
             return
-        finally:
-            self._slots.release()
         with self._close_lock:
             if self._closed:
                 connection.close()
