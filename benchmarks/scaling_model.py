@@ -78,14 +78,14 @@ from pathlib import Path
 import numpy as np
 
 BENCHMARKS = Path(__file__).resolve().parent
-DEFAULT_MEASUREMENTS = BENCHMARKS / "measurements" / "2core.json"
+DEFAULT_MEASUREMENTS = [BENCHMARKS / "measurements" / "2core.json", BENCHMARKS / "measurements" / "16core.json"]
 COORDINATOR_BYTES = 4096  # allreduces this small are reduced by roundel's coordinator, not in shared memory
 RESNET50_PARAMS = 25_557_032
 BACKWARD_SHARE = 2 / 3  # backward's share of a step's compute, the window gradients can reduce in
 TARGET_ERROR = 0.20
 HOROVOD = {"ranks": 512, "efficiency": 0.90,
            "label": "Horovod README: 90 % at 512 Pascal GPUs (ResNet-101, Inception V3), 25 Gbit/s RoCE"}
-ALLREDUCE_SIZES = "4K,256K,1M,4M,16M"
+ALLREDUCE_SIZES = "4K,256K,1M,4M,16M,64M"  # 64 MiB: more than a large L3 holds
 
 
 # ---------------------------------------------------------------- fitting
@@ -110,33 +110,43 @@ def per_core(ranks, cores) -> np.ndarray:
     return np.maximum(1.0, np.asarray(ranks, dtype=float) / np.asarray(cores, dtype=float))
 
 
-def ring_columns(ranks, nbytes, cores) -> list:
-    """The two columns of Gloo's ring, ``q 2(N-1)`` (times alpha) and ``q 2(N-1)/N S`` (times beta)."""
-    n, q = np.asarray(ranks, dtype=float), per_core(ranks, cores)
-    return [q * 2 * (n - 1), q * 2 * (n - 1) / n * np.asarray(nbytes, dtype=float)]
+def _at_once(ranks, cores) -> np.ndarray:
+    """m = min(N, C): ranks moving bytes at the same time."""
+    return np.minimum(np.asarray(ranks, dtype=float), np.asarray(cores, dtype=float))
 
 
 class Models:
-    """The fitted parameters (seconds, seconds per byte) and the cost of each operation from them."""
+    """One machine's fitted parameters (seconds, seconds per byte) and the cost of each operation from them."""
 
     def __init__(self, data: dict):
-        """Fit every model ``data`` (merged measurements, see ``load``) has points for.
+        """Fit every model ``data`` (one machine's measurements, see ``load``) has points for.
 
         Raises ValueError when the shared-memory or ring fit has too few points.
         """
+        self.cores = data["cores"]
         self.fits = {}
         shm = [r for r in data["allreduce"] if r["bytes"] > COORDINATOR_BYTES and r.get("roundel_s")]
-        q = per_core([r["np"] for r in shm], [r["cores"] for r in shm])
-        (a, b), err = relative_fit([q, q * [r["bytes"] for r in shm]], [r["roundel_s"] for r in shm])
-        self.fits["shm"] = {"a_s": a, "b_s_per_byte": b, "error": err, "points": len(shm)}
+        n, size = np.array([r["np"] for r in shm], dtype=float), np.array([r["bytes"] for r in shm], dtype=float)
+        q, m = per_core(n, self.cores), _at_once(n, self.cores)
+        contention = len(set(m)) > 1  # b1 is only told apart from b0 when m varies
+        columns = [q, q * n, q * size] + ([q * size * m] if contention else [])
+        values, err = relative_fit(columns, [r["roundel_s"] for r in shm])
+        self.fits["shm"] = {"a0_s": values[0], "a1_s_per_rank": values[1], "b0_s_per_byte": values[2],
+                            "b1_s_per_byte_per_rank": values[3] if contention else 0.0,
+                            "contention_fitted": contention, "error": err, "points": len(shm)}
         raw = [r for r in data["allreduce"] + data["gloo_allreduce"] if r.get("raw_s")]
-        (alpha, beta), err = relative_fit(ring_columns([r["np"] for r in raw], [r["bytes"] for r in raw],
-                                                       [r["cores"] for r in raw]), [r["raw_s"] for r in raw])
-        self.fits["ring"] = {"alpha_s": alpha, "beta_s_per_byte": beta, "error": err, "points": len(raw)}
+        n, size = np.array([r["np"] for r in raw], dtype=float), np.array([r["bytes"] for r in raw], dtype=float)
+        q, m = per_core(n, self.cores), _at_once(n, self.cores)
+        contention = len(set(m)) > 1
+        steps, moved = q * 2 * (n - 1), q * 2 * (n - 1) / n * size
+        values, err = relative_fit([steps, moved] + ([moved * m] if contention else []), [r["raw_s"] for r in raw])
+        self.fits["ring"] = {"alpha_s": values[0], "beta0_s_per_byte": values[1],
+                             "beta1_s_per_byte_per_rank": values[2] if contention else 0.0,
+                             "contention_fitted": contention, "error": err, "points": len(raw)}
         gloo = data["gloo_allreduce"]
         if gloo:
             (e,), err = relative_fit([np.ones(len(gloo))], [r["roundel_s"] for r in gloo],
-                                     offset=[self.ring(r["np"], r["bytes"], r["cores"]) for r in gloo])
+                                     offset=[self.ring(r["np"], r["bytes"]) for r in gloo])
             self.fits["roundel_gloo"] = {"e_s": e, "error": err, "points": len(gloo)}
         for key, field in (("control", "cycle_ms"), ("control_cpu", "rank0_cpu_ms_per_step")):
             rows = [r for r in data["control"] if r.get(field)]
@@ -145,15 +155,23 @@ class Models:
                                              [r[field] / 1e3 for r in rows])
                 self.fits[key] = {"c0_s": c0, "c1_s_per_rank": c1, "error": err, "points": len(rows)}
 
-    def shm(self, ranks: int, nbytes: float, cores: int) -> float:
-        """Seconds of a shared-memory allreduce of ``nbytes`` per rank among ``ranks`` on ``cores`` cores."""
-        fit = self.fits["shm"]
-        return float(per_core(ranks, cores)) * (fit["a_s"] + fit["b_s_per_byte"] * nbytes)
+    def shm(self, ranks: int, nbytes: float, cores: float | None = None) -> float:
+        """Seconds of a shared-memory allreduce of ``nbytes`` per rank among ``ranks`` on ``cores`` cores
+        (default: the measured machine's)."""
+        f, cores = self.fits["shm"], cores or self.cores
+        per_byte = f["b0_s_per_byte"] + f["b1_s_per_byte_per_rank"] * float(_at_once(ranks, cores))
+        return float(per_core(ranks, cores)) * (f["a0_s"] + f["a1_s_per_rank"] * ranks + per_byte * nbytes)
 
-    def ring(self, ranks: int, nbytes: float, cores: int) -> float:
-        """Seconds of Gloo's ring allreduce, as fitted (loopback, ``cores`` cores)."""
-        alpha_col, beta_col = ring_columns(ranks, nbytes, cores)
-        return float(self.fits["ring"]["alpha_s"] * alpha_col + self.fits["ring"]["beta_s_per_byte"] * beta_col)
+    def ring_per_byte(self, ranks: int, cores: float | None = None) -> float:
+        """Gloo's fitted seconds per byte moved, with ``min(ranks, cores)`` ranks moving bytes at once."""
+        f = self.fits["ring"]
+        return f["beta0_s_per_byte"] + f["beta1_s_per_byte_per_rank"] * float(_at_once(ranks, cores or self.cores))
+
+    def ring(self, ranks: int, nbytes: float, cores: float | None = None) -> float:
+        """Seconds of Gloo's ring allreduce on one machine of ``cores`` cores (default: the measured one's)."""
+        cores = cores or self.cores
+        return float(per_core(ranks, cores)) * 2 * (ranks - 1) * (
+            self.fits["ring"]["alpha_s"] + nbytes / ranks * self.ring_per_byte(ranks, cores))
 
     def engine(self) -> float:
         """Seconds roundel's engine adds to a call on Gloo (0 without ``gloo_allreduce`` measurements)."""
@@ -164,7 +182,7 @@ class Models:
         fit = self.fits.get("control")
         return 0.0 if fit is None else fit["c0_s"] + fit["c1_s_per_rank"] * ranks
 
-    def hierarchical(self, hosts: int, per_host: int, nbytes: float, cores: int, link_bytes_per_s: float,
+    def hierarchical(self, hosts: int, per_host: int, nbytes: float, cores: float, link_bytes_per_s: float,
                      hop_s: float, transport_s_per_byte: float = 0.0) -> float:
         """Seconds of the hierarchical allreduce: local reduce + leaders' ring + local broadcast.
 
@@ -178,21 +196,24 @@ class Models:
 
 # ---------------------------------------------------------------- measurements
 def load(paths: list) -> dict:
-    """Merge measurement files; each record gains its file's ``cores``. Raises ValueError without allreduce data."""
-    data = {"allreduce": [], "gloo_allreduce": [], "training": [], "control": [], "hierarchical": [],
-            "copy_bandwidth": {}, "sources": []}
+    """Measurement files grouped by machine (files of the same core count are merged): {cores: data}.
+
+    Raises ValueError for a machine without allreduce records.
+    """
+    machines = {}
     for path in paths:
         record = json.loads(Path(path).read_text())
         cores = int(record["cores"])
-        data["sources"].append(f"{path} ({cores} cores; {record.get('machine', 'machine not stated')}; "
+        data = machines.setdefault(cores, {"cores": cores, "allreduce": [], "gloo_allreduce": [], "training": [],
+                                           "control": [], "hierarchical": [], "sources": []})
+        data["sources"].append(f"{path} ({record.get('machine', 'machine not stated')}; "
                                f"{record.get('date', 'date not stated')})")
         for key in ("allreduce", "gloo_allreduce", "training", "control", "hierarchical"):
-            data[key] += [dict(row, cores=cores) for row in record.get(key, [])]
-        data["copy_bandwidth"].update({int(k): float(v) for k, v in record.get("copy_bandwidth_bytes_per_s",
-                                                                               {}).items()})
-    if not data["allreduce"]:
-        raise ValueError("no allreduce records in " + ", ".join(map(str, paths)))
-    return data
+            data[key] += record.get(key, [])
+    for cores, data in machines.items():
+        if not data["allreduce"]:
+            raise ValueError(f"no allreduce records for the {cores}-core machine in " + ", ".join(data["sources"]))
+    return machines
 
 
 def mlp_gradient_bytes() -> int:
@@ -216,21 +237,24 @@ def step_time(models: Models, ranks: int, nbytes: float, compute_s: float, overl
 
 
 def check_training(models: Models, data: dict, args, mlp_bytes: int) -> list:
-    """Predicted against measured step time of each mlp training record (roundel on shm, DDP on the ring)."""
+    """Predicted against measured step time of each mlp training record (roundel on shm, DDP on the ring).
+
+    The compute per step is the ``ceiling`` run's (N processes training at once, no communication) where
+    the record has one, else the single process's.
+    """
     rows = []
     for record in data["training"]:
         if record.get("model") != "mlp" or not record.get("single_sps"):
             continue
-        n, cores = record["np"], record["cores"]
-        compute = record.get("batch_size", 32) / record["single_sps"]
-        overlap = 0.0 if n >= cores else args.overlap
-        for kind, cost in (("roundel", lambda r, s: models.shm(r, s, cores)),
-                           ("ddp", lambda r, s: models.ring(r, s, cores))):
+        n, batch = record["np"], record.get("batch_size", 32)
+        compute = n * batch / record["ceiling_sps"] if record.get("ceiling_sps") else batch / record["single_sps"]
+        overlap = 0.0 if n >= models.cores else args.overlap
+        for kind, cost in (("roundel", models.shm), ("ddp", models.ring)):
             if record.get(f"{kind}_sps"):
-                measured = n * record.get("batch_size", 32) / record[f"{kind}_sps"]
+                measured = n * batch / record[f"{kind}_sps"]
                 predicted = step_time(models, n, mlp_bytes, compute, overlap, args.bucket_mib * 2 ** 20, cost)
-                rows.append({"np": n, "kind": kind, "cores": cores, "measured_s": measured,
-                             "predicted_s": predicted["step"], "error": abs(predicted["step"] - measured) / measured})
+                rows.append({"np": n, "kind": kind, "measured_s": measured, "predicted_s": predicted["step"],
+                             "error": abs(predicted["step"] - measured) / measured})
     return rows
 
 
@@ -240,8 +264,8 @@ def check_hierarchical(models: Models, data: dict) -> list:
     for record in data["hierarchical"]:
         # the simulated hosts share the measuring machine: each has its share of the cores
         predicted = models.hierarchical(record["hosts"], record["ranks_per_host"], record["bytes"],
-                                        record["cores"] / record["hosts"], record["link_bits_per_s"] / 8,
-                                        models.fits["ring"]["alpha_s"], models.fits["ring"]["beta_s_per_byte"])
+                                        models.cores / record["hosts"], record["link_bits_per_s"] / 8,
+                                        models.fits["ring"]["alpha_s"], models.ring_per_byte(2))
         rows.append(dict(record, predicted_s=predicted, error=abs(predicted - record["seconds"]) / record["seconds"]))
     return rows
 
@@ -271,47 +295,56 @@ def _mark(error: float) -> str:
     return "within 20 %" if error <= TARGET_ERROR else "**not within 20 %**"
 
 
-def report(models: Models, data: dict, training: list, hierarchical: list, predictions: list, args,
-           mlp_bytes: int) -> str:
-    """The Markdown tables: fits with their errors, the checks against measurements, the predictions."""
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} µs"
+
+
+def machine_report(models: Models, data: dict, training: list, hierarchical: list) -> str:
+    """One machine's Markdown tables: the fits with their errors, and the checks against measured steps."""
     f = models.fits
-    lines = ["measurements: " + "; ".join(data["sources"]), "",
+    shm, ring = f["shm"], f["ring"]
+    lines = [f"{models.cores}-core machine: " + "; ".join(data["sources"]), "",
              "| model | fitted parameters | points | largest error | target |", "| --- | --- | ---: | ---: | --- |",
-             f"| shared memory t = q (a + b S) | a = {f['shm']['a_s'] * 1e6:.1f} µs, 1/b = "
-             f"{1 / f['shm']['b_s_per_byte'] / 1e9:.3f} GB/s | {f['shm']['points']} | {f['shm']['error']:.1%} "
-             f"| {_mark(f['shm']['error'])} |",
-             f"| Gloo ring t = q (2(N-1) alpha + 2(N-1)/N S / B) | alpha = {f['ring']['alpha_s'] * 1e6:.1f} µs, "
-             f"B = {1 / f['ring']['beta_s_per_byte'] / 1e9:.3f} GB/s | {f['ring']['points']} "
-             f"| {f['ring']['error']:.1%} | {_mark(f['ring']['error'])} |"]
+             f"| shared memory t = q (a0 + a1 N + S (b0 + b1 m)) | a0 = {_us(shm['a0_s'])}, a1 = "
+             f"{_us(shm['a1_s_per_rank'])} per rank, 1/b0 = {1 / shm['b0_s_per_byte'] / 1e9:.3f} GB/s, b1 = "
+             + (f"{shm['b1_s_per_byte_per_rank'] * 1e12:.1f} ps per byte per rank" if shm["contention_fitted"]
+                else "not fitted (every run had m = C)")
+             + f" | {shm['points']} | {shm['error']:.1%} | {_mark(shm['error'])} |",
+             f"| Gloo ring t = q 2(N-1) (alpha + S/N (beta0 + beta1 m)) | alpha = {_us(ring['alpha_s'])}, 1/beta0 = "
+             f"{1 / ring['beta0_s_per_byte'] / 1e9:.3f} GB/s, beta1 = "
+             + (f"{ring['beta1_s_per_byte_per_rank'] * 1e12:.1f} ps per byte per rank" if ring["contention_fitted"]
+                else "not fitted (every run had m = C)")
+             + f" | {ring['points']} | {ring['error']:.1%} | {_mark(ring['error'])} |"]
     if "roundel_gloo" in f:
-        lines.append(f"| roundel on Gloo t = e + ring | e = {f['roundel_gloo']['e_s'] * 1e6:.1f} µs "
+        lines.append(f"| roundel on Gloo t = e + ring | e = {_us(f['roundel_gloo']['e_s'])} "
                      f"| {f['roundel_gloo']['points']} | {f['roundel_gloo']['error']:.1%} "
                      f"| {_mark(f['roundel_gloo']['error'])} |")
     for key, label in (("control", "control round trip"), ("control_cpu", "rank 0 CPU per step")):
         if key in f:
             lines.append(f"| {label} t = c0 + c1 N | c0 = {f[key]['c0_s'] * 1e3:.2f} ms, c1 = "
-                         f"{f[key]['c1_s_per_rank'] * 1e6:.2f} µs per rank | {f[key]['points']} "
+                         f"{_us(f[key]['c1_s_per_rank'])} per rank | {f[key]['points']} "
                          f"| {f[key]['error']:.1%} | {_mark(f[key]['error'])} |")
-    if 2 in data["copy_bandwidth"]:
-        lines += ["", f"1/b = {1 / f['shm']['b_s_per_byte'] / 1e9:.3f} GB/s is "
-                  f"{f['shm']['b_s_per_byte'] * data['copy_bandwidth'][2]:.1f} copies of S at the copy bandwidth "
-                  f"measured with 2 processes copying at once ({data['copy_bandwidth'][2] / 1e9:.2f} GB/s each)."]
     if training or hierarchical:
-        lines += ["", "| measured | ranks | cores | measured | predicted | error | target |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-        lines += [f"| mlp training step, {r['kind']} | {r['np']} | {r['cores']} | {r['measured_s'] * 1e3:.1f} ms "
+        lines += ["", "| measured | ranks | measured | predicted | error | target |",
+                  "| --- | ---: | ---: | ---: | ---: | --- |"]
+        lines += [f"| mlp training step, {r['kind']} | {r['np']} | {r['measured_s'] * 1e3:.1f} ms "
                   f"| {r['predicted_s'] * 1e3:.1f} ms | {r['error']:.1%} | {_mark(r['error'])} |" for r in training]
         lines += [f"| hierarchical allreduce {r['bytes'] / 2 ** 20:g} MiB, {r['hosts']} hosts x "
                   f"{r['ranks_per_host']}, {r['link_bits_per_s'] / 1e9:g} Gbit/s | {r['hosts'] * r['ranks_per_host']} "
-                  f"| {r['cores']} | {r['seconds'] * 1e3:.0f} ms | {r['predicted_s'] * 1e3:.0f} ms | {r['error']:.1%} "
+                  f"| {r['seconds'] * 1e3:.0f} ms | {r['predicted_s'] * 1e3:.0f} ms | {r['error']:.1%} "
                   f"| {_mark(r['error'])} |" for r in hierarchical]
-    lines += ["", f"Predicted: {args.ranks_per_host} ranks per host, a core each; overlap {args.overlap:g}; "
-              f"{args.bucket_mib:g} MiB buckets; per hop {models.fits['ring']['alpha_s'] * 1e6:.1f} µs (fitted "
-              f"Gloo alpha) + {args.hop_latency_us:g} µs; ResNet-50 {RESNET50_PARAMS * 4 / 2 ** 20:.1f} MiB of "
-              f"gradients, {args.resnet_step_ms:g} ms compute; mlp {mlp_bytes / 2 ** 20:.1f} MiB, compute as "
-              "measured single-rank.", "",
-              "| model | network | ranks | compute ms | control ms | allreduce ms | hidden ms | step ms | efficiency |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    return "\n".join(lines)
+
+
+def prediction_report(models: Models, predictions: list, args, mlp_bytes: int) -> str:
+    """The predicted step times and efficiencies as a Markdown table, with Horovod's published figure."""
+    lines = [f"Predicted from the {models.cores}-core machine's fits: {args.ranks_per_host} ranks per host, a core "
+             f"each; overlap {args.overlap:g}; {args.bucket_mib:g} MiB buckets; per hop across hosts "
+             f"{_us(models.fits['ring']['alpha_s'])} (fitted Gloo alpha) + {args.hop_latency_us:g} µs; ResNet-50 "
+             f"{RESNET50_PARAMS * 4 / 2 ** 20:.1f} MiB of gradients, {args.resnet_step_ms:g} ms compute; mlp "
+             f"{mlp_bytes / 2 ** 20:.1f} MiB, compute as measured single-rank.", "",
+             "| model | network | ranks | compute ms | control ms | allreduce ms | hidden ms | step ms | efficiency |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['model']} | {r['gbit']:g} Gbit/s | {r['ranks']:,} | {r['compute'] * 1e3:.1f} | "
               f"{r['control'] * 1e3:.1f} | {r['comm'] * 1e3:.1f} | {r['hidden'] * 1e3:.1f} | {r['step'] * 1e3:.1f} | "
               f"{r['efficiency']:.1%} |" for r in predictions]
@@ -356,7 +389,7 @@ def _training_run(n: int, tmp: str) -> dict:
     """One interleaved mlp training run at ``n`` ranks: {kind: samples/sec}, and its batch size."""
     path = Path(tmp) / "training.json"
     _run([sys.executable, BENCHMARKS / "torch_training.py", "--model", "mlp", "--np", n, "--interleaved",
-          "--quick", "--threads", 1, "--only", "roundel,ddp,single", "--json", path, "--plot", Path(tmp) / "t.png"])
+          "--quick", "--threads", 1, "--only", "roundel,ddp,single,ceiling", "--json", path, "--plot", Path(tmp) / "t.png"])
     result = json.loads(path.read_text())
     return {"batch_size": result["batch_size"], **{kind: run["samples_per_s"] for kind, run in result["runs"].items()}}
 
@@ -407,7 +440,7 @@ def collect(out: str, nps: list, training_nps: list, control_ranks: str, repeat:
                         "raw_s": min(run[size][1] for run in runs)}
                        for (kind, n), runs in allreduce.items() if kind == key for size in runs[0]]
     record["training"] = [{"np": n, "model": "mlp", "batch_size": runs[0]["batch_size"],
-                           **{f"{kind}_sps": max(run[kind] for run in runs) for kind in ("roundel", "ddp", "single")}}
+                           **{f"{kind}_sps": max(run[kind] for run in runs) for kind in runs[0] if kind != "batch_size"}}
                           for n, runs in training.items()]
     record["control"] = [{"np": n, "cycle_ms": min(run[n][0] for run in control),
                           "rank0_cpu_ms_per_step": min(run[n][1] for run in control)} for n in control[0]]
@@ -421,7 +454,7 @@ def collect(out: str, nps: list, training_nps: list, control_ranks: str, repeat:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--measurements", nargs="+", default=[str(DEFAULT_MEASUREMENTS)], metavar="FILE",
+    p.add_argument("--measurements", nargs="+", default=[str(p) for p in DEFAULT_MEASUREMENTS], metavar="FILE",
                    help="measurement files to fit (merged)")
     p.add_argument("--collect", metavar="OUT", help="measure this machine into OUT (JSON) instead of fitting")
     p.add_argument("--np", default="2,3,4", help="with --collect: ranks of the allreduce runs")
@@ -457,27 +490,32 @@ def main(argv=None) -> int:
         return 0
     from plots import scaling_model_plot  # benchmarks/plots.py, beside this script
 
-    data = load(args.measurements)
-    models = Models(data)
+    machines = load(args.measurements)
     mlp_bytes = mlp_gradient_bytes()
-    training = check_training(models, data, args, mlp_bytes)
-    hierarchical = check_hierarchical(models, data)
+    output = {"machines": {}}
+    for cores in sorted(machines):
+        data, models = machines[cores], Models(machines[cores])
+        training, hierarchical = check_training(models, data, args, mlp_bytes), check_hierarchical(models, data)
+        print(machine_report(models, data, training, hierarchical) + "\n")
+        output["machines"][cores] = {"fits": models.fits, "training": training, "hierarchical": hierarchical}
+    cores = max(machines)  # the machine with the most cores stands for a host with a core per rank
+    data, models = machines[cores], Models(machines[cores])
     workloads = {"ResNet-50": (RESNET50_PARAMS * 4, args.resnet_step_ms / 1e3)}
     single = [r for r in data["training"] if r.get("model") == "mlp" and r.get("single_sps")]
     if single:
         workloads["mlp"] = (mlp_bytes, single[0].get("batch_size", 32) / single[0]["single_sps"])
     predictions = predict(models, args, workloads)
-    print(report(models, data, training, hierarchical, predictions, args, mlp_bytes))
+    print(prediction_report(models, predictions, args, mlp_bytes))
     lines = {f"{name}, {gbit:g} Gbit/s": [r["efficiency"] for r in predictions
                                           if r["model"] == name and r["gbit"] == gbit]
              for name in workloads for gbit in args.networks}
     path = scaling_model_plot(args.plot, args.ranks, lines, HOROVOD,
                               f"predicted scaling efficiency, {args.ranks_per_host} ranks per host "
-                              f"(alpha-beta model fitted to {', '.join(Path(m).name for m in args.measurements)})")
+                              f"(alpha-beta model fitted on the {cores}-core machine)")
     print(f"\nplot: {path}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"fits": models.fits, "training": training,
-                                               "hierarchical": hierarchical, "predictions": predictions}, indent=1))
+        output.update(predicted_from=cores, predictions=predictions)
+        Path(args.json).write_text(json.dumps(output, indent=1))
     return 0
 
 
