@@ -84,7 +84,7 @@ RESNET50_PARAMS = 25_557_032
 BACKWARD_SHARE = 2 / 3  # backward's share of a step's compute, the window gradients can reduce in
 TARGET_ERROR = 0.20
 HOROVOD = {"ranks": 512, "efficiency": 0.90,
-           "label": "Horovod README: 90 % at 512 Pascal GPUs (ResNet-101, Inception V3), 25 Gbit/s RoCE"}
+           "label": "Horovod's README: ResNet-101 and Inception V3, 128 servers x 4 Pascal GPUs, 25 Gbit/s RoCE"}
 ALLREDUCE_SIZES = "4K,256K,1M,4M,16M,64M"  # 64 MiB: more than a large L3 holds
 
 
