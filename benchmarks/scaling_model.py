@@ -1,8 +1,8 @@
 """Alpha-beta cost models of roundel's allreduce and control plane, fitted to measurements, and what they predict.
 
-    python benchmarks/scaling_model.py                       # fit benchmarks/measurements/2core.json
+    python benchmarks/scaling_model.py             # fit benchmarks/measurements/{2core,16core}.json, predict
     python benchmarks/scaling_model.py --measurements a.json b.json --plot model.png --json model.json
-    python benchmarks/scaling_model.py --collect OUT.json    # measure this machine first (a few minutes)
+    python benchmarks/scaling_model.py --collect OUT.json    # measure this machine first (about 6 minutes)
 
 A measurements file is JSON of the form ``benchmarks/scaling.py`` writes::
 
@@ -12,28 +12,33 @@ A measurements file is JSON of the form ``benchmarks/scaling.py`` writes::
 
 and may also hold ``gloo_allreduce`` (the same records with roundel on Gloo,
 ``ROUNDEL_SHARED_MEMORY=0``), ``control`` (``{"np", "cycle_ms",
-"rank0_cpu_ms_per_step"}`` from ``control_scale.py``) and ``hierarchical``
-(``{"hosts", "ranks_per_host", "bytes", "link_bits_per_s", "seconds"}``).
-Other fields (``floor_s``, ``machine``, ``date``) are carried but not used.
-A training record without ``batch_size`` is taken as batch 32, the
-``--quick`` default of ``torch_training.py``.
+"rank0_cpu_ms_per_step"}`` from ``control_scale.py``), ``hierarchical``
+(``{"hosts", "ranks_per_host", "bytes", "link_bits_per_s", "seconds"}``) and,
+in a training record, ``ceiling_sps`` and ``batch_size`` (default 32, the
+``--quick`` default of ``torch_training.py``). Other fields (``floor_s``,
+``copy_bandwidth_bytes_per_s``, ``machine``, ``date``) are carried but not
+used. Files of the same core count are one machine; each machine is fitted
+on its own.
 
 The models, for N ranks, S bytes per rank, on a machine of C cores, with
-``q = max(1, N / C)`` ranks per core (a machine with fewer cores than ranks
-runs q ranks' byte work on each core):
+``q = max(1, N / C)`` ranks per core and ``m = min(N, C)`` ranks moving
+bytes at once:
 
-* shared memory: ``t = q (a + b S)``. Each rank copies its S bytes into the
-  segment, reduces its 1/N share over the N slots (S bytes read) and copies
-  the S-byte result out: about 3 S bytes per rank whatever N, so the cost per
-  byte does not grow with N while each rank has a core. ``a`` is the waits at
-  the barrier and the engine's cycle. With q ranks per core, each core does
-  q ranks' copies, and a rank waiting for another waits for it to be
-  scheduled, so both terms scale by q. Sizes at or below 4 KiB are reduced by
-  the coordinator, not in shared memory, and are left out of this fit.
-* Gloo's ring (raw ``torch.distributed``): ``t = q (2(N-1) alpha + 2(N-1)/N S beta)``,
-  ``beta = 1/B``, q for the same reason.
-* roundel on Gloo: ``t = e + ring(N, S)``, with the ring above: ``e`` is what
-  roundel's engine adds per call.
+* shared memory: ``t = q (a0 + a1 N + S (b0 + b1 m))``. Each rank copies its
+  S bytes into the segment, reduces its 1/N share over the N slots (S bytes
+  read) and copies the S-byte result out: about 3 S bytes per rank whatever
+  N, so the cost per byte grows with N only as the m ranks copying at once
+  share the memory system (b1). ``a0 + a1 N``: the engine's cycle and the
+  waits, with rank 0 hearing from every rank once per cycle. With q ranks per
+  core each core does q ranks' work and a rank waits for the others to be
+  scheduled, so the whole scales by q. b1 is fitted only where m varies (not
+  on a 2-core machine measured at 2-4 ranks). Sizes at or below 4 KiB are
+  reduced by the coordinator, not in shared memory, and are left out.
+* Gloo's ring (raw ``torch.distributed``):
+  ``t = q 2(N-1) (alpha + S/N (beta0 + beta1 m))``: 2(N-1) steps, each a
+  latency and a chunk of S/N bytes, the cost per byte shared as above.
+* roundel on Gloo: ``t = e + ring(N, S)``: ``e`` is what roundel's engine
+  adds per call.
 * control round trip: ``t = c0 + c1 N``, the steady negotiation of 161
   cached names (``control_scale.py``); rank 0's CPU per step is fitted the same way.
 * hierarchical (L ranks per host, H hosts): local reduce to the host's leader,
@@ -44,20 +49,23 @@ runs q ranks' byte work on each core):
   against the file's ``hierarchical`` records, if any, where the cross-host
   cost per byte is the slower of the link and the fitted Gloo.
 * training step: ``t = compute + control(N) + comm - hidden``, ``comm`` the
-  allreduce of the gradients in ``--bucket-mib`` buckets, ``hidden = min(f
-  comm, backward)``: a fraction f (``--overlap``) of it runs during backward,
-  taken as 2/3 of the compute. On the measured machine f is 0 once N >= C:
-  no core is idle to reduce on while the others compute. Scaling efficiency is
-  compute / step (each rank keeps its batch).
+  allreduce of the gradients in ``--bucket-mib`` buckets (shared memory for
+  roundel, the ring for DDP), ``hidden = min(f comm, backward)``: a fraction
+  f (``--overlap``) of it runs during backward, taken as 2/3 of the compute.
+  Measured compute: the ``ceiling`` run (N processes training at once, no
+  communication) where there is one, else the single process. On a measured
+  machine f is 0 once N >= C: no core is idle to reduce on while the others
+  compute. Scaling efficiency is compute / step (each rank keeps its batch).
 
 The fits are least squares on relative residuals; each prints its
-parameters and its largest relative error over the measured points, against
-the target of 20 %. Predictions put 8 ranks on a host (a core each) joined by
-25 and 100 Gbit/s links: cross-host cost per byte 1/B_link (the transport is
-assumed to keep up with the link), per hop the fitted Gloo alpha plus
+parameters and its largest relative error over the measured points (and
+where), against the target of 20 %. Predictions use the fits of the machine
+with the most cores, 8 ranks on a host (a core each) joined by 25 and 100
+Gbit/s links: cross-host cost per byte 1/B_link (the transport is assumed to
+keep up with the link), per hop the fitted Gloo alpha plus
 ``--hop-latency-us``. Compute per step: ResNet-50 from ``--resnet-step-ms``
 (an assumption, see its help), the MLP of ``torch_training.py`` measured
-single-rank in the file.
+single-rank.
 """
 
 from __future__ import annotations
@@ -89,10 +97,10 @@ ALLREDUCE_SIZES = "4K,256K,1M,4M,16M,64M"  # 64 MiB: more than a large L3 holds
 
 
 # ---------------------------------------------------------------- fitting
-def relative_fit(columns: list, measured, offset=None) -> tuple[np.ndarray, float]:
+def relative_fit(columns: list, measured, offset=None) -> tuple[np.ndarray, np.ndarray]:
     """Least-squares coefficients c of ``measured ~ offset + sum(c_i * columns_i)``, on relative residuals.
 
-    Returns (c, largest relative error |model - measured| / measured over the points).
+    Returns (c, each point's relative error |model - measured| / measured).
     Raises ValueError when there are fewer points than coefficients.
     """
     measured = np.asarray(measured, dtype=float)
@@ -101,13 +109,28 @@ def relative_fit(columns: list, measured, offset=None) -> tuple[np.ndarray, floa
     if len(measured) < design.shape[1]:
         raise ValueError(f"{len(measured)} point(s) cannot fit {design.shape[1]} parameter(s)")
     coefficients = np.linalg.lstsq(design / measured[:, None], (measured - offset) / measured, rcond=None)[0]
-    model = offset + design @ coefficients
-    return coefficients, float(np.max(np.abs(model - measured) / measured))
+    return coefficients, np.abs(offset + design @ coefficients - measured) / measured
 
 
 def per_core(ranks, cores) -> np.ndarray:
     """q = max(1, N / C): ranks sharing each core."""
     return np.maximum(1.0, np.asarray(ranks, dtype=float) / np.asarray(cores, dtype=float))
+
+
+def _where(record: dict) -> str:
+    """A measured point, for the reader: ``N = 4, 16 MiB`` (``N = 64`` without a size)."""
+    if "bytes" not in record:
+        return f"N = {record['np']}"
+    size = record["bytes"]
+    unit = next((u, s) for u, s in (("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)) if size >= s)
+    return f"N = {record['np']}, {size / unit[1]:g} {unit[0]}"
+
+
+def _errors(errors: np.ndarray, records: list) -> dict:
+    """The error figures of a fit: largest, where, how many points within the target, of how many."""
+    worst = int(np.argmax(errors))
+    return {"error": float(errors[worst]), "worst": _where(records[worst]),
+            "within_target": int(np.sum(errors <= TARGET_ERROR)), "points": len(records)}
 
 
 def _at_once(ranks, cores) -> np.ndarray:
@@ -130,30 +153,31 @@ class Models:
         q, m = per_core(n, self.cores), _at_once(n, self.cores)
         contention = len(set(m)) > 1  # b1 is only told apart from b0 when m varies
         columns = [q, q * n, q * size] + ([q * size * m] if contention else [])
-        values, err = relative_fit(columns, [r["roundel_s"] for r in shm])
+        values, errors = relative_fit(columns, [r["roundel_s"] for r in shm])
         self.fits["shm"] = {"a0_s": values[0], "a1_s_per_rank": values[1], "b0_s_per_byte": values[2],
                             "b1_s_per_byte_per_rank": values[3] if contention else 0.0,
-                            "contention_fitted": contention, "error": err, "points": len(shm)}
+                            "contention_fitted": contention, **_errors(errors, shm)}
         raw = [r for r in data["allreduce"] + data["gloo_allreduce"] if r.get("raw_s")]
         n, size = np.array([r["np"] for r in raw], dtype=float), np.array([r["bytes"] for r in raw], dtype=float)
         q, m = per_core(n, self.cores), _at_once(n, self.cores)
         contention = len(set(m)) > 1
         steps, moved = q * 2 * (n - 1), q * 2 * (n - 1) / n * size
-        values, err = relative_fit([steps, moved] + ([moved * m] if contention else []), [r["raw_s"] for r in raw])
+        values, errors = relative_fit([steps, moved] + ([moved * m] if contention else []),
+                                          [r["raw_s"] for r in raw])
         self.fits["ring"] = {"alpha_s": values[0], "beta0_s_per_byte": values[1],
                              "beta1_s_per_byte_per_rank": values[2] if contention else 0.0,
-                             "contention_fitted": contention, "error": err, "points": len(raw)}
+                             "contention_fitted": contention, **_errors(errors, raw)}
         gloo = data["gloo_allreduce"]
         if gloo:
-            (e,), err = relative_fit([np.ones(len(gloo))], [r["roundel_s"] for r in gloo],
+            (e,), errors = relative_fit([np.ones(len(gloo))], [r["roundel_s"] for r in gloo],
                                      offset=[self.ring(r["np"], r["bytes"]) for r in gloo])
-            self.fits["roundel_gloo"] = {"e_s": e, "error": err, "points": len(gloo)}
+            self.fits["roundel_gloo"] = {"e_s": e, **_errors(errors, gloo)}
         for key, field in (("control", "cycle_ms"), ("control_cpu", "rank0_cpu_ms_per_step")):
             rows = [r for r in data["control"] if r.get(field)]
             if len(rows) >= 2:
-                (c0, c1), err = relative_fit([np.ones(len(rows)), [r["np"] for r in rows]],
+                (c0, c1), errors = relative_fit([np.ones(len(rows)), [r["np"] for r in rows]],
                                              [r[field] / 1e3 for r in rows])
-                self.fits[key] = {"c0_s": c0, "c1_s_per_rank": c1, "error": err, "points": len(rows)}
+                self.fits[key] = {"c0_s": c0, "c1_s_per_rank": c1, **_errors(errors, rows)}
 
     def shm(self, ranks: int, nbytes: float, cores: float | None = None) -> float:
         """Seconds of a shared-memory allreduce of ``nbytes`` per rank among ``ranks`` on ``cores`` cores
@@ -295,6 +319,10 @@ def _mark(error: float) -> str:
     return "within 20 %" if error <= TARGET_ERROR else "**not within 20 %**"
 
 
+def _err(fit: dict) -> str:
+    return f"{fit['error']:.1%} at {fit['worst']}; {fit['within_target']} of {fit['points']} within 20 %"
+
+
 def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} µs"
 
@@ -304,26 +332,26 @@ def machine_report(models: Models, data: dict, training: list, hierarchical: lis
     f = models.fits
     shm, ring = f["shm"], f["ring"]
     lines = [f"{models.cores}-core machine: " + "; ".join(data["sources"]), "",
-             "| model | fitted parameters | points | largest error | target |", "| --- | --- | ---: | ---: | --- |",
+             "| model | fitted parameters | points | largest error | target |", "| --- | --- | ---: | --- | --- |",
              f"| shared memory t = q (a0 + a1 N + S (b0 + b1 m)) | a0 = {_us(shm['a0_s'])}, a1 = "
              f"{_us(shm['a1_s_per_rank'])} per rank, 1/b0 = {1 / shm['b0_s_per_byte'] / 1e9:.3f} GB/s, b1 = "
              + (f"{shm['b1_s_per_byte_per_rank'] * 1e12:.1f} ps per byte per rank" if shm["contention_fitted"]
                 else "not fitted (every run had m = C)")
-             + f" | {shm['points']} | {shm['error']:.1%} | {_mark(shm['error'])} |",
+             + f" | {shm['points']} | {_err(shm)} | {_mark(shm['error'])} |",
              f"| Gloo ring t = q 2(N-1) (alpha + S/N (beta0 + beta1 m)) | alpha = {_us(ring['alpha_s'])}, 1/beta0 = "
              f"{1 / ring['beta0_s_per_byte'] / 1e9:.3f} GB/s, beta1 = "
              + (f"{ring['beta1_s_per_byte_per_rank'] * 1e12:.1f} ps per byte per rank" if ring["contention_fitted"]
                 else "not fitted (every run had m = C)")
-             + f" | {ring['points']} | {ring['error']:.1%} | {_mark(ring['error'])} |"]
+             + f" | {ring['points']} | {_err(ring)} | {_mark(ring['error'])} |"]
     if "roundel_gloo" in f:
         lines.append(f"| roundel on Gloo t = e + ring | e = {_us(f['roundel_gloo']['e_s'])} "
-                     f"| {f['roundel_gloo']['points']} | {f['roundel_gloo']['error']:.1%} "
+                     f"| {f['roundel_gloo']['points']} | {_err(f['roundel_gloo'])} "
                      f"| {_mark(f['roundel_gloo']['error'])} |")
     for key, label in (("control", "control round trip"), ("control_cpu", "rank 0 CPU per step")):
         if key in f:
             lines.append(f"| {label} t = c0 + c1 N | c0 = {f[key]['c0_s'] * 1e3:.2f} ms, c1 = "
                          f"{_us(f[key]['c1_s_per_rank'])} per rank | {f[key]['points']} "
-                         f"| {f[key]['error']:.1%} | {_mark(f[key]['error'])} |")
+                         f"| {_err(f[key])} | {_mark(f[key]['error'])} |")
     if training or hierarchical:
         lines += ["", "| measured | ranks | measured | predicted | error | target |",
                   "| --- | ---: | ---: | ---: | ---: | --- |"]

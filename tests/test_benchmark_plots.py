@@ -121,7 +121,7 @@ def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measureme
         assert math.isclose(fitted, true, rel_tol=0.01), (fitted, true, fits)
     assert all(fit["error"] < 1e-6 for fit in fits.values()), fits
     fit_rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "t = " in line]
-    assert len(fit_rows) == 5 and all("| 0.0% | within 20 % |" in row for row in fit_rows), describe(result)
+    assert len(fit_rows) == 5 and all("| 0.0% at N = " in row and "| within 20 % |" in row for row in fit_rows), describe(result)
 
     # ResNet-50 at 8 ranks is one host: 4 buckets of a quarter of its gradients in shared memory, half hidden
     nbytes = 25_557_032 * 4
