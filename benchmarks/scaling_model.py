@@ -2,7 +2,7 @@
 
     python benchmarks/scaling_model.py             # fit benchmarks/measurements/{2core,16core}.json, predict
     python benchmarks/scaling_model.py --measurements a.json b.json --plot model.png --json model.json
-    python benchmarks/scaling_model.py --collect OUT.json    # measure this machine first (about 6 minutes)
+    python benchmarks/scaling_model.py --collect OUT.json    # measure this machine first (minutes)
 
 A measurements file is JSON of the form ``benchmarks/scaling.py`` writes::
 
@@ -93,7 +93,7 @@ BACKWARD_SHARE = 2 / 3  # backward's share of a step's compute, the window gradi
 TARGET_ERROR = 0.20
 HOROVOD = {"ranks": 512, "efficiency": 0.90,
            "label": "Horovod's README: ResNet-101 and Inception V3, 128 servers x 4 Pascal GPUs, 25 Gbit/s RoCE"}
-ALLREDUCE_SIZES = "4K,256K,1M,4M,16M,64M"  # 64 MiB: more than a large L3 holds
+ALLREDUCE_SIZES = "4K,256K,1M,4M,16M,64M"  # 64 MiB: beyond many machines' L3 caches
 
 
 # ---------------------------------------------------------------- fitting
