@@ -163,20 +163,20 @@ class Models:
         contention = len(set(m)) > 1
         steps, moved = q * 2 * (n - 1), q * 2 * (n - 1) / n * size
         values, errors = relative_fit([steps, moved] + ([moved * m] if contention else []),
-                                          [r["raw_s"] for r in raw])
+                                      [r["raw_s"] for r in raw])
         self.fits["ring"] = {"alpha_s": values[0], "beta0_s_per_byte": values[1],
                              "beta1_s_per_byte_per_rank": values[2] if contention else 0.0,
                              "contention_fitted": contention, **_errors(errors, raw)}
         gloo = data["gloo_allreduce"]
         if gloo:
             (e,), errors = relative_fit([np.ones(len(gloo))], [r["roundel_s"] for r in gloo],
-                                     offset=[self.ring(r["np"], r["bytes"]) for r in gloo])
+                                        offset=[self.ring(r["np"], r["bytes"]) for r in gloo])
             self.fits["roundel_gloo"] = {"e_s": e, **_errors(errors, gloo)}
         for key, field in (("control", "cycle_ms"), ("control_cpu", "rank0_cpu_ms_per_step")):
             rows = [r for r in data["control"] if r.get(field)]
             if len(rows) >= 2:
                 (c0, c1), errors = relative_fit([np.ones(len(rows)), [r["np"] for r in rows]],
-                                             [r[field] / 1e3 for r in rows])
+                                                [r[field] / 1e3 for r in rows])
                 self.fits[key] = {"c0_s": c0, "c1_s_per_rank": c1, **_errors(errors, rows)}
 
     def shm(self, ranks: int, nbytes: float, cores: float | None = None) -> float:
