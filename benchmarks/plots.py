@@ -1,7 +1,6 @@
 """PNG plots of the benchmarks' results (matplotlib, Agg backend: no display needed).
 
-``benchmarks/allreduce.py``, ``benchmarks/torch_training.py``,
-``benchmarks/control_scale.py`` and ``benchmarks/scaling.py`` call these
+``benchmarks/allreduce.py``, ``benchmarks/torch_training.py`` and the others call these
 after printing their tables; each function writes one PNG and returns its path.
 """
 
@@ -142,4 +141,26 @@ def scaling_plot(path, ranks: list[int], bandwidth: dict[str, tuple[list, list]]
         right.axhline(1.0, color="grey", linestyle=":", linewidth=1)
         right.set_ylim(bottom=0)
     fig.suptitle(title, fontsize=10)
+def scaling_model_plot(path, ranks: list[int], lines: dict[str, list[float]], reference: dict, title: str) -> Path:
+    """Predicted scaling efficiency against ranks (log x), one line per label, and a published point.
+
+    ``lines`` maps a label (model and network) to one efficiency (0-1) per rank count; ``reference``
+    holds ``ranks``, ``efficiency`` and ``label`` of the published figure marked beside them.
+    """
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, values in lines.items():
+        ax.plot(ranks, values, marker="o", label=label)
+    ax.plot([reference["ranks"]], [reference["efficiency"]], marker="*", markersize=14, color="black",
+            linestyle="none", label=reference["label"])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ranks)
+    ax.set_xticklabels([f"{n:,}" for n in ranks])
+    ax.minorticks_off()
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("scaling efficiency (compute / step)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
     return _save(fig, path)

@@ -9,11 +9,14 @@ names its plot, and the plot is a PNG matplotlib reads back.
 ``benchmarks/elastic_reset.py`` kills a rank of a 3-rank elastic job and must
 time the survivors' reset. ``benchmarks/scaling.py`` runs its copy, allreduce
 and training comparisons at 2 ranks, and skips a rank count above the cores.
+``benchmarks/scaling_model.py`` fits the committed measurements, and recovers
+the parameters of synthetic ones made by its laws.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -113,3 +116,70 @@ def test_scaling_benchmark_skips_more_ranks_than_cores():
     alone = run_command([sys.executable, BENCHMARKS / "scaling.py", "--np", "4096", "--skip-training"], timeout=60)
     assert alone.returncode == 2, describe(alone)
     assert "4096 ranks: skipped" in alone.stdout and "nothing ran" in alone.stdout, describe(alone)
+def _synthetic_measurements(path: Path, law: dict) -> None:
+    """Measurements of a 16-core machine made exactly by the model's laws with the parameters ``law``."""
+    sizes = [4096, 256 * 1024, 1 << 20, 4 << 20, 16 << 20]
+
+    def ring(n, size):
+        return 2 * (n - 1) * (law["alpha"] + size / n * (law["beta0"] + law["beta1"] * n))
+
+    records = [{"np": n, "bytes": size, "roundel_s": law["a0"] + law["a1"] * n + size * (law["b0"] + law["b1"] * n),
+                "raw_s": ring(n, size)} for n in (2, 4, 8, 16) for size in sizes]
+    path.write_text(json.dumps({
+        "cores": 16, "machine": "synthetic", "date": "none", "allreduce": records,
+        "gloo_allreduce": [{"np": r["np"], "bytes": r["bytes"], "roundel_s": law["e"] + r["raw_s"],
+                            "raw_s": r["raw_s"]} for r in records],
+        "training": [{"np": 2, "model": "mlp", "batch_size": 32, "roundel_sps": 500.0, "ddp_sps": 400.0,
+                      "single_sps": 800.0}],
+        "control": [{"np": n, "cycle_ms": 1e3 * (law["c0"] + law["c1"] * n), "rank0_cpu_ms_per_step": 1.0 + n / 100}
+                    for n in (16, 64, 256)]}))
+
+
+def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measurements(tmp_path):
+    law = {"a0": 200e-6, "a1": 50e-6, "b0": 1 / 3e9, "b1": 40e-12, "alpha": 80e-6, "beta0": 1 / 1.5e9,
+           "beta1": 20e-12, "e": 50e-6, "c0": 2e-3, "c1": 30e-6}
+    measurements, png, figures = tmp_path / "synthetic.json", tmp_path / "model.png", tmp_path / "model.json"
+    _synthetic_measurements(measurements, law)
+    result = run_command([sys.executable, BENCHMARKS / "scaling_model.py", "--measurements", measurements,
+                          "--resnet-step-ms", "250", "--overlap", "0.5", "--plot", png, "--json", figures], timeout=60)
+    assert result.returncode == 0, describe(result)
+    assert_valid_png(png, result)
+    output = json.loads(figures.read_text())
+    fits = output["machines"]["16"]["fits"]
+    for fitted, true in ((fits["shm"]["a0_s"], law["a0"]), (fits["shm"]["a1_s_per_rank"], law["a1"]),
+                         (fits["shm"]["b0_s_per_byte"], law["b0"]), (fits["shm"]["b1_s_per_byte_per_rank"], law["b1"]),
+                         (fits["ring"]["alpha_s"], law["alpha"]), (fits["ring"]["beta0_s_per_byte"], law["beta0"]),
+                         (fits["ring"]["beta1_s_per_byte_per_rank"], law["beta1"]),
+                         (fits["roundel_gloo"]["e_s"], law["e"]), (fits["control"]["c0_s"], law["c0"]),
+                         (fits["control"]["c1_s_per_rank"], law["c1"])):
+        assert math.isclose(fitted, true, rel_tol=0.01), (fitted, true, fits)
+    assert all(fit["error"] < 1e-6 for fit in fits.values()), fits
+    fit_rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "t = " in line]
+    assert len(fit_rows) == 5 and all("| 0.0% at N = " in row and "| within 20 % |" in row for row in fit_rows), describe(result)
+
+    # ResNet-50 at 8 ranks is one host: 4 buckets of a quarter of its gradients in shared memory, half hidden
+    nbytes = 25_557_032 * 4
+    comm = 4 * (law["a0"] + 8 * law["a1"] + nbytes / 4 * (law["b0"] + 8 * law["b1"]))
+    step = 0.250 + law["c0"] + 8 * law["c1"] + comm - min(0.5 * comm, 2 / 3 * 0.250)
+    predictions = output["predictions"]
+    [resnet8] = [p for p in predictions if p["model"] == "ResNet-50" and p["ranks"] == 8 and p["gbit"] == 25]
+    assert math.isclose(resnet8["step"], step, rel_tol=1e-6) and math.isclose(resnet8["efficiency"], 0.250 / step)
+    assert sorted((p["model"], p["gbit"], p["ranks"]) for p in predictions) == sorted(
+        (model, gbit, n) for model in ("ResNet-50", "mlp") for gbit in (25.0, 100.0) for n in (8, 64, 512, 1024))
+    for model in ("ResNet-50", "mlp"):
+        slow, fast = ([p["efficiency"] for p in predictions if p["model"] == model and p["gbit"] == gbit]
+                      for gbit in (25.0, 100.0))
+        assert all(s <= f for s, f in zip(slow, fast)) and slow == sorted(slow, reverse=True), (model, slow, fast)
+    table = [line for line in result.stdout.splitlines() if line.startswith(("| ResNet-50 |", "| mlp |"))]
+    assert len(table) == 16 and "90% at 512 ranks" in result.stdout, describe(result)
+
+    committed = run_command([sys.executable, BENCHMARKS / "scaling_model.py", "--plot", tmp_path / "committed.png",
+                             "--json", tmp_path / "committed.json"], timeout=60)
+    assert committed.returncode == 0, describe(committed)
+    assert_valid_png(tmp_path / "committed.png", committed)
+    output = json.loads((tmp_path / "committed.json").read_text())
+    assert set(output["machines"]) == {"2", "16"} and output["predicted_from"] == 16, output["machines"].keys()
+    for machine in output["machines"].values():
+        assert {"shm", "ring", "roundel_gloo", "control"} <= set(machine["fits"]), machine["fits"]
+        assert machine["fits"]["shm"]["b0_s_per_byte"] > 0 and machine["training"], machine
+    assert "measurements/2core.json" in committed.stdout and "measurements/16core.json" in committed.stdout

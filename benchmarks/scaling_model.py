@@ -1,0 +1,551 @@
+"""Alpha-beta cost models of roundel's allreduce and control plane, fitted to measurements, and what they predict.
+
+    python benchmarks/scaling_model.py             # fit benchmarks/measurements/{2core,16core}.json, predict
+    python benchmarks/scaling_model.py --measurements a.json b.json --plot model.png --json model.json
+    python benchmarks/scaling_model.py --collect OUT.json    # measure this machine first (minutes)
+
+A measurements file is JSON of the form ``benchmarks/scaling.py`` writes::
+
+    {"cores": 2, "copy_bandwidth_bytes_per_s": {"2": ...},
+     "allreduce": [{"np": N, "bytes": S, "roundel_s": ..., "raw_s": ...}, ...],
+     "training": [{"np": N, "model": "mlp", "roundel_sps": ..., "ddp_sps": ..., "single_sps": ...}, ...]}
+
+and may also hold ``gloo_allreduce`` (the same records with roundel on Gloo,
+``ROUNDEL_SHARED_MEMORY=0``), ``control`` (``{"np", "cycle_ms",
+"rank0_cpu_ms_per_step"}`` from ``control_scale.py``), ``hierarchical``
+(``{"hosts", "ranks_per_host", "bytes", "link_bits_per_s", "seconds"}``) and,
+in a training record, ``ceiling_sps`` and ``batch_size`` (default 32, the
+``--quick`` default of ``torch_training.py``). Other fields (``floor_s``,
+``copy_bandwidth_bytes_per_s``, ``machine``, ``date``) are carried but not
+used. Files of the same core count are one machine; each machine is fitted
+on its own.
+
+The models, for N ranks, S bytes per rank, on a machine of C cores, with
+``q = max(1, N / C)`` ranks per core and ``m = min(N, C)`` ranks moving
+bytes at once:
+
+* shared memory: ``t = q (a0 + a1 N + S (b0 + b1 m))``. Each rank copies its
+  S bytes into the segment, reduces its 1/N share over the N slots (S bytes
+  read) and copies the S-byte result out: about 3 S bytes per rank whatever
+  N, so the cost per byte grows with N only as the m ranks copying at once
+  share the memory system (b1). ``a0 + a1 N``: the engine's cycle and the
+  waits, with rank 0 hearing from every rank once per cycle. With q ranks per
+  core each core does q ranks' work and a rank waits for the others to be
+  scheduled, so the whole scales by q. b1 is fitted only where m varies (not
+  on a 2-core machine measured at 2-4 ranks). Sizes at or below 4 KiB are
+  reduced by the coordinator, not in shared memory, and are left out.
+* Gloo's ring (raw ``torch.distributed``):
+  ``t = q 2(N-1) (alpha + S/N (beta0 + beta1 m))``: 2(N-1) steps, each a
+  latency and a chunk of S/N bytes, the cost per byte shared as above.
+* roundel on Gloo: ``t = e + ring(N, S)``: ``e`` is what roundel's engine
+  adds per call.
+* control round trip: ``t = c0 + c1 N``, the steady negotiation of 161
+  cached names (``control_scale.py``); rank 0's CPU per step is fitted the same way.
+* hierarchical (L ranks per host, H hosts): local reduce to the host's leader,
+  the leaders' ring across hosts, local broadcast:
+  ``t = shm(L, S) + e + 2(H-1) alpha_hop + 2(H-1)/H S / B_link``. Not fitted:
+  composed from the fits above (the local reduce and broadcast are costed as
+  one shared-memory allreduce of S, which moves the same bytes); checked
+  against the file's ``hierarchical`` records, if any, where the cross-host
+  cost per byte is the slower of the link and the fitted Gloo.
+* training step: ``t = compute + control(N) + comm - hidden``, ``comm`` the
+  allreduce of the gradients in ``--bucket-mib`` buckets (shared memory for
+  roundel, the ring for DDP), ``hidden = min(f comm, backward)``: a fraction
+  f (``--overlap``) of it runs during backward, taken as 2/3 of the compute.
+  Measured compute: the ``ceiling`` run (N processes training at once, no
+  communication) where there is one, else the single process. On a measured
+  machine f is 0 once N >= C: no core is idle to reduce on while the others
+  compute. Scaling efficiency is compute / step (each rank keeps its batch).
+
+The fits are least squares on relative residuals; each prints its
+parameters and its largest relative error over the measured points (and
+where), against the target of 20 %. Predictions use the fits of the machine
+with the most cores, 8 ranks on a host (a core each) joined by 25 and 100
+Gbit/s links: cross-host cost per byte 1/B_link (the transport is assumed to
+keep up with the link), per hop the fitted Gloo alpha plus
+``--hop-latency-us``. Compute per step: ResNet-50 from ``--resnet-step-ms``
+(an assumption, see its help), the MLP of ``torch_training.py`` measured
+single-rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import multiprocessing
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BENCHMARKS = Path(__file__).resolve().parent
+DEFAULT_MEASUREMENTS = [BENCHMARKS / "measurements" / "2core.json", BENCHMARKS / "measurements" / "16core.json"]
+COORDINATOR_BYTES = 4096  # allreduces this small are reduced by roundel's coordinator, not in shared memory
+RESNET50_PARAMS = 25_557_032
+BACKWARD_SHARE = 2 / 3  # backward's share of a step's compute, the window gradients can reduce in
+TARGET_ERROR = 0.20
+HOROVOD = {"ranks": 512, "efficiency": 0.90,
+           "label": "Horovod's README: ResNet-101 and Inception V3, 128 servers x 4 Pascal GPUs, 25 Gbit/s RoCE"}
+ALLREDUCE_SIZES = "4K,256K,1M,4M,16M,64M"  # 64 MiB: beyond many machines' L3 caches
+
+
+# ---------------------------------------------------------------- fitting
+def relative_fit(columns: list, measured, offset=None) -> tuple[np.ndarray, np.ndarray]:
+    """Least-squares coefficients c of ``measured ~ offset + sum(c_i * columns_i)``, on relative residuals.
+
+    Returns (c, each point's relative error |model - measured| / measured).
+    Raises ValueError when there are fewer points than coefficients.
+    """
+    measured = np.asarray(measured, dtype=float)
+    offset = np.zeros_like(measured) if offset is None else np.asarray(offset, dtype=float)
+    design = np.column_stack([np.asarray(c, dtype=float) for c in columns])
+    if len(measured) < design.shape[1]:
+        raise ValueError(f"{len(measured)} point(s) cannot fit {design.shape[1]} parameter(s)")
+    coefficients = np.linalg.lstsq(design / measured[:, None], (measured - offset) / measured, rcond=None)[0]
+    return coefficients, np.abs(offset + design @ coefficients - measured) / measured
+
+
+def per_core(ranks, cores) -> np.ndarray:
+    """q = max(1, N / C): ranks sharing each core."""
+    return np.maximum(1.0, np.asarray(ranks, dtype=float) / np.asarray(cores, dtype=float))
+
+
+def _where(record: dict) -> str:
+    """A measured point, for the reader: ``N = 4, 16 MiB`` (``N = 64`` without a size)."""
+    if "bytes" not in record:
+        return f"N = {record['np']}"
+    size = record["bytes"]
+    unit = next((u, s) for u, s in (("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)) if size >= s)
+    return f"N = {record['np']}, {size / unit[1]:g} {unit[0]}"
+
+
+def _errors(errors: np.ndarray, records: list) -> dict:
+    """The error figures of a fit: largest, where, how many points within the target, of how many."""
+    worst = int(np.argmax(errors))
+    return {"error": float(errors[worst]), "worst": _where(records[worst]),
+            "within_target": int(np.sum(errors <= TARGET_ERROR)), "points": len(records)}
+
+
+def _at_once(ranks, cores) -> np.ndarray:
+    """m = min(N, C): ranks moving bytes at the same time."""
+    return np.minimum(np.asarray(ranks, dtype=float), np.asarray(cores, dtype=float))
+
+
+class Models:
+    """One machine's fitted parameters (seconds, seconds per byte) and the cost of each operation from them."""
+
+    def __init__(self, data: dict):
+        """Fit every model ``data`` (one machine's measurements, see ``load``) has points for.
+
+        Raises ValueError when the shared-memory or ring fit has too few points.
+        """
+        self.cores = data["cores"]
+        self.fits = {}
+        shm = [r for r in data["allreduce"] if r["bytes"] > COORDINATOR_BYTES and r.get("roundel_s")]
+        n, size = np.array([r["np"] for r in shm], dtype=float), np.array([r["bytes"] for r in shm], dtype=float)
+        q, m = per_core(n, self.cores), _at_once(n, self.cores)
+        contention = len(set(m)) > 1  # b1 is only told apart from b0 when m varies
+        columns = [q, q * n, q * size] + ([q * size * m] if contention else [])
+        values, errors = relative_fit(columns, [r["roundel_s"] for r in shm])
+        self.fits["shm"] = {"a0_s": values[0], "a1_s_per_rank": values[1], "b0_s_per_byte": values[2],
+                            "b1_s_per_byte_per_rank": values[3] if contention else 0.0,
+                            "contention_fitted": contention, **_errors(errors, shm)}
+        raw = [r for r in data["allreduce"] + data["gloo_allreduce"] if r.get("raw_s")]
+        n, size = np.array([r["np"] for r in raw], dtype=float), np.array([r["bytes"] for r in raw], dtype=float)
+        q, m = per_core(n, self.cores), _at_once(n, self.cores)
+        contention = len(set(m)) > 1
+        steps, moved = q * 2 * (n - 1), q * 2 * (n - 1) / n * size
+        values, errors = relative_fit([steps, moved] + ([moved * m] if contention else []),
+                                      [r["raw_s"] for r in raw])
+        self.fits["ring"] = {"alpha_s": values[0], "beta0_s_per_byte": values[1],
+                             "beta1_s_per_byte_per_rank": values[2] if contention else 0.0,
+                             "contention_fitted": contention, **_errors(errors, raw)}
+        gloo = data["gloo_allreduce"]
+        if gloo:
+            (e,), errors = relative_fit([np.ones(len(gloo))], [r["roundel_s"] for r in gloo],
+                                        offset=[self.ring(r["np"], r["bytes"]) for r in gloo])
+            self.fits["roundel_gloo"] = {"e_s": e, **_errors(errors, gloo)}
+        for key, field in (("control", "cycle_ms"), ("control_cpu", "rank0_cpu_ms_per_step")):
+            rows = [r for r in data["control"] if r.get(field)]
+            if len(rows) >= 2:
+                (c0, c1), errors = relative_fit([np.ones(len(rows)), [r["np"] for r in rows]],
+                                                [r[field] / 1e3 for r in rows])
+                self.fits[key] = {"c0_s": c0, "c1_s_per_rank": c1, **_errors(errors, rows)}
+
+    def shm(self, ranks: int, nbytes: float, cores: float | None = None) -> float:
+        """Seconds of a shared-memory allreduce of ``nbytes`` per rank among ``ranks`` on ``cores`` cores
+        (default: the measured machine's)."""
+        f, cores = self.fits["shm"], cores or self.cores
+        per_byte = f["b0_s_per_byte"] + f["b1_s_per_byte_per_rank"] * float(_at_once(ranks, cores))
+        return float(per_core(ranks, cores)) * (f["a0_s"] + f["a1_s_per_rank"] * ranks + per_byte * nbytes)
+
+    def ring_per_byte(self, ranks: int, cores: float | None = None) -> float:
+        """Gloo's fitted seconds per byte moved, with ``min(ranks, cores)`` ranks moving bytes at once."""
+        f = self.fits["ring"]
+        return f["beta0_s_per_byte"] + f["beta1_s_per_byte_per_rank"] * float(_at_once(ranks, cores or self.cores))
+
+    def ring(self, ranks: int, nbytes: float, cores: float | None = None) -> float:
+        """Seconds of Gloo's ring allreduce on one machine of ``cores`` cores (default: the measured one's)."""
+        cores = cores or self.cores
+        return float(per_core(ranks, cores)) * 2 * (ranks - 1) * (
+            self.fits["ring"]["alpha_s"] + nbytes / ranks * self.ring_per_byte(ranks, cores))
+
+    def engine(self) -> float:
+        """Seconds roundel's engine adds to a call on Gloo (0 without ``gloo_allreduce`` measurements)."""
+        return self.fits.get("roundel_gloo", {}).get("e_s", 0.0)
+
+    def control(self, ranks: int) -> float:
+        """Seconds of the steady negotiation round trip at ``ranks`` (0 without ``control`` measurements)."""
+        fit = self.fits.get("control")
+        return 0.0 if fit is None else fit["c0_s"] + fit["c1_s_per_rank"] * ranks
+
+    def hierarchical(self, hosts: int, per_host: int, nbytes: float, cores: float, link_bytes_per_s: float,
+                     hop_s: float, transport_s_per_byte: float = 0.0) -> float:
+        """Seconds of the hierarchical allreduce: local reduce + leaders' ring + local broadcast.
+
+        ``cores`` is the cores per host; the cross-host cost per byte is the larger of the link's and
+        ``transport_s_per_byte`` (0: the transport keeps up with the link); ``hop_s`` the latency per step.
+        """
+        cross_per_byte = max(1.0 / link_bytes_per_s, transport_s_per_byte)
+        cross = 2 * (hosts - 1) * hop_s + 2 * (hosts - 1) / hosts * nbytes * cross_per_byte
+        return self.shm(per_host, nbytes, cores) + self.engine() + cross
+
+
+# ---------------------------------------------------------------- measurements
+def load(paths: list) -> dict:
+    """Measurement files grouped by machine (files of the same core count are merged): {cores: data}.
+
+    Raises ValueError for a machine without allreduce records.
+    """
+    machines = {}
+    for path in paths:
+        record = json.loads(Path(path).read_text())
+        cores = int(record["cores"])
+        data = machines.setdefault(cores, {"cores": cores, "allreduce": [], "gloo_allreduce": [], "training": [],
+                                           "control": [], "hierarchical": [], "sources": []})
+        data["sources"].append(f"{path} ({record.get('machine', 'machine not stated')}; "
+                               f"{record.get('date', 'date not stated')})")
+        for key in ("allreduce", "gloo_allreduce", "training", "control", "hierarchical"):
+            data[key] += record.get(key, [])
+    for cores, data in machines.items():
+        if not data["allreduce"]:
+            raise ValueError(f"no allreduce records for the {cores}-core machine in " + ", ".join(data["sources"]))
+    return machines
+
+
+def mlp_gradient_bytes() -> int:
+    """Bytes of float32 gradients of ``torch_training.py``'s mlp (its ``build``, 1000 classes)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from torch_training import build  # imports torch
+    model, _ = build("mlp", 1000)
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- training steps
+def step_time(models: Models, ranks: int, nbytes: float, compute_s: float, overlap: float, bucket_bytes: float,
+              allreduce) -> dict:
+    """The step's parts (seconds): compute, control, comm, hidden, step; ``allreduce(ranks, bytes)`` costs a bucket."""
+    buckets = max(1, math.ceil(nbytes / bucket_bytes))
+    comm = buckets * allreduce(ranks, nbytes / buckets)
+    hidden = min(overlap * comm, BACKWARD_SHARE * compute_s)
+    control = models.control(ranks)
+    return {"compute": compute_s, "control": control, "comm": comm, "hidden": hidden,
+            "step": compute_s + control + comm - hidden}
+
+
+def check_training(models: Models, data: dict, args, mlp_bytes: int) -> list:
+    """Predicted against measured step time of each mlp training record (roundel on shm, DDP on the ring).
+
+    The compute per step is the ``ceiling`` run's (N processes training at once, no communication) where
+    the record has one, else the single process's.
+    """
+    rows = []
+    for record in data["training"]:
+        if record.get("model") != "mlp" or not record.get("single_sps"):
+            continue
+        n, batch = record["np"], record.get("batch_size", 32)
+        compute = n * batch / record["ceiling_sps"] if record.get("ceiling_sps") else batch / record["single_sps"]
+        overlap = 0.0 if n >= models.cores else args.overlap
+        for kind, cost in (("roundel", models.shm), ("ddp", models.ring)):
+            if record.get(f"{kind}_sps"):
+                measured = n * batch / record[f"{kind}_sps"]
+                predicted = step_time(models, n, mlp_bytes, compute, overlap, args.bucket_mib * 2 ** 20, cost)
+                rows.append({"np": n, "kind": kind, "measured_s": measured, "predicted_s": predicted["step"],
+                             "error": abs(predicted["step"] - measured) / measured})
+    return rows
+
+
+def check_hierarchical(models: Models, data: dict) -> list:
+    """The composed hierarchical model against each measured hierarchical record."""
+    rows = []
+    for record in data["hierarchical"]:
+        # the simulated hosts share the measuring machine: each has its share of the cores
+        predicted = models.hierarchical(record["hosts"], record["ranks_per_host"], record["bytes"],
+                                        models.cores / record["hosts"], record["link_bits_per_s"] / 8,
+                                        models.fits["ring"]["alpha_s"], models.ring_per_byte(2))
+        rows.append(dict(record, predicted_s=predicted, error=abs(predicted - record["seconds"]) / record["seconds"]))
+    return rows
+
+
+def predict(models: Models, args, workloads: dict) -> list:
+    """Step time and scaling efficiency of each workload at ``args.ranks`` for each of ``args.networks``."""
+    rows = []
+    per_host = args.ranks_per_host
+    hop = models.fits["ring"]["alpha_s"] + args.hop_latency_us * 1e-6
+    for name, (nbytes, compute) in workloads.items():
+        for gbit in args.networks:
+            for n in args.ranks:
+                hosts = max(1, n // per_host)
+
+                def allreduce(ranks, size, hosts=hosts, gbit=gbit):
+                    if hosts == 1:
+                        return models.shm(ranks, size, per_host)
+                    return models.hierarchical(hosts, per_host, size, per_host, gbit * 1e9 / 8, hop)
+
+                parts = step_time(models, n, nbytes, compute, args.overlap, args.bucket_mib * 2 ** 20, allreduce)
+                rows.append(dict(parts, model=name, gbit=gbit, ranks=n, efficiency=compute / parts["step"]))
+    return rows
+
+
+# ---------------------------------------------------------------- report
+def _mark(error: float) -> str:
+    return "within 20 %" if error <= TARGET_ERROR else "**not within 20 %**"
+
+
+def _err(fit: dict) -> str:
+    return f"{fit['error']:.1%} at {fit['worst']}; {fit['within_target']} of {fit['points']} within 20 %"
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} µs"
+
+
+def machine_report(models: Models, data: dict, training: list, hierarchical: list) -> str:
+    """One machine's Markdown tables: the fits with their errors, and the checks against measured steps."""
+    f = models.fits
+    shm, ring = f["shm"], f["ring"]
+    lines = [f"{models.cores}-core machine: " + "; ".join(data["sources"]), "",
+             "| model | fitted parameters | points | largest error | target |", "| --- | --- | ---: | --- | --- |",
+             f"| shared memory t = q (a0 + a1 N + S (b0 + b1 m)) | a0 = {_us(shm['a0_s'])}, a1 = "
+             f"{_us(shm['a1_s_per_rank'])} per rank, 1/b0 = {1 / shm['b0_s_per_byte'] / 1e9:.3f} GB/s, b1 = "
+             + (f"{shm['b1_s_per_byte_per_rank'] * 1e12:.1f} ps per byte per rank" if shm["contention_fitted"]
+                else "not fitted (every run had m = C)")
+             + f" | {shm['points']} | {_err(shm)} | {_mark(shm['error'])} |",
+             f"| Gloo ring t = q 2(N-1) (alpha + S/N (beta0 + beta1 m)) | alpha = {_us(ring['alpha_s'])}, 1/beta0 = "
+             f"{1 / ring['beta0_s_per_byte'] / 1e9:.3f} GB/s, beta1 = "
+             + (f"{ring['beta1_s_per_byte_per_rank'] * 1e12:.1f} ps per byte per rank" if ring["contention_fitted"]
+                else "not fitted (every run had m = C)")
+             + f" | {ring['points']} | {_err(ring)} | {_mark(ring['error'])} |"]
+    if "roundel_gloo" in f:
+        lines.append(f"| roundel on Gloo t = e + ring | e = {_us(f['roundel_gloo']['e_s'])} "
+                     f"| {f['roundel_gloo']['points']} | {_err(f['roundel_gloo'])} "
+                     f"| {_mark(f['roundel_gloo']['error'])} |")
+    for key, label in (("control", "control round trip"), ("control_cpu", "rank 0 CPU per step")):
+        if key in f:
+            lines.append(f"| {label} t = c0 + c1 N | c0 = {f[key]['c0_s'] * 1e3:.2f} ms, c1 = "
+                         f"{_us(f[key]['c1_s_per_rank'])} per rank | {f[key]['points']} "
+                         f"| {_err(f[key])} | {_mark(f[key]['error'])} |")
+    if training or hierarchical:
+        lines += ["", "| measured | ranks | measured | predicted | error | target |",
+                  "| --- | ---: | ---: | ---: | ---: | --- |"]
+        lines += [f"| mlp training step, {r['kind']} | {r['np']} | {r['measured_s'] * 1e3:.1f} ms "
+                  f"| {r['predicted_s'] * 1e3:.1f} ms | {r['error']:.1%} | {_mark(r['error'])} |" for r in training]
+        lines += [f"| hierarchical allreduce {r['bytes'] / 2 ** 20:g} MiB, {r['hosts']} hosts x "
+                  f"{r['ranks_per_host']}, {r['link_bits_per_s'] / 1e9:g} Gbit/s | {r['hosts'] * r['ranks_per_host']} "
+                  f"| {r['seconds'] * 1e3:.0f} ms | {r['predicted_s'] * 1e3:.0f} ms | {r['error']:.1%} "
+                  f"| {_mark(r['error'])} |" for r in hierarchical]
+    return "\n".join(lines)
+
+
+def prediction_report(models: Models, predictions: list, args, mlp_bytes: int) -> str:
+    """The predicted step times and efficiencies as a Markdown table, with Horovod's published figure."""
+    lines = [f"Predicted from the {models.cores}-core machine's fits: {args.ranks_per_host} ranks per host, a core "
+             f"each; overlap {args.overlap:g}; {args.bucket_mib:g} MiB buckets; per hop across hosts "
+             f"{_us(models.fits['ring']['alpha_s'])} (fitted Gloo alpha) + {args.hop_latency_us:g} µs; ResNet-50 "
+             f"{RESNET50_PARAMS * 4 / 2 ** 20:.1f} MiB of gradients, {args.resnet_step_ms:g} ms compute; mlp "
+             f"{mlp_bytes / 2 ** 20:.1f} MiB, compute as measured single-rank.", "",
+             "| model | network | ranks | compute ms | control ms | allreduce ms | hidden ms | step ms | efficiency |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['model']} | {r['gbit']:g} Gbit/s | {r['ranks']:,} | {r['compute'] * 1e3:.1f} | "
+              f"{r['control'] * 1e3:.1f} | {r['comm'] * 1e3:.1f} | {r['hidden'] * 1e3:.1f} | {r['step'] * 1e3:.1f} | "
+              f"{r['efficiency']:.1%} |" for r in predictions]
+    lines += ["", f"For comparison, {HOROVOD['label']}: {HOROVOD['efficiency']:.0%} at {HOROVOD['ranks']} ranks "
+              "(a published figure, not modelled here)."]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- collecting
+def _copy_rate(nbytes: int) -> float:
+    """Bytes per second one process copies (best of repeated copies of ``nbytes``)."""
+    import torch
+    source, target = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    best, deadline = math.inf, time.perf_counter() + 0.5
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def _run(command: list, env: dict | None = None) -> None:
+    """Run a benchmark; raises RuntimeError with its output's tail when it fails."""
+    result = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=900)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, command))} failed:\n{(result.stdout + result.stderr)[-3000:]}")
+
+
+def _allreduce_run(n: int, shm: str, tmp: str) -> dict:
+    """One ``allreduce.py`` run at ``n`` ranks with ``ROUNDEL_SHARED_MEMORY=shm``: {bytes: (roundel_s, raw_s)}."""
+    path = Path(tmp) / "allreduce.json"
+    _run([sys.executable, "-m", "roundel.runner.launch", "-np", n, sys.executable, BENCHMARKS / "allreduce.py", "--quick", "--threads", 1,
+          "--sizes", ALLREDUCE_SIZES, "--skip-many", "--json", path, "--plot", Path(tmp) / "a.png"],
+         env=dict(os.environ, ROUNDEL_SHARED_MEMORY=shm))
+    result = json.loads(path.read_text())
+    if (result["transport"] == "shm") != (shm == "1"):
+        raise RuntimeError(f"allreduce.py ran on {result['transport']} with ROUNDEL_SHARED_MEMORY={shm}")
+    return {s["bytes"]: (s["roundel_s"], s["raw_s"]) for s in result["sizes"]}
+
+
+def _training_run(n: int, tmp: str) -> dict:
+    """One interleaved mlp training run at ``n`` ranks: {kind: samples/sec}, and its batch size."""
+    path = Path(tmp) / "training.json"
+    _run([sys.executable, BENCHMARKS / "torch_training.py", "--model", "mlp", "--np", n, "--interleaved",
+          "--quick", "--threads", 1, "--only", "roundel,ddp,single,ceiling", "--json", path, "--plot", Path(tmp) / "t.png"])
+    result = json.loads(path.read_text())
+    return {"batch_size": result["batch_size"], **{kind: run["samples_per_s"] for kind, run in result["runs"].items()}}
+
+
+def _control_run(control_ranks: str, tmp: str) -> dict:
+    """One ``control_scale.py`` run: {ranks: (steady cycle ms, rank 0 CPU ms per step)}."""
+    path = Path(tmp) / "control.json"
+    _run([sys.executable, BENCHMARKS / "control_scale.py", "--ranks", control_ranks, "--steps", 5,
+          "--json", path, "--plot", Path(tmp) / "c.png"])
+    return {r["ranks"]: (r["cycle_ms"], r["rank0_cpu_ms_per_step"]) for r in json.loads(path.read_text())["results"]}
+
+
+def collect(out: str, nps: list, training_nps: list, control_ranks: str, repeat: int) -> None:
+    """Measure this machine into ``out``: allreduce (shared memory on and off) at ``nps``, mlp training at
+    ``training_nps`` ranks and single, ``control_scale.py`` at ``control_ranks``; each ``repeat`` times, in
+    rounds, keeping the fastest figure of each (the run least disturbed by other work on the machine)."""
+    cores = os.cpu_count()
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    record = {"cores": cores, "machine": f"{platform.node()}: {model}, {platform.system()} {platform.release()}",
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "load_average_before": os.getloadavg()[0],
+              "note": (f"{cores} cores; runs of more ranks than cores are oversubscribed (each rank waits for a "
+                       f"core); other work may have been running; each figure is the fastest of {repeat} runs"),
+              "copy_bandwidth_bytes_per_s": {}}
+    context = multiprocessing.get_context("spawn")
+    for k in sorted(set(nps)):
+        with context.Pool(k) as pool:
+            rates = pool.map(_copy_rate, [64 * 2 ** 20] * k)
+        record["copy_bandwidth_bytes_per_s"][str(k)] = float(np.median(rates))
+    allreduce, training, control = {}, {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(repeat):
+            print(f"round {round_ + 1}/{repeat}: allreduce at {nps} ranks, mlp training at {training_nps}, "
+                  "control_scale", flush=True)
+            for n in nps:
+                for key, shm in (("allreduce", "1"), ("gloo_allreduce", "0")):
+                    allreduce.setdefault((key, n), []).append(_allreduce_run(n, shm, tmp))
+            for n in training_nps:
+                training.setdefault(n, []).append(_training_run(n, tmp))
+            control.append(_control_run(control_ranks, tmp))
+    for key in ("allreduce", "gloo_allreduce"):
+        record[key] = [{"np": n, "bytes": size, "roundel_s": min(run[size][0] for run in runs),
+                        "raw_s": min(run[size][1] for run in runs)}
+                       for (kind, n), runs in allreduce.items() if kind == key for size in runs[0]]
+    record["training"] = [{"np": n, "model": "mlp", "batch_size": runs[0]["batch_size"],
+                           **{f"{kind}_sps": max(run[kind] for run in runs) for kind in runs[0] if kind != "batch_size"}}
+                          for n, runs in training.items()]
+    record["control"] = [{"np": n, "cycle_ms": min(run[n][0] for run in control),
+                          "rank0_cpu_ms_per_step": min(run[n][1] for run in control)} for n in control[0]]
+    record["load_average_after"] = os.getloadavg()[0]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+# ---------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--measurements", nargs="+", default=[str(p) for p in DEFAULT_MEASUREMENTS], metavar="FILE",
+                   help="measurement files to fit (merged)")
+    p.add_argument("--collect", metavar="OUT", help="measure this machine into OUT (JSON) instead of fitting")
+    p.add_argument("--np", default="2,3,4", help="with --collect: ranks of the allreduce runs")
+    p.add_argument("--training-np", default="2", help="with --collect: ranks of the mlp training runs")
+    p.add_argument("--control-ranks", default="16,64,256", help="with --collect: control_scale.py's --ranks")
+    p.add_argument("--repeat", type=int, default=3, help="with --collect: runs of each, the fastest kept")
+    p.add_argument("--ranks", default="8,64,512,1024", help="rank counts to predict")
+    p.add_argument("--ranks-per-host", type=int, default=8)
+    p.add_argument("--networks", default="25,100", help="link speeds between hosts, Gbit/s")
+    p.add_argument("--hop-latency-us", type=float, default=5.0,
+                   help="wire and switch latency per ring step across hosts, added to the fitted Gloo alpha "
+                        "(an assumption: a few µs for one switch hop)")
+    p.add_argument("--resnet-step-ms", type=float, default=300.0,
+                   help="ResNet-50's compute per step on one rank (an assumption of the order of a Pascal P100 "
+                        "at batch 64, about 210 images/s; not measured here)")
+    p.add_argument("--overlap", type=float, default=0.5,
+                   help="share of the allreduce time that runs during backward (an assumption)")
+    p.add_argument("--bucket-mib", type=float, default=25.0, help="gradient bucket size (the default's)")
+    p.add_argument("--plot", default="scaling_model.png", metavar="PATH", help="PNG of efficiency vs ranks")
+    p.add_argument("--json", metavar="PATH", help="also write the fits, checks and predictions as JSON")
+    args = p.parse_args(argv)
+    args.np = [int(n) for n in args.np.split(",") if n]
+    args.training_np = [int(n) for n in args.training_np.split(",") if n]
+    args.ranks = [int(n) for n in args.ranks.split(",") if n]
+    args.networks = [float(g) for g in args.networks.split(",") if g]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.collect:
+        collect(args.collect, args.np, args.training_np, args.control_ranks, args.repeat)
+        return 0
+    from plots import scaling_model_plot  # benchmarks/plots.py, beside this script
+
+    machines = load(args.measurements)
+    mlp_bytes = mlp_gradient_bytes()
+    output = {"machines": {}}
+    for cores in sorted(machines):
+        data, models = machines[cores], Models(machines[cores])
+        training, hierarchical = check_training(models, data, args, mlp_bytes), check_hierarchical(models, data)
+        print(machine_report(models, data, training, hierarchical) + "\n")
+        output["machines"][cores] = {"fits": models.fits, "training": training, "hierarchical": hierarchical}
+    cores = max(machines)  # the machine with the most cores stands for a host with a core per rank
+    data, models = machines[cores], Models(machines[cores])
+    workloads = {"ResNet-50": (RESNET50_PARAMS * 4, args.resnet_step_ms / 1e3)}
+    single = [r for r in data["training"] if r.get("model") == "mlp" and r.get("single_sps")]
+    if single:
+        workloads["mlp"] = (mlp_bytes, single[0].get("batch_size", 32) / single[0]["single_sps"])
+    predictions = predict(models, args, workloads)
+    print(prediction_report(models, predictions, args, mlp_bytes))
+    lines = {f"{name}, {gbit:g} Gbit/s": [r["efficiency"] for r in predictions
+                                          if r["model"] == name and r["gbit"] == gbit]
+             for name in workloads for gbit in args.networks}
+    path = scaling_model_plot(args.plot, args.ranks, lines, HOROVOD,
+                              f"predicted scaling efficiency, {args.ranks_per_host} ranks per host "
+                              f"(alpha-beta model fitted on the {cores}-core machine)")
+    print(f"\nplot: {path}")
+    if args.json:
+        output.update(predicted_from=cores, predictions=predictions)
+        Path(args.json).write_text(json.dumps(output, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
