@@ -1,6 +1,6 @@
 """PNG plots of the benchmarks' results (matplotlib, Agg backend: no display needed).
 
-``benchmarks/allreduce.py``, ``benchmarks/torch_training.py`` and the others call these
+``benchmarks/allreduce.py``, ``benchmarks/torch_training.py`` and the other benchmarks call these
 after printing their tables; each function writes one PNG and returns its path.
 """
 
@@ -141,6 +141,9 @@ def scaling_plot(path, ranks: list[int], bandwidth: dict[str, tuple[list, list]]
         right.axhline(1.0, color="grey", linestyle=":", linewidth=1)
         right.set_ylim(bottom=0)
     fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
 def scaling_model_plot(path, ranks: list[int], lines: dict[str, list[float]], reference: dict, title: str) -> Path:
     """Predicted scaling efficiency against ranks (log x), one line per label, and a published point.
 
