@@ -305,7 +305,9 @@ SPECS = (
          _flag("--start-timeout", type=float, group="",
                help="seconds workers wait for each other at start (default HOROVOD_START_TIMEOUT or 30)")),
     Spec("heartbeat_timeout_s", "HEARTBEAT_TIMEOUT_SECONDS", _float(0.0, "15", strictly_above=True),
-         "a rank silent this many seconds is declared lost (roundel only)"),
+         "a rank silent this many seconds is declared lost (roundel only)",
+         _flag("--heartbeat-timeout-seconds", type=float, group="library",
+               help="declare a rank lost after this many seconds of silence (default 15)")),
     Spec("timeline_filename", "TIMELINE", _text,
          "write a timeline to this file (DYNAMIC: start it later with hvd.start_timeline)",
          _flag("--timeline-filename", config="timeline.filename", group="timeline",
@@ -384,9 +386,15 @@ SPECS = (
                help="torch DistributedOptimizer's default gradient bucket size in MiB (default 25; 0: none)")),
     Spec("coordinator_reduce_bytes", "COORDINATOR_REDUCE_BYTES", _coordinator_reduce_bytes,
          "CPU allreduces up to this many bytes are reduced by rank 0's coordinator from data sent with the "
-         "requests; 0 sends all over the transport; at most 65536 (roundel only)"),
+         "requests; 0 sends all over the transport; at most 65536 (roundel only)",
+         _flag("--coordinator-reduce-bytes", type=int, group="params",
+               help="CPU allreduces up to this many bytes ride with the requests to rank 0 (0: none; "
+                    "at most 65536)")),
     Spec("shared_memory", "SHARED_MEMORY", _bool,
-         "on one host, collectives go through shared memory; 0 keeps them on Gloo (roundel only)"),
+         "on one host, collectives go through shared memory; 0 keeps them on Gloo (roundel only)",
+         _flag("--shared-memory", off=("--no-shared-memory",), off_help="keep collectives on one host on Gloo",
+               group="library", help="collectives among the ranks of one host go through shared memory "
+                                     "(the default)")),
     Spec("straggler_report", "STRAGGLER_REPORT", _straggler_report,
          "1: rank 0 prints each rank's lag behind the others when the job ends; auto: when it ran longer "
          "than a minute (roundel only)",
@@ -399,7 +407,9 @@ SPECS = (
                help="serve the job's counters in Prometheus' text format from rank 0 "
                     "(HOST default: every interface)")),
     Spec("disable_group_fusion", "DISABLE_GROUP_FUSION", _bool,
-         "1: a grouped call's tensors are fused only with each other"),
+         "1: a grouped call's tensors are fused only with each other",
+         _flag("--disable-group-fusion", off=("--no-disable-group-fusion",), group="params",
+               help="fuse a grouped call's tensors only with each other")),
     Spec(None, "MPI_THREADS_DISABLE", _bool,
          "accepted and handed to the workers; no effect in roundel (it drives no MPI threads)",
          _flag("--mpi-threads-disable", off=("--no-mpi-threads-disable",), config="library_options.mpi_threads_disable",
