@@ -1,0 +1,87 @@
+"""The launcher's typed edges on their own: a rank's outcome."""
+
+from __future__ import annotations
+
+import pytest
+
+from roundel.errors import RoundelInternalError
+from roundel.rendezvous.elastic_join import WorkerRemoved
+from roundel.runner.outcome import OutcomeKind, RankFailedError, RankOutcome
+
+
+class Point:
+    """A value of a class defined here, so that it pickles by reference."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+
+def _ranked(rank):
+    return lambda: rank
+
+
+def test_returned_value_round_trips_through_its_bytes():
+    outcome = RankOutcome.of_call(lambda a, b=0: {"sum": a + b, "point": Point(a, b)}, (2,), {"b": 3},
+                                  rank_of=_ranked(4))
+    assert outcome.ok and outcome.kind is OutcomeKind.RETURNED and outcome.rank == 4
+    back = RankOutcome.decode(outcome.encode())
+    assert back == outcome
+    value = back.result()
+    assert value["sum"] == 5 and (value["point"].x, value["point"].y) == (2, 3)
+
+
+def test_raised_error_carries_rank_and_traceback_text():
+    def fails_on_purpose():
+        raise KeyError("no such key on this rank")
+
+    outcome = RankOutcome.decode(RankOutcome.of_call(fails_on_purpose, rank_of=_ranked(1)).encode())
+    assert outcome.kind is OutcomeKind.RAISED and not outcome.ok and not outcome.internal
+    assert outcome.rank == 1
+    assert "KeyError: 'no such key on this rank'" in outcome.error and "in fails_on_purpose" in outcome.error
+    with pytest.raises(RankFailedError) as info:
+        outcome.result("roundel.run: ")
+    assert info.value.rank == 1
+    assert str(info.value).startswith("roundel.run: rank 1 raised:\nTraceback")
+    assert info.value.traceback_text == outcome.error
+
+
+def test_internal_errors_removal_and_unpicklable_values_are_told_apart():
+    def peer_lost():
+        raise RoundelInternalError("a peer is gone")
+
+    def left_out():
+        raise WorkerRemoved("host h left the job")
+
+    internal = RankOutcome.decode(RankOutcome.of_call(peer_lost).encode())
+    assert internal.kind is OutcomeKind.RAISED and internal.internal and internal.rank is None
+    assert "a worker raised" in str(internal.failure("x: "))
+    removed = RankOutcome.decode(RankOutcome.of_call(left_out, removed=WorkerRemoved).encode())
+    assert removed.kind is OutcomeKind.REMOVED and removed.error == "host h left the job"
+    # without ``removed``, leaving the job is a failure like any other exception (as under roundel.run)
+    assert RankOutcome.of_call(left_out).kind is OutcomeKind.RAISED
+    unpicklable = RankOutcome.of_call(lambda: (x for x in ()), rank_of=_ranked(0))
+    assert unpicklable.kind is OutcomeKind.RAISED and "generator" in unpicklable.error
+
+
+def test_died_outcome_names_what_was_seen():
+    outcome = RankOutcome.decode(RankOutcome.died(2, "its process exited with code 3").encode())
+    assert outcome.kind is OutcomeKind.DIED and outcome.rank == 2
+    error = outcome.failure("RayExecutor: ", "the actor of rank 2", "; 1 rank(s) still running")
+    assert str(error) == "RayExecutor: the actor of rank 2 died: its process exited with code 3; 1 rank(s) still running"
+    assert error.traceback_text == "its process exited with code 3"
+
+
+def test_bad_bytes_are_refused_without_unpickling():
+    good = RankOutcome.of_call(lambda: 1, rank_of=_ranked(0)).encode()
+    for bad in (b"", b"1\x80\x04K\x01.", good[:10], good[:good.index(b"{") + 5]):
+        with pytest.raises(ValueError):
+            RankOutcome.decode(bad)
+    header_start = good.index(b"{")
+    forged = good[:header_start] + good[header_start:].replace(b'"returned"', b'"exploded"')
+    with pytest.raises(ValueError, match="bad header"):
+        RankOutcome.decode(forged)
+    # a value that cannot be unpickled here is the rank's failure, not a crash of the caller
+    broken = RankOutcome(OutcomeKind.RETURNED, 3, payload=b"\x80\x05not a pickle")
+    with pytest.raises(RankFailedError, match="rank 3's result could not be unpickled here"):
+        broken.result()
+
