@@ -28,6 +28,7 @@ from roundel.runner import elastic_driver, spawn
 from roundel.runner.discovery import Blacklist
 from roundel.runner.hosts import SlotInfo
 from roundel.runner.outcome import OutcomeKind, RankFailedError, RankOutcome
+from roundel.runner.worker import Worker
 
 __all__ = ["ActorWorker", "ElasticRayExecutor", "RayHostDiscovery"]
 
@@ -91,7 +92,7 @@ def _node_id(host: str) -> str:
     raise ValueError(f"discovered host {host!r} is neither the id nor the address of an alive Ray node")
 
 
-class ActorWorker(spawn.Worker):
+class ActorWorker(Worker):
     """An elastic worker that is a Ray actor: the driver watches and stops it as it would a process.
 
     It "exits" when its ``run_elastic`` call returns (0: finished or left
@@ -102,7 +103,7 @@ class ActorWorker(spawn.Worker):
     _CODES = {OutcomeKind.RETURNED: 0, OutcomeKind.REMOVED: 0, OutcomeKind.RAISED: 1}
 
     def __init__(self, slot: SlotInfo, actor, ref):
-        super().__init__(slot, None, [])
+        super().__init__(slot)
         self.actor = actor
         self.ref = ref
         self.outcome: RankOutcome | None = None

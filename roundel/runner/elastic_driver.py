@@ -43,6 +43,7 @@ from roundel.runner import spawn
 from roundel.runner.discovery import Blacklist, FixedHosts, HostDiscovery
 from roundel.runner.hosts import SlotInfo, is_local_host
 from roundel.runner.lost_ranks import describe_lost, lost_ranks
+from roundel.runner.worker import Worker
 from roundel.rendezvous.store import RendezvousServer
 
 __all__ = ["ElasticSettings", "run"]
@@ -69,7 +70,7 @@ class ElasticSettings:
     ssh_identity_file: str | None = None
     ssh_args: str = ""
     # starts a worker some other way than as a process (roundel.ray's actors): (slot, env, label) -> Worker
-    start_worker: Callable[[SlotInfo, dict[str, str], str], spawn.Worker] | None = None
+    start_worker: Callable[[SlotInfo, dict[str, str], str], Worker] | None = None
     # as Horovod: a failure takes every worker on its host out of the job (the host gets no slots)
     evict_host_on_failure: bool = True
 
@@ -81,7 +82,7 @@ class _Member:
     serial: int
     host: str
     index: int  # slot on its host
-    worker: spawn.Worker
+    worker: Worker
     last_rank: int | None = None  # rank in the latest generation it belonged to
     answered: int = 0  # join count already answered
     leaving: bool = False  # told (or to be told) to leave: its host was removed
@@ -114,7 +115,7 @@ class _Driver:
         self.address_for = address_for
         self.group = spawn.WorkerGroup()  # every worker started; its events queue drives the loop
         self.members: dict[int, _Member] = {}  # live workers by serial
-        self.member_of: dict[spawn.Worker, _Member] = {}
+        self.member_of: dict[Worker, _Member] = {}
         self.serial = 0
         self.hosts: dict[str, int] = {}
         self.generation = -1

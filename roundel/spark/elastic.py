@@ -33,6 +33,7 @@ from roundel.runner import elastic_driver, spawn
 from roundel.runner.discovery import Blacklist
 from roundel.runner.hosts import SlotInfo
 from roundel.runner.outcome import OutcomeKind, RankFailedError, RankOutcome
+from roundel.runner.worker import Worker
 from roundel.spark import elastic_task, output, task
 from roundel.spark.runner import (START_TIMEOUT_VARS, DEFAULT_START_TIMEOUT_S, nic_list, num_proc_setting,
                                   seconds_setting, spark_context, store_address)
@@ -123,7 +124,7 @@ class SparkTaskDiscovery:
             return next((t for t, place in self._slot_of.items() if place == (host, index)), None)
 
 
-class TaskWorker(spawn.Worker):
+class TaskWorker(Worker):
     """An elastic worker run by a Spark task: the elastic driver watches and stops it as a process.
 
     It has ended when its task reports its exit status, or when the task is
@@ -132,7 +133,7 @@ class TaskWorker(spawn.Worker):
 
     def __init__(self, slot: SlotInfo, task_id: str | None, worker_id: str, server: RendezvousServer,
                  discovery: SparkTaskDiscovery):
-        super().__init__(slot, None, [])
+        super().__init__(slot)
         self.task_id = task_id
         self.worker_id = worker_id
         self.server = server
