@@ -1,4 +1,4 @@
-"""The launcher's typed edges on their own: a rank's outcome."""
+"""The launcher's typed edges on their own: a rank's outcome, and the elastic driver's member states."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 from roundel.errors import RoundelInternalError
 from roundel.rendezvous.elastic_join import WorkerRemoved
+from roundel.runner.elastic_driver import IllegalTransition, MemberEvent, MemberState
 from roundel.runner.outcome import OutcomeKind, RankFailedError, RankOutcome
 
 
@@ -85,3 +86,62 @@ def test_bad_bytes_are_refused_without_unpickling():
     with pytest.raises(RankFailedError, match="rank 3's result could not be unpickled here"):
         broken.result()
 
+
+# ------------------------------------------------------------ the elastic driver's member states
+
+
+def _walk(*events: MemberEvent) -> MemberState:
+    state = MemberState.RUNNING
+    for event in events:
+        state = state.after(event)
+    return state
+
+
+def test_member_life_follows_its_state_machine():
+    assert _walk(MemberEvent.LEAVE) is MemberState.LEAVING
+    assert _walk(MemberEvent.LEAVE, MemberEvent.EVICT) is MemberState.EVICTED
+    assert _walk(MemberEvent.LOSE, MemberEvent.LEAVE) is MemberState.LOST_LEAVING
+    assert _walk(MemberEvent.LEAVE, MemberEvent.LOSE) is MemberState.LOST_LEAVING
+    assert _walk(MemberEvent.EVICT, MemberEvent.LOSE) is MemberState.LOST_EVICTED
+    assert _walk(MemberEvent.LOSE, MemberEvent.LEAVE, MemberEvent.EVICT) is MemberState.LOST_EVICTED
+    # what each state means to the driver: a lost member still holds its slot until its exit is seen
+    assert [s for s in MemberState if s.kept] == [MemberState.RUNNING, MemberState.LOST]
+    assert [s for s in MemberState if s.evicted] == [MemberState.EVICTED, MemberState.LOST_EVICTED]
+    assert all(s.leaving for s in MemberState if s.evicted)
+    assert all(s.kept != s.leaving for s in MemberState)  # a member either holds its slot or is leaving
+
+
+@pytest.mark.parametrize("events", [
+    (MemberEvent.LEAVE, MemberEvent.LEAVE),  # told to leave twice
+    (MemberEvent.EVICT, MemberEvent.EVICT),  # evicted twice
+    (MemberEvent.EVICT, MemberEvent.LEAVE),  # an evicted member is leaving already
+    (MemberEvent.LOSE, MemberEvent.LOSE),  # killed twice
+    (MemberEvent.LEAVE, MemberEvent.LOSE, MemberEvent.LEAVE),  # lost while leaving: still leaving
+    (MemberEvent.LOSE, MemberEvent.EVICT, MemberEvent.LOSE),
+    (MemberEvent.EVICT, MemberEvent.LOSE, MemberEvent.EVICT),
+])
+def test_illegal_member_transitions_raise(events):
+    *before, last = events
+    state = _walk(*before)
+    with pytest.raises(IllegalTransition, match=f"cannot {last.value}"):
+        state.after(last)
+
+
+
+def test_every_state_is_reachable_and_only_running_is_untouched():
+    reached = {MemberState.RUNNING}
+    frontier = [MemberState.RUNNING]
+    while frontier:
+        state = frontier.pop()
+        for event in MemberEvent:
+            try:
+                following = state.after(event)
+            except IllegalTransition:
+                continue
+            assert following is not MemberState.RUNNING
+            if following not in reached:
+                reached.add(following)
+                frontier.append(following)
+    assert reached == set(MemberState)
+    # and each event happens at most once in a life: a member can never take more than three steps
+    assert _walk(MemberEvent.LEAVE, MemberEvent.LOSE, MemberEvent.EVICT) is MemberState.LOST_EVICTED
