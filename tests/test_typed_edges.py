@@ -1,13 +1,22 @@
-"""The launcher's typed edges on their own: a rank's outcome, and the elastic driver's member states."""
+"""The launcher's typed edges on their own: a rank's outcome, the Worker interface, and the elastic
+driver's member states."""
 
 from __future__ import annotations
+
+import signal
+import sys
 
 import pytest
 
 from roundel.errors import RoundelInternalError
 from roundel.rendezvous.elastic_join import WorkerRemoved
 from roundel.runner.elastic_driver import IllegalTransition, MemberEvent, MemberState
+from roundel.rendezvous.store import RendezvousServer, new_secret
+from roundel.runner import spawn
+from roundel.runner.hosts import SlotInfo
 from roundel.runner.outcome import OutcomeKind, RankFailedError, RankOutcome
+from roundel.runner.worker import Worker
+from roundel.spark.elastic import SparkTaskDiscovery, TaskWorker
 
 
 class Point:
@@ -85,6 +94,43 @@ def test_bad_bytes_are_refused_without_unpickling():
     broken = RankOutcome(OutcomeKind.RETURNED, 3, payload=b"\x80\x05not a pickle")
     with pytest.raises(RankFailedError, match="rank 3's result could not be unpickled here"):
         broken.result()
+
+
+# ------------------------------------------------------------ the Worker interface
+
+
+def test_a_local_process_is_a_worker_the_launcher_can_wait_for():
+    slot = SlotInfo("localhost", 3, 4, 1, 2, 0, 1)
+    worker = spawn.start_local(slot, [sys.executable, "-c", "import sys; print('bye'); sys.exit(7)"], {})
+    assert isinstance(worker, Worker) and (worker.rank, worker.host) == (3, "localhost")
+    assert worker.wait() == 7 and worker.returncode == 7
+    worker.join_output(10)
+    worker.signal_group(signal.SIGKILL)  # a worker already gone is no error
+
+
+def test_a_spark_slot_without_a_task_is_a_worker_that_ended_killed():
+    server = RendezvousServer(new_secret())
+    server.start()
+    try:
+        worker = TaskWorker(SlotInfo("exec-1", 1, 2, 0, 1, 0, 1), None, "exec-1:0#1", server,
+                            SparkTaskDiscovery(server, 1))
+        assert isinstance(worker, Worker) and not isinstance(worker, spawn.ProcessWorker)
+        assert worker.returncode == worker.wait() == -signal.SIGKILL
+        assert "no Spark task" in worker.where and worker.outcome() is None
+        worker.signal_group(signal.SIGTERM)
+        assert server.get("spark/elastic/kill/exec-1:0#1") is None  # nothing to ask of a task that is gone
+    finally:
+        server.stop()
+
+
+def test_a_worker_must_say_how_it_is_watched_and_stopped():
+    class Incomplete(Worker):
+        @property
+        def where(self) -> str:
+            return "nowhere"
+
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete(SlotInfo("h", 0, 1, 0, 1, 0, 1))
 
 
 # ------------------------------------------------------------ the elastic driver's member states
