@@ -183,7 +183,7 @@ class RayExecutor:
         # the cause first: a dead actor, then an exception of the user's, then a peer's loss of the job
         rank = min(failed, key=lambda r: (0 if failed[r].kind is OutcomeKind.DIED else 1 + failed[r].internal, r))
         others = f"; {len(pending)} rank(s) still running" if pending else ""
-        who = f"the actor of rank {rank}" if failed[rank].kind is OutcomeKind.DIED else f"rank {rank}"
+        who = f"the actor of rank {rank}" if failed[rank].kind is OutcomeKind.DIED else None
         raise dataclasses.replace(failed[rank], rank=rank).failure("RayExecutor: ", who, others)
 
     def shutdown(self) -> None:
