@@ -27,7 +27,8 @@ from roundel.ray.worker import RoundelRayWorker
 from roundel.runner import elastic_driver, spawn
 from roundel.runner.discovery import Blacklist
 from roundel.runner.hosts import SlotInfo
-from roundel.runner.run_api import RankFailedError
+from roundel.runner.outcome import OutcomeKind, RankFailedError, RankOutcome
+from roundel.runner.worker import Worker
 
 __all__ = ["ActorWorker", "ElasticRayExecutor", "RayHostDiscovery"]
 
@@ -91,7 +92,7 @@ def _node_id(host: str) -> str:
     raise ValueError(f"discovered host {host!r} is neither the id nor the address of an alive Ray node")
 
 
-class ActorWorker(spawn.Worker):
+class ActorWorker(Worker):
     """An elastic worker that is a Ray actor: the driver watches and stops it as it would a process.
 
     It "exits" when its ``run_elastic`` call returns (0: finished or left
@@ -99,11 +100,13 @@ class ActorWorker(spawn.Worker):
     the actor is then killed, as a process would be gone.
     """
 
+    _CODES = {OutcomeKind.RETURNED: 0, OutcomeKind.REMOVED: 0, OutcomeKind.RAISED: 1}
+
     def __init__(self, slot: SlotInfo, actor, ref):
-        super().__init__(slot, None, [])
+        super().__init__(slot)
         self.actor = actor
         self.ref = ref
-        self.outcome: tuple | None = None
+        self.outcome: RankOutcome | None = None
         self._code: int | None = None
         self._lock = threading.Lock()
 
@@ -119,11 +122,11 @@ class ActorWorker(spawn.Worker):
         try:
             outcome = ray.get(self.ref)
         except ray.exceptions.RayError as exc:
-            outcome = ("died", f"{type(exc).__name__}: {exc}")
+            outcome = RankOutcome.died(None, f"{type(exc).__name__}: {exc}")
         with self._lock:
             if self._code is None:
                 self.outcome = outcome
-                self._code = {"ok": 0, "removed": 0, "failed": 1}.get(outcome[0], -signal.SIGKILL)
+                self._code = self._CODES.get(outcome.kind, -signal.SIGKILL)
                 self._kill()
         return self._code
 
@@ -250,14 +253,14 @@ class ElasticRayExecutor:
             start_timeout_s=self.settings.timeout_s,
             start_worker=self._start_actor(worker_fn, tuple(args or ()), dict(kwargs or {})))
         code = elastic_driver.run(settings, self._server, self._secret, lambda host: self._address)
-        finished = sorted((w.outcome[2], w.outcome[1]) for w in self.workers if w.outcome and w.outcome[0] == "ok")
+        outcomes = [w.outcome for w in self.workers if w.outcome is not None]
         if code == 0:
-            return [value for _, value in finished]
-        failures = [w.outcome for w in self.workers if w.outcome and w.outcome[0] == "failed"]
-        own = [o for o in failures if not o[2]] or failures
+            return [o.result("ElasticRayExecutor: ") for o in sorted((o for o in outcomes if o.ok),
+                                                                      key=lambda o: o.rank)]
+        failures = [o for o in outcomes if o.kind is OutcomeKind.RAISED]
+        own = [o for o in failures if not o.internal] or failures
         if own:
-            raise RankFailedError(None, own[0][1], f"ElasticRayExecutor: the job failed (driver status {code}); "
-                                                   f"a worker raised:\n{own[0][1]}")
+            raise own[0].failure(f"ElasticRayExecutor: the job failed (driver status {code}); ")
         raise RankFailedError(None, "", f"ElasticRayExecutor: the job failed (driver status {code}); see the "
                                         "driver's messages above")
 

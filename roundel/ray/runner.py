@@ -10,6 +10,7 @@ rank order; a rank's exception or a dead actor ends it with RankFailedError.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ from roundel.rendezvous.identity import rendezvous_env
 from roundel.ray import placement
 from roundel.ray.settings import RaySettings, start_store
 from roundel.ray.worker import RoundelRayWorker
-from roundel.runner.run_api import RankFailedError
+from roundel.runner.outcome import OutcomeKind, RankOutcome
 
 __all__ = ["RayExecutor"]
 
@@ -162,7 +163,7 @@ class RayExecutor:
 
     def _gather(self, refs: list, ranks) -> list[Any]:
         pending = dict(zip(refs, ranks))
-        outcomes: dict[int, tuple] = {}
+        outcomes: dict[int, RankOutcome] = {}
         deadline = None
         while pending:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -173,19 +174,17 @@ class RayExecutor:
             try:
                 outcomes[rank] = ray.get(ready[0])
             except ray.exceptions.RayError as exc:  # the actor died (killed, its node lost)
-                outcomes[rank] = ("died", f"{type(exc).__name__}: {exc}")
-            if outcomes[rank][0] != "ok" and deadline is None:
+                outcomes[rank] = RankOutcome.died(rank, f"{type(exc).__name__}: {exc}")
+            if not outcomes[rank].ok and deadline is None:
                 deadline = time.monotonic() + FAILURE_GRACE_S
-        failed = {r: o for r, o in outcomes.items() if o[0] != "ok"}
+        failed = {r: o for r, o in outcomes.items() if not o.ok}
         if not failed:
-            return [outcomes[r][1] for r in sorted(outcomes)]
+            return [outcomes[r].result("RayExecutor: ") for r in sorted(outcomes)]
         # the cause first: a dead actor, then an exception of the user's, then a peer's loss of the job
-        rank = min(failed, key=lambda r: (0 if failed[r][0] == "died" else 1 + bool(failed[r][2]), r))
-        kind, text = failed[rank][0], failed[rank][1]
+        rank = min(failed, key=lambda r: (0 if failed[r].kind is OutcomeKind.DIED else 1 + failed[r].internal, r))
         others = f"; {len(pending)} rank(s) still running" if pending else ""
-        if kind == "died":
-            raise RankFailedError(rank, text, f"RayExecutor: the actor of rank {rank} died: {text}{others}")
-        raise RankFailedError(rank, text, f"RayExecutor: rank {rank} raised:\n{text}{others}")
+        who = f"the actor of rank {rank}" if failed[rank].kind is OutcomeKind.DIED else None
+        raise dataclasses.replace(failed[rank], rank=rank).failure("RayExecutor: ", who, others)
 
     def shutdown(self) -> None:
         """Kill the actors, remove the placement group and stop the rendezvous store."""

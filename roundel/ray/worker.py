@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import os
 import socket
-import traceback
 from typing import Any, Callable
 
 import ray
 
 from roundel.common import basics
-from roundel.errors import RoundelInternalError
 from roundel.rendezvous import elastic_join
+from roundel.runner.outcome import RankOutcome
 
-__all__ = ["Outcome", "RoundelRayWorker"]
-
-Outcome = tuple
-"""What a guarded call returns: ``("ok", value, rank)``, ``("failed", traceback_text, internal)``, or
-``("removed", reason)`` (an elastic worker whose host left the job)."""
+__all__ = ["RoundelRayWorker"]
 
 
 def _rank() -> int | None:
@@ -68,29 +63,24 @@ class RoundelRayWorker:
         """``fn(executable)``: its value, or its exception raised through Ray."""
         return fn(self.executable)
 
-    def run_guarded(self, fn: Callable, args: tuple, kwargs: dict, on_executable: bool = False) -> Outcome:
+    def run_guarded(self, fn: Callable, args: tuple, kwargs: dict, on_executable: bool = False) -> RankOutcome:
         """``fn(*args, **kwargs)`` (``fn(executable)`` with ``on_executable``) with its failure returned
         as a traceback instead of raised.
 
         A rank whose function raised leaves the job (``shutdown()``), so that
         its peers' pending collectives fail instead of waiting for it.
         """
-        try:
-            return "ok", fn(self.executable) if on_executable else fn(*args, **kwargs), _rank()
-        except BaseException as exc:  # noqa: BLE001 - the driver reports every failure with its traceback
-            text = traceback.format_exc()
+        call_args = (self.executable,) if on_executable else args
+        outcome = RankOutcome.of_call(fn, call_args, None if on_executable else kwargs, rank_of=_rank)
+        if not outcome.ok:
             basics.shutdown()
-            return "failed", text, isinstance(exc, RoundelInternalError)
+        return outcome
 
-    def run_elastic(self, fn: Callable, args: tuple, kwargs: dict) -> Outcome:
+    def run_elastic(self, fn: Callable, args: tuple, kwargs: dict) -> RankOutcome:
         """An elastic worker's whole life: ``fn`` joins generations through ``hvd.init()`` and
-        ``elastic.run``; a worker the driver leaves out returns ``("removed", reason)``. The worker
-        leaves the job at the end, as a process would by exiting."""
+        ``elastic.run``; a worker the driver leaves out is REMOVED. The worker leaves the job at the
+        end, as a process would by exiting."""
         try:
-            return "ok", fn(*args, **kwargs), _rank()
-        except elastic_join.WorkerRemoved as removed:
-            return "removed", removed.reason
-        except BaseException as exc:  # noqa: BLE001 - the driver reports every failure with its traceback
-            return "failed", traceback.format_exc(), isinstance(exc, RoundelInternalError)
+            return RankOutcome.of_call(fn, args, kwargs, rank_of=_rank, removed=elastic_join.WorkerRemoved)
         finally:
             basics.shutdown()

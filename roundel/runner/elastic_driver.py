@@ -29,6 +29,7 @@ more resets than ``--reset-limit`` are needed.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import queue
 import signal
@@ -43,9 +44,10 @@ from roundel.runner import spawn
 from roundel.runner.discovery import Blacklist, FixedHosts, HostDiscovery
 from roundel.runner.hosts import SlotInfo, is_local_host
 from roundel.runner.lost_ranks import describe_lost, lost_ranks
+from roundel.runner.worker import Worker
 from roundel.rendezvous.store import RendezvousServer
 
-__all__ = ["ElasticSettings", "run"]
+__all__ = ["ElasticSettings", "IllegalTransition", "MemberEvent", "MemberState", "run"]
 
 _TICK_S = 0.1
 DISCOVERY_INTERVAL_S = 1.0
@@ -69,24 +71,111 @@ class ElasticSettings:
     ssh_identity_file: str | None = None
     ssh_args: str = ""
     # starts a worker some other way than as a process (roundel.ray's actors): (slot, env, label) -> Worker
-    start_worker: Callable[[SlotInfo, dict[str, str], str], spawn.Worker] | None = None
+    start_worker: Callable[[SlotInfo, dict[str, str], str], Worker] | None = None
     # as Horovod: a failure takes every worker on its host out of the job (the host gets no slots)
     evict_host_on_failure: bool = True
 
 
+class IllegalTransition(RuntimeError):
+    """A member was asked to change state in a way its state machine (:class:`MemberState`) does not allow."""
+
+
+class MemberEvent(enum.Enum):
+    """What can happen to a started worker, as far as the driver is concerned."""
+
+    LEAVE = "leave"
+    """Discovery no longer offers its slot: it is told to leave at its next join."""
+    EVICT = "evict"
+    """Its host was blacklisted after another worker there failed: it is stopped (SIGTERM)."""
+    LOSE = "lose"
+    """A peer reported it silent (stopped, hung, cut off): the driver SIGKILLs it."""
+
+
+class MemberState(enum.Enum):
+    """The life of one worker the elastic driver started (a member), and what its exit then means.
+
+    Every member starts RUNNING. Three things can happen to it before it
+    exits, each at most once: it is told to leave (LEAVE), its host is
+    blacklisted (EVICT, which includes leaving), it is reported lost and killed
+    (LOSE). A state is which of them have happened::
+
+        event   RUNNING  LEAVING       EVICTED       LOST          LOST_LEAVING  LOST_EVICTED
+        LEAVE   LEAVING  -             -             LOST_LEAVING  -             -
+        EVICT   EVICTED  EVICTED       -             LOST_EVICTED  LOST_EVICTED  -
+        LOSE    LOST     LOST_LEAVING  LOST_EVICTED  -             -             -
+
+    ("-": not allowed; :meth:`after` raises IllegalTransition). A member can
+    exit in any state; the driver then drops it from its live members and
+    reads its last state to know what the exit means:
+
+    * RUNNING, LOST: *kept*: holds its slot, counts toward ``--min-np``, and a
+      new generation waits for it to join. Its exit status 0 means the job is
+      finishing; any other status is a failure (blacklist, replacement, reset).
+    * LEAVING, LOST_LEAVING: answered "removed" when it joins; exit status 0 is
+      no event, any other status a failure.
+    * EVICTED, LOST_EVICTED: answered "removed" when it joins; its exit is no event.
+    * LOST, LOST_LEAVING, LOST_EVICTED: already SIGKILLed; never killed again.
+    """
+
+    RUNNING = "running"
+    LEAVING = "leaving"
+    EVICTED = "evicted"
+    LOST = "lost"
+    LOST_LEAVING = "lost, leaving"
+    LOST_EVICTED = "lost, evicted"
+
+    @property
+    def kept(self) -> bool:
+        """Whether the member holds its slot and belongs in the next generation."""
+        return self in (MemberState.RUNNING, MemberState.LOST)
+
+    @property
+    def leaving(self) -> bool:
+        """Whether the member is told "removed" at its next join (and not counted as kept)."""
+        return self in (MemberState.LEAVING, MemberState.LOST_LEAVING, MemberState.EVICTED, MemberState.LOST_EVICTED)
+
+    @property
+    def evicted(self) -> bool:
+        """Whether the member was stopped because its host was blacklisted: its exit is no event."""
+        return self in (MemberState.EVICTED, MemberState.LOST_EVICTED)
+
+    @property
+    def lost(self) -> bool:
+        """Whether the member was reported lost and SIGKILLed already."""
+        return self in (MemberState.LOST, MemberState.LOST_LEAVING, MemberState.LOST_EVICTED)
+
+    def after(self, event: MemberEvent) -> "MemberState":
+        """The state after ``event``; raises IllegalTransition when ``event`` cannot happen in this state."""
+        following = _TRANSITIONS[event].get(self)
+        if following is None:
+            raise IllegalTransition(f"a member that is {self.value} cannot {event.value}")
+        return following
+
+
+_S = MemberState
+_TRANSITIONS = {
+    MemberEvent.LEAVE: {_S.RUNNING: _S.LEAVING, _S.LOST: _S.LOST_LEAVING},
+    MemberEvent.EVICT: {_S.RUNNING: _S.EVICTED, _S.LEAVING: _S.EVICTED, _S.LOST: _S.LOST_EVICTED,
+                        _S.LOST_LEAVING: _S.LOST_EVICTED},
+    MemberEvent.LOSE: {_S.RUNNING: _S.LOST, _S.LEAVING: _S.LOST_LEAVING, _S.EVICTED: _S.LOST_EVICTED},
+}
+
+
 @dataclasses.dataclass(eq=False)
 class _Member:
-    """One started worker process."""
+    """One started worker and where it is in its life (:class:`MemberState`)."""
 
     serial: int
     host: str
     index: int  # slot on its host
-    worker: spawn.Worker
+    worker: Worker
     last_rank: int | None = None  # rank in the latest generation it belonged to
     answered: int = 0  # join count already answered
-    leaving: bool = False  # told (or to be told) to leave: its host was removed
-    lost: bool = False  # a peer reported it silent and the driver killed it
-    evicted: bool = False  # its host was blacklisted after another worker's failure: stopped, exit ignored
+    state: MemberState = MemberState.RUNNING
+
+    def on(self, event: MemberEvent) -> None:
+        """Move to the state after ``event``; raises IllegalTransition."""
+        self.state = self.state.after(event)
 
     @property
     def label(self) -> str:
@@ -114,7 +203,7 @@ class _Driver:
         self.address_for = address_for
         self.group = spawn.WorkerGroup()  # every worker started; its events queue drives the loop
         self.members: dict[int, _Member] = {}  # live workers by serial
-        self.member_of: dict[spawn.Worker, _Member] = {}
+        self.member_of: dict[Worker, _Member] = {}
         self.serial = 0
         self.hosts: dict[str, int] = {}
         self.generation = -1
@@ -158,7 +247,7 @@ class _Driver:
     def _on_exit(self, member: _Member) -> None:
         self.members.pop(member.serial, None)
         code = spawn.own_exit_code(member.worker, self.server)
-        if member.evicted or (member.leaving and code == 0):
+        if member.state.evicted or (member.state.leaving and code == 0):
             return
         if code == 0:
             self.succeeded = True
@@ -172,15 +261,15 @@ class _Driver:
                   f"blacklisted {until}")
         evicted = self._evict(member.host) if self.s.evict_host_on_failure else []
         if self.generation < 0:
-            if not [m for m in self.members.values() if not m.leaving]:
+            if not [m for m in self.members.values() if m.state.kept]:
                 raise _JobFailed("every worker failed before the job could start; see their output above")
             return
         if member in self.current or any(m in self.current for m in evicted):
             if self.finished:
                 raise _JobFailed(f"{who} failed after other workers had finished")
-            survivors = [m for m in self.current if m.serial in self.members and not m.leaving]
+            survivors = [m for m in self.current if m.serial in self.members and m.state.kept]
             if not survivors:
-                if any(m.evicted for m in self.current):
+                if any(m.state.evicted for m in self.current):
                     hosts = ", ".join(sorted(h for h in {*self.hosts, *(m.host for m in self.current)}
                                              if self.s.blacklist.contains(h)))
                     raise _JobFailed(f"every host of the job is blacklisted ({hosts}) after worker failures "
@@ -191,9 +280,9 @@ class _Driver:
     def _evict(self, host: str) -> list[_Member]:
         """Take every other live worker on ``host`` (just blacklisted) out of the job, as Horovod does:
         SIGTERM its process group; it is answered 'removed' if it joins first; its exit is no failure."""
-        evicted = [m for m in self.members.values() if m.host == host and not m.evicted]
+        evicted = [m for m in self.members.values() if m.host == host and not m.state.evicted]
         for m in evicted:
-            m.leaving = m.evicted = True
+            m.on(MemberEvent.EVICT)
             self._say(f"worker {m.label} stopped: its host {host} is blacklisted")
             m.worker.signal_group(signal.SIGTERM)
             m.worker.signal_group(signal.SIGCONT)
@@ -204,12 +293,12 @@ class _Driver:
 
         Its exit then counts as a failure like any other (blacklist, replacement, reset).
         """
-        live = {m.last_rank: m for m in self.current if not m.lost and m.serial in self.members}
+        live = {m.last_rank: m for m in self.current if not m.state.lost and m.serial in self.members}
         for record in lost_ranks(self.server, list(live), protocol.key_prefix(self.generation)):
             member = live.get(record.get("rank"))
             if member is None:
                 continue
-            member.lost = True
+            member.on(MemberEvent.LOSE)
             self._say(f"worker {member.label}: {describe_lost(record)}; killing it")
             member.worker.signal_group(signal.SIGKILL)
 
@@ -220,14 +309,14 @@ class _Driver:
     def _plan(self) -> None:
         """Start workers on free slots, mark workers of removed hosts as leaving; want a new
         generation when membership changes."""
-        kept = [m for m in self.members.values() if not m.leaving]
+        kept = [m for m in self.members.values() if m.state.kept]
         changed = False
         for m in kept:
             if m.index >= self.hosts.get(m.host, 0):  # host gone or shrunk
-                m.leaving = True
+                m.on(MemberEvent.LEAVE)
                 changed = True
                 self._say(f"host {m.host} no longer offers slot {m.index}; worker {m.label} will leave")
-        kept = [m for m in kept if not m.leaving]
+        kept = [m for m in kept if m.state.kept]
         used = {(m.host, m.index) for m in kept}
         limit = self.s.max_np if self.s.max_np is not None else float("inf")
         free = [(h, i) for h, n in self._usable_hosts().items() for i in range(n) if (h, i) not in used]
@@ -254,12 +343,12 @@ class _Driver:
         """Answer the joins: a new generation once every kept live worker is waiting."""
         for m in self.members.values():
             count = self._joined(m)
-            if m.leaving and count > m.answered:
-                why = "is blacklisted" if m.evicted else "left the job"
+            if m.state.leaving and count > m.answered:
+                why = "is blacklisted" if m.state.evicted else "left the job"
                 self.server.set(protocol.assign_key(m.worker_id, count),
                                 protocol.removal(f"host {m.host} {why}"))
                 m.answered = count
-        kept = [m for m in self.members.values() if not m.leaving]
+        kept = [m for m in self.members.values() if m.state.kept]
         now = time.monotonic()
         if len(kept) < self.s.min_np:
             usable = sum(self._usable_hosts().values())

@@ -47,6 +47,7 @@ from roundel.runner import elastic_driver, flags, lost_ranks, spawn
 from roundel.runner import hosts as hostlib
 from roundel.runner.discovery import Blacklist, FixedHosts, HostDiscovery
 from roundel.runner.flags import UsageError
+from roundel.runner.worker import Worker
 
 __all__ = ["StoreHook", "main", "run"]
 
@@ -246,9 +247,9 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
         remote_workers = [w for w in job.workers if w.remote]
 
         def not_started():
-            return [w for w in remote_workers if server.get(f"launch/started/{w.slot.rank}") is None]
+            return [w for w in remote_workers if server.get(f"launch/started/{w.rank}") is None]
 
-        by_rank = {w.slot.rank: w for w in job.workers}
+        by_rank = {w.rank: w for w in job.workers}
 
         def lost():  # a stopped or cut-off worker never exits by itself: the others recorded it
             return [by_rank[r["rank"]] for r in lost_ranks.lost_ranks(server, by_rank) if r.get("rank") in by_rank]
@@ -265,24 +266,24 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
             print(f"roundelrun: received {spawn.signal_name(item)}; stopped all ranks", file=sys.stderr)
             return 128 + item
         if kind == "lost":  # the others handled the error and exited 0; the job still failed
-            for record in lost_ranks.lost_ranks(server, [w.slot.rank for w in item]):
+            for record in lost_ranks.lost_ranks(server, [w.rank for w in item]):
                 print(f"roundelrun: {lost_ranks.describe_lost(record)}; it was killed", file=sys.stderr)
             return 1
         if kind == "timeout":
-            hosts = sorted({w.slot.hostname for w in item})
+            hosts = sorted({w.host for w in item})
             print(f"roundelrun: host(s) {', '.join(hosts)} did not reach the rendezvous server within "
-                  f"{2 * start_timeout + 10:g} s (ranks {', '.join(str(w.slot.rank) for w in item)}); "
+                  f"{2 * start_timeout + 10:g} s (ranks {', '.join(str(w.rank) for w in item)}); "
                   "stopped all ranks", file=sys.stderr)
             return 1
         others = "; stopped the other ranks" if len(job.workers) > 1 else ""
         # the first exit may be a rank that failed because another did: if both recorded their exception,
         # blame the earlier (a rank that died without one, e.g. killed, cannot be ordered: it stays named)
         first = lost_ranks.first_failure(server, by_rank)
-        if first is not None and first[0] != item.slot.rank and \
-                lost_ranks.first_failure(server, [item.slot.rank]) is not None:
+        if first is not None and first[0] != item.rank and \
+                lost_ranks.first_failure(server, [item.rank]) is not None:
             item, why = by_rank[first[0]], first[1]
             _show_hidden_tail(item)
-            print(f"roundelrun: rank {item.slot.rank} (host {item.slot.hostname}) failed first: {why}{others}",
+            print(f"roundelrun: rank {item.rank} (host {item.host}) failed first: {why}{others}",
                   file=sys.stderr)
             code = spawn.own_exit_code(item, server)
             return spawn.exit_status(code if code and code > 0 else 1)  # not the signal that stopped it
@@ -297,14 +298,14 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
             signal.signal(signum, handler)
 
 
-def _show_hidden_tail(worker: spawn.Worker) -> None:
+def _show_hidden_tail(worker: Worker) -> None:
     """The last lines of stderr of the rank blamed for the failure, when --ranks-filter kept them off screen."""
-    if spawn.is_shown(worker.slot.rank) or not worker.stderr_tail:
+    if spawn.is_shown(worker.rank) or not worker.stderr_tail:
         return
-    print(f"roundelrun: the last lines of rank {worker.slot.rank}'s stderr (hidden by --ranks-filter):",
+    print(f"roundelrun: the last lines of rank {worker.rank}'s stderr (hidden by --ranks-filter):",
           file=sys.stderr)
     for line in worker.stderr_tail:
-        print(f"[{worker.slot.rank}]<stderr>:{line.decode(errors='replace').rstrip()}", file=sys.stderr)
+        print(f"[{worker.rank}]<stderr>:{line.decode(errors='replace').rstrip()}", file=sys.stderr)
 
 
 def _elastic_settings(args: argparse.Namespace) -> elastic_driver.ElasticSettings:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from typing import Any, Callable, Sequence
 
 import cloudpickle
@@ -21,21 +20,13 @@ import cloudpickle
 from roundel.common import basics
 from roundel.rendezvous import identity
 from roundel.runner import launch
+from roundel.runner.outcome import RankFailedError, RankOutcome
 from roundel.rendezvous.store import RendezvousClient
 
 __all__ = ["RankFailedError", "run"]
 
 _FUNCTION_KEY = "run/function"
 _RESULT_KEY = "run/result/"
-
-
-class RankFailedError(RuntimeError):
-    """A rank's function raised (or the rank died): ``rank`` and the remote ``traceback_text``."""
-
-    def __init__(self, rank: int | None, traceback_text: str, message: str):
-        super().__init__(message)
-        self.rank = rank
-        self.traceback_text = traceback_text
 
 
 def _flag(argv: list[str], name: str, value) -> None:
@@ -107,22 +98,22 @@ def run(fn: Callable, args: Sequence = (), kwargs: dict | None = None, num_proc:
 def _results(server, code: int, expected: int) -> list[Any]:
     """The ranks' results in rank order (ranks 0 .. ``expected``-1 and any further ones that reported);
     raise RankFailedError for the first rank that failed."""
-    outcomes = {}
+    outcomes: dict[int, RankOutcome] = {}
     rank = 0
     while True:
         raw = server.get(f"{_RESULT_KEY}{rank}")
         if raw is None and rank >= expected:
             break
         if raw is not None:
-            outcomes[rank] = cloudpickle.loads(raw)
+            outcomes[rank] = RankOutcome.decode(raw)
         rank += 1
-    for rank, (ok, value) in outcomes.items():
-        if not ok:
-            raise RankFailedError(rank, value, f"roundel.run: rank {rank} raised:\n{value}")
+    for outcome in outcomes.values():
+        if not outcome.ok:
+            raise outcome.failure("roundel.run: ")
     if code != 0 or not outcomes:
         raise RankFailedError(None, "", f"roundel.run: the job failed (roundelrun exit status {code}) with "
                                         f"results from {len(outcomes)} rank(s); see the ranks' output above")
-    return [value for _, (_, value) in sorted(outcomes.items())]
+    return [outcome.result("roundel.run: ") for _, outcome in sorted(outcomes.items())]
 
 
 def _worker_rank() -> int:
@@ -139,14 +130,11 @@ def _worker_main() -> int:
                               bytes.fromhex(env[identity.SECRET]))
     try:
         fn, args, kwargs = cloudpickle.loads(client.get(_FUNCTION_KEY))
-        try:
-            outcome, code = (True, fn(*args, **kwargs)), 0
-        except BaseException:  # noqa: BLE001 - the caller gets every failure, with its traceback
-            outcome, code = (False, traceback.format_exc()), 1
-        client.set(f"{_RESULT_KEY}{_worker_rank()}", cloudpickle.dumps(outcome))
+        outcome = RankOutcome.of_call(fn, args, kwargs, rank_of=_worker_rank)
+        client.set(f"{_RESULT_KEY}{outcome.rank}", outcome.encode())
     finally:
         client.close()
-    return code
+    return 0 if outcome.ok else 1
 
 
 if __name__ == "__main__":

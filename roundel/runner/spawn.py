@@ -32,9 +32,10 @@ from typing import BinaryIO, Mapping, TextIO
 from roundel.rendezvous.identity import rendezvous_env
 from roundel.runner.hosts import SlotInfo, validate_hostname
 from roundel.runner.redraw import LineAssembler, LivePrefixer
+from roundel.runner.worker import Worker
 
 __all__ = ["FORWARDED_NAMES", "FORWARDED_PREFIXES", "FORWARD_VARS", "GRACE_SECONDS", "HOST_SPECIFIC",
-           "REMOTE_ENV", "RemoteWorker", "STRICT_HOST_KEY_CHECKING", "TERMINAL", "Worker", "WorkerGroup",
+           "ProcessWorker", "REMOTE_ENV", "RemoteWorker", "STRICT_HOST_KEY_CHECKING", "TERMINAL", "WorkerGroup",
            "describe_exit", "exit_status", "is_shown", "prefix_output_with_timestamp", "rank_output_dir",
            "remote_env", "show_ranks", "signal_name", "ssh_command", "start_local", "start_remote",
            "strict_host_key_args", "worker_env"]
@@ -161,17 +162,15 @@ def _relay(pipe: BinaryIO, prefix: bytes, stream: TextIO | None, log: BinaryIO |
                 return
 
 
-class Worker:
-    """A started worker process, its slot, and the threads relaying its output."""
-
-    remote = False
+class ProcessWorker(Worker):
+    """A worker process started on this machine (under the reaper), and the threads relaying its output."""
 
     def __init__(self, slot: SlotInfo, process: subprocess.Popen, relays: list[threading.Thread],
-                 stderr_tail: collections.deque | None = None):
-        self.slot = slot
+                 stderr_tail: collections.deque):
+        super().__init__(slot)
         self.process = process
         self._relays = relays
-        self.stderr_tail = stderr_tail if stderr_tail is not None else collections.deque(maxlen=5)
+        self.stderr_tail = stderr_tail
 
     @property
     def returncode(self) -> int | None:
@@ -234,7 +233,7 @@ def _start_relays(slot: SlotInfo, process: subprocess.Popen, output_dir: str | N
 
 
 def start_local(slot: SlotInfo, command: list[str], env: Mapping[str, str],
-                output_dir: str | None = None, label: str | None = None) -> Worker:
+                output_dir: str | None = None, label: str | None = None) -> ProcessWorker:
     """Start ``command`` on this machine as the worker of ``slot``, in a new process group.
 
     The command runs under :mod:`roundel.runner.reaper`, in the same group,
@@ -252,10 +251,10 @@ def start_local(slot: SlotInfo, command: list[str], env: Mapping[str, str],
         start_new_session=True,
     )
     relays, tail = _start_relays(slot, process, output_dir, label)
-    return Worker(slot, process, relays, tail)
+    return ProcessWorker(slot, process, relays, tail)
 
 
-class RemoteWorker(Worker):
+class RemoteWorker(ProcessWorker):
     """A worker on another host: ``process`` is the local ssh client.
 
     SIGTERM closes the ssh client's stdin, on which the remote side stops the
@@ -409,20 +408,20 @@ def describe_exit(worker: Worker, server=None, who: str | None = None) -> str:
 
     ``who`` names the worker (default: its rank and host)."""
     code = worker.returncode
-    who = who or f"rank {worker.slot.rank} (host {worker.slot.hostname})"
+    who = who or f"rank {worker.rank} (host {worker.host})"
     if worker.remote and server is not None:
-        recorded = server.get(f"launch/exit/{worker.slot.rank}")
+        recorded = server.get(f"launch/exit/{worker.rank}")
         if recorded is not None and int(recorded) != 0:
             code = int(recorded)  # the worker's own status, as the remote side saw it
-        elif server.get(f"launch/started/{worker.slot.rank}") is None:
+        elif server.get(f"launch/started/{worker.rank}") is None:
             last = b"".join(worker.stderr_tail).decode(errors="replace").strip().splitlines()
             why = f": {last[-1]}" if last else ""
             if code == 254:
-                return f"{who}: host {worker.slot.hostname} could not reach the rendezvous server{why}"
+                return f"{who}: host {worker.host} could not reach the rendezvous server{why}"
             if "Host key verification failed" in why:
-                why += (f" (add {worker.slot.hostname}'s host key to your known_hosts, or pass "
+                why += (f" (add {worker.host}'s host key to your known_hosts, or pass "
                         "--ssh-strict-host-key-checking accept-new to accept a new key on first use)")
-            return f"{who}: could not start on host {worker.slot.hostname} over ssh (exit {code}){why}"
+            return f"{who}: could not start on host {worker.host} over ssh (exit {code}){why}"
     if code < 0:
         return f"{who} was killed by signal {signal_name(-code)}{_known_cause(worker)}"
     return f"{who} exited with code {code}{_known_cause(worker)}"
@@ -442,7 +441,7 @@ def own_exit_code(worker: Worker, server=None) -> int:
     """The worker's exit status; for a remote worker, as the remote side recorded it in ``server``."""
     code = worker.returncode
     if worker.remote and server is not None:
-        recorded = server.get(f"launch/exit/{worker.slot.rank}")
+        recorded = server.get(f"launch/exit/{worker.rank}")
         if recorded is not None and int(recorded) != 0:
             code = int(recorded)
     return code
@@ -471,7 +470,7 @@ class WorkerGroup:
     def add(self, worker: Worker) -> None:
         self.workers.append(worker)
         threading.Thread(
-            target=self._wait, args=(worker,), name=f"roundel-wait-{worker.slot.rank}", daemon=True
+            target=self._wait, args=(worker,), name=f"roundel-wait-{worker.rank}", daemon=True
         ).start()
 
     def _wait(self, worker: Worker) -> None:

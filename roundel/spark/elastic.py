@@ -19,7 +19,6 @@ import itertools
 import json
 import logging
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -33,7 +32,8 @@ from roundel.rendezvous.store import RendezvousServer, new_secret
 from roundel.runner import elastic_driver, spawn
 from roundel.runner.discovery import Blacklist
 from roundel.runner.hosts import SlotInfo
-from roundel.runner.run_api import RankFailedError
+from roundel.runner.outcome import OutcomeKind, RankFailedError, RankOutcome
+from roundel.runner.worker import Worker
 from roundel.spark import elastic_task, output, task
 from roundel.spark.runner import (START_TIMEOUT_VARS, DEFAULT_START_TIMEOUT_S, nic_list, num_proc_setting,
                                   seconds_setting, spark_context, store_address)
@@ -124,7 +124,7 @@ class SparkTaskDiscovery:
             return next((t for t, place in self._slot_of.items() if place == (host, index)), None)
 
 
-class TaskWorker(spawn.Worker):
+class TaskWorker(Worker):
     """An elastic worker run by a Spark task: the elastic driver watches and stops it as a process.
 
     It has ended when its task reports its exit status, or when the task is
@@ -133,7 +133,7 @@ class TaskWorker(spawn.Worker):
 
     def __init__(self, slot: SlotInfo, task_id: str | None, worker_id: str, server: RendezvousServer,
                  discovery: SparkTaskDiscovery):
-        super().__init__(slot, None, [])
+        super().__init__(slot)
         self.task_id = task_id
         self.worker_id = worker_id
         self.server = server
@@ -173,15 +173,15 @@ class TaskWorker(spawn.Worker):
         if signum in (signal.SIGTERM, signal.SIGKILL) and self._code is None:
             self.server.set(elastic_task.kill_key(self.worker_id), str(int(signum)).encode())
 
-    def outcome(self) -> tuple | None:
+    def outcome(self) -> RankOutcome | None:
         """What the worker's function did (see :mod:`roundel.spark.elastic_exec`), or None (it died)."""
         raw = self.server.get(elastic_task.outcome_key(self.worker_id))
         if raw is None:
             return None
         try:
-            return cloudpickle.loads(raw)
-        except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as exc:
-            return ("failed", f"its result could not be unpickled on the driver: {exc}", None, False)
+            return RankOutcome.decode(raw)
+        except ValueError as exc:
+            return RankOutcome.died(None, f"its outcome could not be read on the driver: {exc}")
 
 
 class _Slots:
@@ -362,13 +362,11 @@ def _wait_for_tasks(discovery: SparkTaskDiscovery, stage: _Stage, num_proc: int,
 def _results(code: int, workers: list[TaskWorker]) -> list[Any]:
     outcomes = [o for o in (w.outcome() for w in workers) if o is not None]
     if code == 0:
-        return [value for _, value, _ in sorted((o for o in outcomes if o[0] == "ok"), key=lambda o: o[2])]
-    failures = [o for o in outcomes if o[0] == "failed"]
-    own = [o for o in failures if not o[3]] or failures
+        return [o.result("roundel.spark.run_elastic: ") for o in sorted((o for o in outcomes if o.ok),
+                                                                        key=lambda o: o.rank)]
+    failures = [o for o in outcomes if o.kind in (OutcomeKind.RAISED, OutcomeKind.DIED)]
+    own = [o for o in failures if not o.internal] or failures
     if own:
-        _, text, rank, _ = own[0]
-        who = f"rank {rank}" if rank is not None else "a worker"
-        raise RankFailedError(rank, text, f"roundel.spark.run_elastic: the job failed (driver status {code}); "
-                                          f"{who} raised:\n{text}")
+        raise own[0].failure(f"roundel.spark.run_elastic: the job failed (driver status {code}); ")
     raise RankFailedError(None, "", f"roundel.spark.run_elastic: the job failed (driver status {code}); see the "
                                     "roundelrun: lines above on stderr for why")

@@ -3,10 +3,9 @@
 It reads the pickled ``(fn, args, kwargs)`` from its stdin, calls ``fn``
 (which joins generations of the job through ``hvd.init()`` and
 ``hvd.elastic.run``, as under ``roundelrun``'s elastic mode), and writes the
-pickled outcome to the file descriptor named by ``ROUNDEL_SPARK_RESULT_FD``:
-``("ok", result, rank)``, ``("removed", reason)`` when the driver left this
-worker out of the next generation, or ``("failed", traceback_text, rank,
-internal)``. Unlike a static rank it records no abort: the elastic driver
+outcome (a :class:`~roundel.runner.outcome.RankOutcome`'s bytes: REMOVED when
+the driver left this worker out of the next generation) to the file
+descriptor named by ``ROUNDEL_SPARK_RESULT_FD``. Unlike a static rank it records no abort: the elastic driver
 decides what a failure means for the job.
 """
 
@@ -14,31 +13,15 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
-
-import cloudpickle
 
 from roundel.common import basics
-from roundel.errors import RoundelInternalError
 from roundel.rendezvous import bootstrap, elastic_join
-from roundel.spark.task import RESULT_FD
+from roundel.runner.outcome import OutcomeKind, RankOutcome
+from roundel.spark.task import RESULT_FD, call_payload
 
 
 def _rank() -> int | None:
     return basics.rank() if basics.is_initialized() else None
-
-
-def _outcome(payload: bytes) -> tuple[str, bytes]:
-    """(kind, pickled outcome); an unpicklable function or result fails with its traceback too."""
-    try:
-        fn, args, kwargs = cloudpickle.loads(payload)
-        value = fn(*args, **kwargs)
-        return "ok", cloudpickle.dumps(("ok", value, _rank()))
-    except elastic_join.WorkerRemoved as removed:
-        return "removed", cloudpickle.dumps(("removed", removed.reason))
-    except BaseException as exc:  # noqa: BLE001 - the driver gets every failure, with its traceback
-        text = traceback.format_exc()
-        return "failed", cloudpickle.dumps(("failed", text, _rank(), isinstance(exc, RoundelInternalError)))
 
 
 def main() -> int:
@@ -48,11 +31,11 @@ def main() -> int:
     with open(os.devnull, "rb") as null:
         os.dup2(null.fileno(), 0)
     result = os.fdopen(int(os.environ[RESULT_FD]), "wb")
-    kind, outcome = _outcome(payload)
+    outcome = RankOutcome.of_call(call_payload, (payload,), rank_of=_rank, removed=elastic_join.WorkerRemoved)
     with result:
-        result.write(outcome)
+        result.write(outcome.encode())
     basics.shutdown()
-    return 1 if kind == "failed" else 0
+    return 1 if outcome.kind is OutcomeKind.RAISED else 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 It reads the pickled ``(fn, args, kwargs)`` from its stdin (sent by the task,
 which got it through Spark's closure), calls ``fn``, and writes the pickled
-outcome to the file descriptor named by ``ROUNDEL_SPARK_RESULT_FD``:
-``b"1"`` and the pickled result, or ``b"0"`` and the traceback's text. Its identity and the job's
+outcome to the file descriptor named by ``ROUNDEL_SPARK_RESULT_FD``: a
+:class:`~roundel.runner.outcome.RankOutcome`'s bytes. Its identity and the job's
 rendezvous store are in its environment, as ``roundelrun`` would set them,
 so ``hvd.init()`` inside ``fn`` joins the job. When ``fn`` fails, the
 failure is recorded in the store (:mod:`roundel.spark.abort`) before the
@@ -14,22 +14,12 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
-
-import cloudpickle
 
 from roundel.rendezvous import bootstrap, identity
 from roundel.rendezvous.store import RendezvousClient
+from roundel.runner.outcome import RankOutcome
 from roundel.spark import abort
-from roundel.spark.task import RESULT_FD
-
-def _outcome(payload: bytes) -> bytes:
-    """Unpickle and call the function; an unpicklable function or result fails with its traceback too."""
-    try:
-        fn, args, kwargs = cloudpickle.loads(payload)
-        return b"1" + cloudpickle.dumps(fn(*args, **kwargs))
-    except BaseException:  # noqa: BLE001 - the driver gets every failure, with its traceback
-        return b"0" + traceback.format_exc().encode()
+from roundel.spark.task import RESULT_FD, call_payload
 
 
 def main() -> int:
@@ -39,12 +29,12 @@ def main() -> int:
     with open(os.devnull, "rb") as null:
         os.dup2(null.fileno(), 0)
     result = os.fdopen(int(os.environ[RESULT_FD]), "wb")
-    outcome = _outcome(payload)
-    if outcome[:1] != b"1":  # before this process exits and its peers see it gone: its error is the job's
+    outcome = RankOutcome.of_call(call_payload, (payload,), rank_of=lambda: int(os.environ["ROUNDEL_RANK"]))
+    if not outcome.ok:  # before this process exits and its peers see it gone: its error is the job's
         _record_failure()
     with result:
-        result.write(outcome)
-    return 0 if outcome[:1] == b"1" else 1
+        result.write(outcome.encode())
+    return 0 if outcome.ok else 1
 
 
 def _record_failure() -> None:

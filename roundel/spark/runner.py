@@ -24,7 +24,7 @@ import cloudpickle
 
 from roundel.rendezvous import network
 from roundel.rendezvous.store import RendezvousServer, new_secret
-from roundel.runner.run_api import RankFailedError
+from roundel.runner.outcome import RankFailedError, RankOutcome
 from roundel.spark import abort, output, task
 
 __all__ = ["run"]
@@ -145,7 +145,7 @@ def run(fn: Callable, args: Sequence = (), kwargs: dict | None = None, num_proc:
 
 
 def _run_stage(context, spec: task.TaskSpec, num_proc: int, timeout_s: float,
-               server: RendezvousServer) -> list[task.TaskOutcome]:
+               server: RendezvousServer) -> list[RankOutcome]:
     """Run the barrier stage; raise TimeoutError when its tasks do not all start within ``timeout_s``."""
     group = f"roundel.spark.run.{os.getpid()}.{next(_job_ids)}"
     done: dict[str, Any] = {}
@@ -186,11 +186,12 @@ def _run_stage(context, spec: task.TaskSpec, num_proc: int, timeout_s: float,
     return done["outcomes"]
 
 
-def _results(outcomes: list[task.TaskOutcome], failed: int | None) -> list[Any]:
+def _results(outcomes: list[RankOutcome], failed: int | None) -> list[Any]:
     by_rank = {o.rank: o for o in outcomes}
     if failed is None:
         failed = next((o.rank for o in sorted(outcomes, key=lambda o: o.rank) if not o.ok), None)
     if failed is not None:
-        text = by_rank[failed].data.decode(errors="replace") if failed in by_rank else ""
-        raise RankFailedError(failed, text, f"roundel.spark.run: rank {failed} raised:\n{text}")
-    return [cloudpickle.loads(by_rank[rank].data) for rank in range(len(by_rank))]
+        if failed in by_rank:
+            raise by_rank[failed].failure("roundel.spark.run: ")
+        raise RankFailedError(failed, "", f"roundel.spark.run: rank {failed} raised:\n")
+    return [by_rank[rank].result("roundel.spark.run: ") for rank in range(len(by_rank))]

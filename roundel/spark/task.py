@@ -6,7 +6,8 @@ identity from the barrier stage's placement (:mod:`roundel.spark.placement`),
 tells the driver it started, starts ``python -m roundel.spark.exec_fn`` with
 the identity and the store in its environment (as ``roundelrun`` would),
 sends it the function on stdin, relays its output to the driver
-(:mod:`roundel.spark.output`), and returns its outcome through Spark.
+(:mod:`roundel.spark.output`), and returns its outcome (a
+:class:`~roundel.runner.outcome.RankOutcome`) through Spark.
 
 When a rank fails, the first failure is recorded (:mod:`roundel.spark.abort`);
 every other task sees it and stops its rank's process group (SIGTERM, then
@@ -23,14 +24,17 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
+
+import cloudpickle
 
 from roundel.rendezvous.identity import LAUNCHER_PID, Identity, rendezvous_env
 from roundel.rendezvous.store import RendezvousClient
+from roundel.runner.outcome import RankOutcome
 from roundel.spark import abort, placement
 from roundel.spark.output import Sender
 
-__all__ = ["RESULT_FD", "TaskOutcome", "TaskSpec", "read_all", "run_task", "started_key", "stop_group"]
+__all__ = ["RESULT_FD", "TaskSpec", "call_payload", "read_all", "run_task", "started_key", "stop_group"]
 
 RESULT_FD = "ROUNDEL_SPARK_RESULT_FD"
 """Names the file descriptor on which the rank's process writes its outcome."""
@@ -57,16 +61,13 @@ class TaskSpec:
     executable: str | None  # None: the Python the Spark task runs
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskOutcome:
-    """One rank's end: its result (pickled), or why it failed or was stopped."""
-
-    rank: int
-    ok: bool
-    data: bytes  # pickled result when ok, else the traceback's (or the reason's) UTF-8 text
+def call_payload(payload: bytes) -> Any:
+    """Call the function a :class:`TaskSpec`'s ``payload`` holds, with its arguments; return its value."""
+    fn, args, kwargs = cloudpickle.loads(payload)
+    return fn(*args, **kwargs)
 
 
-def run_task(spec: TaskSpec, _partition) -> Iterator[TaskOutcome]:
+def run_task(spec: TaskSpec, _partition) -> Iterator[RankOutcome]:
     """The barrier stage's partition function: run one rank and yield its outcome."""
     from pyspark import BarrierTaskContext
 
@@ -156,14 +157,14 @@ def read_all(fd: int, into: list[bytes]) -> None:
         into.append(pipe.read())
 
 
-def _run_rank(spec: TaskSpec, identity: Identity, client: RendezvousClient) -> TaskOutcome:
+def _run_rank(spec: TaskSpec, identity: Identity, client: RendezvousClient) -> RankOutcome:
     rank = identity.rank
     python = spec.executable or sys.executable
     env = process_env(spec, identity.to_env(), rendezvous_env(spec.host, spec.port, spec.secret_hex))
     try:
         child = RankProcess(python, "roundel.spark.exec_fn", env, spec.payload, client, str(rank))
     except OSError as exc:
-        return _failed(client, rank, f"rank {rank} could not start {python}: {exc}")
+        return _failed(client, RankOutcome.died(rank, f"rank {rank} could not start {python}: {exc}"))
     process = child.process
     stopped = False
     try:
@@ -176,17 +177,19 @@ def _run_rank(spec: TaskSpec, identity: Identity, client: RendezvousClient) -> T
     except BaseException:  # the driver is gone, or Spark interrupts this task: take the rank down with it
         stop_group(process)
         raise
-    data = child.result()
-    if data[:1] == b"1":
-        return TaskOutcome(rank, True, data[1:])
-    if data[:1] == b"0":
-        return _failed(client, rank, data[1:].decode(errors="replace"))
+    try:
+        outcome = RankOutcome.decode(child.result())
+    except ValueError:
+        outcome = None  # it wrote nothing (or not all of it) before it ended
+    if outcome is not None:
+        return outcome if outcome.ok else _failed(client, outcome)
     if stopped:
         who = client.get(abort.ABORT_KEY).decode()
-        return TaskOutcome(rank, False, f"rank {rank} was stopped because rank {who} failed".encode())
+        return RankOutcome.died(rank, f"rank {rank} was stopped because rank {who} failed")
     last = child.last_stderr()
-    return _failed(client, rank, f"rank {rank}'s process {_exit_text(process.returncode)} before returning a "
-                                 f"result" + (f"; the last lines of its stderr:\n{last}" if last else ""))
+    return _failed(client, RankOutcome.died(
+        rank, f"rank {rank}'s process {_exit_text(process.returncode)} before returning a result" +
+        (f"; the last lines of its stderr:\n{last}" if last else "")))
 
 
 def _exit_text(code: int) -> str:
@@ -198,7 +201,7 @@ def _exit_text(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _failed(client: RendezvousClient, rank: int, text: str) -> TaskOutcome:
-    """Record this rank's failure (the first one recorded stops the others) and return it."""
-    abort.record_failure(client, rank)
-    return TaskOutcome(rank, False, text.encode())
+def _failed(client: RendezvousClient, outcome: RankOutcome) -> RankOutcome:
+    """Record the failure of ``outcome``'s rank (the first one recorded stops the others) and return it."""
+    abort.record_failure(client, outcome.rank)
+    return outcome
