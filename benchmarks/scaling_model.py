@@ -74,13 +74,11 @@ import argparse
 import datetime
 import json
 import math
-import multiprocessing
 import os
 import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -382,18 +380,6 @@ def prediction_report(models: Models, predictions: list, args, mlp_bytes: int) -
 
 
 # ---------------------------------------------------------------- collecting
-def _copy_rate(nbytes: int) -> float:
-    """Bytes per second one process copies (best of repeated copies of ``nbytes``)."""
-    import torch
-    source, target = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    best, deadline = math.inf, time.perf_counter() + 0.5
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
-
-
 def _run(command: list, env: dict | None = None) -> None:
     """Run a benchmark; raises RuntimeError with its output's tail when it fails."""
     result = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=900)
@@ -434,6 +420,7 @@ def collect(out: str, nps: list, training_nps: list, control_ranks: str, repeat:
     """Measure this machine into ``out``: allreduce (shared memory on and off) at ``nps``, mlp training at
     ``training_nps`` ranks and single, ``control_scale.py`` at ``control_ranks``; each ``repeat`` times, in
     rounds, keeping the fastest figure of each (the run least disturbed by other work on the machine)."""
+    from scaling import copy_bandwidth  # benchmarks/scaling.py, beside this script (it loads torch)
     cores = os.cpu_count()
     model = platform.processor() or platform.machine()
     try:
@@ -447,11 +434,8 @@ def collect(out: str, nps: list, training_nps: list, control_ranks: str, repeat:
               "note": (f"{cores} cores; runs of more ranks than cores are oversubscribed (each rank waits for a "
                        f"core); other work may have been running; each figure is the fastest of {repeat} runs"),
               "copy_bandwidth_bytes_per_s": {}}
-    context = multiprocessing.get_context("spawn")
     for k in sorted(set(nps)):
-        with context.Pool(k) as pool:
-            rates = pool.map(_copy_rate, [64 * 2 ** 20] * k)
-        record["copy_bandwidth_bytes_per_s"][str(k)] = float(np.median(rates))
+        record["copy_bandwidth_bytes_per_s"][str(k)] = copy_bandwidth(k, 64 * 2 ** 20, 0.5)
     allreduce, training, control = {}, {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(repeat):
