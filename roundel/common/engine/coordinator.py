@@ -18,16 +18,15 @@ import sys
 import threading
 import time
 
-from roundel.common.engine import autotune, deadlock, small_allreduce
-
 from roundel.common.control import channel as control_channel, codec as control_codec
 from roundel.common.control.messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
+from roundel.common.engine import autotune, deadlock, small_allreduce
 from roundel.common.engine.liveness import BYE_GRACE_S, HEARTBEAT_S, TICK_S, describe_silence
 from roundel.common.engine.metrics import METRICS, MetricsServer
 from roundel.common.engine.negotiation import Negotiator
 from roundel.common.engine.requests import ProcessSetChange
-from roundel.common.settings import Settings
 from roundel.common.engine.stragglers import StragglerTracker
+from roundel.common.settings import Settings
 from roundel.errors import RoundelInternalError
 
 log = logging.getLogger("roundel")
