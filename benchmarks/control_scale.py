@@ -7,9 +7,13 @@ processes, each holding many ranks' connections: each simulated rank connects
 and authenticates as a rank does, sends heartbeats, submits its requests as a
 rank's engine does (in full the first time, then as one mask of cache bits)
 and reads the batches the coordinator sends back, recording the cache bits as
-a rank's mirror does. No tensor data moves: rank 0's transport does nothing
-(the data plane has benchmarks of its own), so what is timed is the control
-plane alone.
+a rank's mirror does. The ranks sit on simulated hosts of ``--per-host``; in
+jobs of at least ``--relay-from-ranks`` ranks (the setting's default), each
+host's first rank runs roundel's real relay, as it would in a job of that
+size: the host's other ranks connect to it, and the relays form the same tree
+under rank 0. No tensor data moves: rank 0's transport does nothing (the data
+plane has benchmarks of its own), so what is timed is the control plane
+alone.
 
 For each N it reports:
 
@@ -20,13 +24,15 @@ For each N it reports:
 * steady cycle: the same with every name cached (bits both ways), median of
   ``--steps`` steps;
 * rank 0's CPU per steady step (this process: engine threads and the
-  submitting thread), and its peak memory.
+  submitting thread), the part of it its coordinator thread spent, and its
+  peak memory.
 
 It then fits ``t(N) = a + b N`` by least squares to the steady cycle and to
-rank 0's CPU per step (the work per cycle grows linearly once every name is
-cached: a frame in, a frame out and a mask merge per rank), prints each fit
-with its largest relative error over the measured sizes, and what it predicts
-at the ``--predict`` sizes.
+rank 0's CPU per step, over the sizes run the same way as the largest (with
+relays or without: without, the work per cycle grows linearly once every
+name is cached, a frame in, a frame out and a mask merge per rank), prints
+each fit with its largest relative error over those sizes, and what it
+predicts at the ``--predict`` sizes.
 
 With ``--store`` it also times the rendezvous store (the real server, served
 from this process as ``roundelrun`` serves it) against N simulated joiners,
@@ -37,7 +43,8 @@ every one has read the job's layout the launcher publishes then.
     python benchmarks/control_scale.py --ranks 16,64,256,1024 [--workers 4] [--json out.json] [--plot out.png]
 
 The output ends with one line per size that other tools can read:
-``control_scale: ranks=N connect_s=.. first_step_s=.. steady_cpu_ms=.. steady_latency_ms=..``.
+``control_scale: ranks=N connect_s=.. first_step_s=.. steady_cpu_ms=.. steady_latency_ms=..``
+(then the coordinator thread's CPU, and whether relays ran).
 
 On a machine with fewer cores than worker processes + 1, rank 0 shares its
 cores with the simulated ranks: the figures are then an upper bound.
@@ -47,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -60,8 +68,9 @@ import time
 import torch
 
 import plots
-from roundel.common.control import channel as control_channel
-from roundel.common.control.messages import Dispatch, Heartbeat, Submit
+from roundel.common.control import channel as control_channel, codec as control_codec
+from roundel.common.control.messages import Deliver, Dispatch, Heartbeat, Submit
+from roundel.common.engine import relay as relays
 from roundel.common.engine.core import Engine
 from roundel.common.engine.requests import CachedBatch, OpKind, Request
 from roundel.common.settings import Settings
@@ -70,31 +79,12 @@ from roundel.transport.backend import Backend
 
 NAMES = 161  # ResNet-50's gradient tensors
 SHAPE = (16,)
+PREFIX = "sim/"
+HOLD_S = 0.001  # a relay's hold time: the engine's default cycle time
 
 
 def _requests() -> list:
     return [Request(f"allreduce.grad.{i}", OpKind.ALLREDUCE, 0, "float32", SHAPE) for i in range(NAMES)]
-
-
-class _Store:
-    """The engine's view of the rendezvous store, in this process (rank 0 publishes its address here)."""
-
-    def __init__(self):
-        self._values: dict = {}
-        self._changed = threading.Condition()
-
-    def set(self, key: str, value: bytes) -> None:
-        with self._changed:
-            self._values[key] = value
-            self._changed.notify_all()
-
-    def get(self, key: str, timeout: float = 300.0) -> bytes:
-        with self._changed:
-            self._changed.wait_for(lambda: key in self._values, timeout)
-            return self._values[key]
-
-    def check(self, keys) -> bool:
-        return all(key in self._values for key in keys)
 
 
 class _NoData(Backend):
@@ -124,83 +114,201 @@ class _NoData(Backend):
         pass
 
 
-# ------------------------------------------------------------------ simulated ranks
-class _SimulatedRanks:
-    """Many ranks' control connections, driven from one process."""
+# ------------------------------------------------------------------ simulated hosts
+def _hosts(size: int, per_host: int) -> list[tuple[int, list]]:
+    """(cross rank, ranks) of each simulated host: ``per_host`` consecutive ranks each, rank 0's first."""
+    return [(h, list(range(first, min(first + per_host, size)))) for h, first in enumerate(range(0, size, per_host))]
 
-    def __init__(self, host: str, port: int, secret: bytes, ranks: list):
-        self.connections = {}
-        for rank in ranks:
-            connection = control_channel.connect(host, port, secret, rank, 300.0, send_timeout_s=300.0)
-            self.connections[rank] = connection
-            connection.send(Heartbeat("simulated"))
-        self.readers = {r: control_channel.FrameReader(c) for r, c in self.connections.items()}
+
+def _host_name(cross_rank: int) -> str:
+    return f"sim-host-{cross_rank}"
+
+
+class _SimulatedHosts:
+    """Many hosts' ranks, driven from one process.
+
+    Without relays every simulated rank connects to rank 0. With relays each
+    host's first rank runs roundel's real ``Relay`` (listener, children,
+    merging, fan-out) and connects to the rank above it, and the host's other
+    ranks connect to it, as in a real job; a simulated rank submits what a
+    rank's engine would (in full the first time, then one mask of cache
+    bits), and reads the batches sent back, recording the cache bits as a
+    rank's mirror does.
+    """
+
+    def __init__(self, client, secret: bytes, prefix: str, size: int, hosts: list, relayed: bool, fanout: int):
+        self._secret = secret
         self.selector = selectors.DefaultSelector()
-        for rank, connection in self.connections.items():
-            self.selector.register(connection, selectors.EVENT_READ, rank)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", 0))
+        self.leaves: dict = {}  # rank -> connection to its relay (or rank 0)
+        self.relays: dict = {}  # a host's first rank -> its Relay
+        self.parents: dict = {}  # a host's first rank -> its connection to the rank above
+        self.readers: dict = {}  # ("leaf" or "parent", rank) -> FrameReader
+        self.relay_of: dict = {}  # rank -> the relay here it is a child of
         self.version = 0
         self.bits: dict = {}  # name -> cache bit (every simulated rank agrees)
+        self.waiting: dict = {}
+        self.done = 0.0
         self.last_heartbeat = time.monotonic()
+        coordinator = client.get(prefix + "coordinator", timeout=300.0).decode()
+        leaders = {h: ranks[0] for h, ranks in hosts}
+        for h, ranks in hosts:  # the relays first, so that ranks in other processes find them
+            if relayed and ranks[0] != 0:
+                relay = relays.Relay(ranks[0], size, secret, "127.0.0.1", self.selector,
+                                     functools.partial(self._up, ranks[0]), self._wake, HOLD_S, 600.0, _host_name(h))
+                record = relays.address_record(ranks[0], f"127.0.0.1:{relay.listener.port}", _host_name(h),
+                                               relay.listener.local_name)
+                client.set(relays.host_key(prefix, _host_name(h)), record)
+                client.set(relays.leader_key(prefix, h), record)
+                self.relays[ranks[0]] = relay
+                for rank in ranks[1:]:
+                    self.relay_of[rank] = relay
+        for h, ranks in hosts:
+            if ranks[0] not in self.relays:
+                continue
+            key = relays.parent_key(prefix, _host_name(h), 0, h, fanout)
+            address = coordinator if key is None else json.loads(client.get(key, timeout=300.0))["address"]
+            connection = self._connect(address, None, ranks[0], ("parent", ranks[0]))
+            self.parents[ranks[0]] = connection
+            connection.send(Heartbeat(_host_name(h)))
+            for child_host in range(h * fanout + 1, h * fanout + fanout + 1):  # hosts whose relays report here
+                if child_host in leaders:
+                    self.relay_of[leaders[child_host]] = self.relays[ranks[0]]
+        for h, ranks in hosts:
+            for rank in ranks:
+                if rank == 0 or rank in self.relays:
+                    continue
+                address, local = coordinator, None
+                if relayed:
+                    record = json.loads(client.get(relays.host_key(prefix, _host_name(h)), timeout=300.0))
+                    address, local = record["address"], record["local"]
+                connection = self._connect(address, local, rank, ("leaf", rank))
+                self.leaves[rank] = connection
+                connection.send(Heartbeat(_host_name(h)))
+
+    def _connect(self, address: str, local: str | None, rank: int, data: tuple):
+        host, port = address.rsplit(":", 1)
+        connection = control_channel.connect(host, int(port), self._secret, rank, 300.0,
+                                             send_timeout_s=300.0, local_name=local)
+        self.readers[data] = control_channel.FrameReader(connection)
+        self.selector.register(connection, selectors.EVENT_READ, data)
+        return connection
+
+    def _wake(self) -> None:
+        os.write(self._wake_w, b"w")
+
+    def _up(self, leader: int, message) -> None:
+        connection = self.parents[leader]
+        connection.send(message)
+        if connection.pending:
+            self.selector.modify(connection, selectors.EVENT_READ | selectors.EVENT_WRITE, ("parent", leader))
+
+    def serve(self, timeout: float, pipe=None) -> bool:
+        """One round of select over every connection here; True when ``pipe`` has a command."""
+        now = time.monotonic()
+        for relay in self.relays.values():
+            held = relay.deadline()
+            if held is not None:
+                timeout = min(timeout, max(0.0, held - now))
+        command = False
+        for key, events in self.selector.select(timeout):
+            kind, rank = key.data
+            if kind == "wake":
+                os.read(self._wake_r, 4096)
+            elif kind == "pipe":
+                command = True
+            elif kind == "child":
+                self.relay_of[rank].serve(rank, events)
+            else:
+                connection = key.fileobj
+                if events & selectors.EVENT_WRITE:
+                    connection.flush()
+                    if not connection.pending:
+                        self.selector.modify(connection, selectors.EVENT_READ, key.data)
+                if events & selectors.EVENT_READ:
+                    for message in self.readers[key.data].feed(connection.recv(control_channel.RECV_BYTES)):
+                        self._received(kind, rank, message)
+        now = time.monotonic()
+        for relay in self.relays.values():
+            relay.poll(now)
+        if now - self.last_heartbeat >= 1.0:
+            self.last_heartbeat = now
+            for connection in self.leaves.values():
+                connection.send(Heartbeat("simulated"))
+            for leader, relay in self.relays.items():
+                relay.tick(now)
+                relay.send_up(Heartbeat("simulated"))
+        for connection in self.leaves.values():
+            if connection.pending:
+                connection.flush()
+        return command
+
+    def _received(self, kind: str, rank: int, message) -> None:
+        if type(message) is Deliver:
+            if kind != "parent" or not self.relays[rank].deliver(message.ranks, message.payload):
+                return
+            message = control_codec.decode(message.payload)
+        if type(message) is not Dispatch:
+            return
+        if message.resend:
+            raise RuntimeError(f"rank {rank} was asked to resend {message.resend}")
+        self.version = message.version
+        count = 0
+        for batch in message.batches:
+            if isinstance(batch, CachedBatch):
+                count += bin(batch.bits).count("1")
+            else:
+                count += len(batch.entries)
+                for entry in batch.entries:
+                    if entry.cache_bit >= 0:
+                        self.bits[entry.name] = entry.cache_bit
+        if rank in self.waiting:
+            self.waiting[rank] -= count
+            if self.waiting[rank] <= 0:
+                del self.waiting[rank]
+                self.done = time.monotonic()
 
     def step(self, cached: bool) -> tuple[float, float]:
-        """Submit the 161 names on every rank; return (last submission, last rank's last batch) times."""
+        """Submit the 161 names on every rank here; return (last submission, last rank's last batch) times."""
         requests = _requests()
         if cached:
             mask = sum(1 << self.bits[r.name] for r in requests)
             message = Submit(self.version, mask, [], {}, [])
         else:
             message = Submit(self.version, 0, requests, {}, [])
-        for connection in self.connections.values():
+        self.waiting = {rank: NAMES for rank in [*self.leaves, *self.relays]}
+        for connection in self.leaves.values():
             connection.send(message)
-        sent = time.monotonic()
-        waiting = {rank: NAMES for rank in self.connections}
-        done = sent
-        while waiting:
-            self._heartbeat()
-            for connection in self.connections.values():
-                if connection.pending:
-                    connection.flush()
-            for key, _ in self.selector.select(timeout=1.0):
-                rank = key.data
-                for reply in self.readers[rank].feed(key.fileobj.recv(control_channel.RECV_BYTES)):
-                    if type(reply) is not Dispatch:
-                        continue
-                    if reply.resend:
-                        raise RuntimeError(f"rank {rank} was asked to resend {reply.resend}")
-                    self.version = reply.version
-                    for batch in reply.batches:
-                        if isinstance(batch, CachedBatch):
-                            count = bin(batch.bits).count("1")
-                        else:
-                            count = len(batch.entries)
-                            for entry in batch.entries:
-                                if entry.cache_bit >= 0:
-                                    self.bits[entry.name] = entry.cache_bit
-                        waiting[rank] -= count
-                    if waiting[rank] <= 0:
-                        del waiting[rank]
-                        done = time.monotonic()
-        return sent, done
-
-    def _heartbeat(self) -> None:
         now = time.monotonic()
-        if now - self.last_heartbeat >= 1.0:
-            self.last_heartbeat = now
-            for connection in self.connections.values():
-                connection.send(Heartbeat("simulated"))
+        for leader, relay in self.relays.items():
+            if cached:
+                relay.hold(message.version, leader, message.bits, 0.0, now)
+            else:
+                relay.send_up(message)
+        sent = self.done = time.monotonic()
+        while self.waiting:
+            self.serve(1.0)
+        return sent, self.done
 
 
-def _worker(host: str, port: int, secret: bytes, ranks: list, pipe) -> None:
+def _worker(store_port: int, secret: bytes, prefix: str, size: int, hosts: list, relayed: bool, fanout: int,
+            pipe) -> None:
     try:
         pipe.send(("ready", time.monotonic()))
         pipe.recv()  # every worker is up: connect
-        ranks_here = _SimulatedRanks(host, port, secret, ranks)
+        client = RendezvousClient("127.0.0.1", store_port, secret, connect_timeout=300.0)
+        simulated = _SimulatedHosts(client, secret, prefix, size, hosts, relayed, fanout)
+        simulated.selector.register(pipe, selectors.EVENT_READ, ("pipe", 0))
         pipe.send(("connected", time.monotonic()))
         while True:
+            if not simulated.serve(1.0):
+                continue
             command = pipe.recv()
             if command == "stop":
                 break
-            pipe.send(("step", ranks_here.step(cached=command == "cached")))
+            pipe.send(("step", simulated.step(cached=command == "cached")))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         pipe.send(("error", repr(exc)))
 
@@ -265,27 +373,33 @@ def measure_store(size: int, workers: int) -> dict:
 
 
 # ------------------------------------------------------------------ one job size
-def measure(size: int, workers: int, steps: int) -> dict:
-    """Run one simulated job of ``size`` ranks; return its figures."""
+def measure(size: int, workers: int, steps: int, per_host: int = 8, relay_from_ranks: int = 64,
+            fanout: int = 16) -> dict:
+    """Run one simulated job of ``size`` ranks on hosts of ``per_host``; return its figures."""
     secret = os.urandom(32)
-    store = _Store()
+    server = RendezvousServer(secret)
+    store_port = server.start()
+    store = RendezvousClient("127.0.0.1", store_port, secret)
     settings = dataclasses.replace(Settings.from_env({}), start_timeout_s=600.0, heartbeat_timeout_s=600.0,
-                                   coordinator_reduce_bytes=0)
+                                   coordinator_reduce_bytes=0, relay_from_ranks=relay_from_ranks,
+                                   relay_fanout=fanout)
+    relayed = 0 < relay_from_ranks <= size
     backend = _NoData(0, size)
-    ranks = list(range(1, size))
-    shares = [ranks[i::workers] for i in range(workers) if ranks[i::workers]]
+    hosts = _hosts(size, per_host)
+    shares = [hosts[i::workers] for i in range(workers) if hosts[i::workers]]
     context = multiprocessing.get_context("spawn")
     pipes, processes = [], []
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     engine_box: dict = {}
     starter = threading.Thread(target=lambda: engine_box.update(engine=Engine(
-        0, size, settings, secret, store, "", "127.0.0.1", {0: (tuple(range(size)), backend)})))
+        0, size, settings, secret, store, PREFIX, "127.0.0.1", {0: (tuple(range(size)), backend)},
+        placement=(0, 0, _host_name(0)))))
     starter.start()
-    host, port = store.get("coordinator").decode().rsplit(":", 1)
     for share in shares:
         parent, child = context.Pipe()
-        process = context.Process(target=_worker, args=(host, int(port), secret, share, child), daemon=True)
+        process = context.Process(target=_worker, args=(store_port, secret, PREFIX, size, share, relayed, fanout,
+                                                        child), daemon=True)
         process.start()
         pipes.append(parent)
         processes.append(process)
@@ -299,23 +413,30 @@ def measure(size: int, workers: int, steps: int) -> dict:
     starter.join()
     connected = time.monotonic() - started
     engine = engine_box["engine"]
+    coordinator_clock = time.pthread_getcpuclockid(
+        next(thread for thread in threading.enumerate() if thread.name == "roundel-engine").ident)
     tensors = [torch.zeros(SHAPE) for _ in range(NAMES)]
     try:
         first = _step(engine, pipes, tensors, cached=False)
-        cycles, cpu = [], []
+        cycles, cpu, coordinator_cpu = [], [], []
         for _ in range(steps):
-            before = time.process_time()
+            before, coordinator_before = time.process_time(), time.clock_gettime(coordinator_clock)
             cycles.append(_step(engine, pipes, tensors, cached=True))
             cpu.append(time.process_time() - before)
+            coordinator_cpu.append(time.clock_gettime(coordinator_clock) - coordinator_before)
     finally:
         for pipe in pipes:
             pipe.send("stop")
         for process in processes:
             process.join(30)
         engine.shutdown()
-    return {"ranks": size, "workers": len(shares), "connect_s": connected, "first_step_ms": first * 1e3,
+        store.close()
+        server.stop()
+    return {"ranks": size, "workers": len(shares), "relays": relayed, "per_host": per_host, "fanout": fanout,
+            "connect_s": connected, "first_step_ms": first * 1e3,
             "cycle_ms": statistics.median(cycles) * 1e3, "cycle_ms_min": min(cycles) * 1e3,
             "rank0_cpu_ms_per_step": statistics.median(cpu) * 1e3,
+            "coordinator_cpu_ms_per_step": statistics.median(coordinator_cpu) * 1e3,
             "rank0_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "rank0_rss_growth_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024}
 
@@ -359,6 +480,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4, help="processes simulating the ranks (default 4)")
     parser.add_argument("--steps", type=int, default=20, help="steady steps per size (default 20)")
     parser.add_argument("--predict", default="4096,16384", help="sizes the fitted model is asked about")
+    parser.add_argument("--per-host", type=int, default=8, help="ranks per simulated host (default 8)")
+    parser.add_argument("--relay-from-ranks", type=int, default=Settings().relay_from_ranks,
+                        help="relays in jobs of at least this many ranks, as the setting "
+                             f"(default {Settings().relay_from_ranks}; 0: never)")
+    parser.add_argument("--fanout", type=int, default=Settings().relay_fanout,
+                        help=f"hosts' relays under rank 0 and each relay (default {Settings().relay_fanout})")
     parser.add_argument("--store", action="store_true", help="also time the rendezvous store's joiners")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--plot", default="control_scale.png", metavar="PATH",
@@ -366,27 +493,33 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     print(f"rank 0 real, the other ranks simulated by {args.workers} processes; {os.cpu_count()} cores; "
-          f"{NAMES} names per step\n")
-    print("| ranks | connect (s) | first step (ms) | steady cycle (ms) | rank 0 CPU per step (ms) "
-          "| rank 0 peak RSS (MiB) |\n| ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"{NAMES} names per step; hosts of {args.per_host} ranks; relays from {args.relay_from_ranks} ranks, "
+          f"{args.fanout} under each\n")
+    print("| ranks | relays | connect (s) | first step (ms) | steady cycle (ms) | rank 0 CPU per step (ms) "
+          "| of it, the coordinator thread (ms) | rank 0 peak RSS (MiB) |\n"
+          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size in (int(n) for n in args.ranks.split(",")):
-        row = measure(size, args.workers, args.steps)
+        row = measure(size, args.workers, args.steps, args.per_host, args.relay_from_ranks, args.fanout)
         results.append(row)
-        print(f"| {size:,} | {row['connect_s']:.2f} | {row['first_step_ms']:.1f} | {row['cycle_ms']:.2f} "
-              f"| {row['rank0_cpu_ms_per_step']:.2f} | {row['rank0_peak_rss_mib']:.0f} |", flush=True)
+        print(f"| {size:,} | {'yes' if row['relays'] else 'no'} | {row['connect_s']:.2f} | {row['first_step_ms']:.1f} "
+              f"| {row['cycle_ms']:.2f} | {row['rank0_cpu_ms_per_step']:.2f} | {row['coordinator_cpu_ms_per_step']:.2f} "
+              f"| {row['rank0_peak_rss_mib']:.0f} |", flush=True)
     ranks = [row["ranks"] for row in results]
     fits = {}
-    if len(ranks) >= 2:
+    alike = [row for row in results if row["relays"] == results[-1]["relays"]]  # a line fits one way of running
+    if len(alike) >= 2:
+        ranks = [row["ranks"] for row in alike]
         predict = [int(n) for n in args.predict.split(",") if n]
         print("\n| fitted t(N) = a + b N | a (ms) | b (µs per rank) | largest error | "
               + " | ".join(f"N = {n:,}" for n in predict) + " |\n| --- | ---: | ---: | ---: |"
               + " ---: |" * len(predict))
         for label, field in (("steady cycle", "cycle_ms"), ("rank 0 CPU per step", "rank0_cpu_ms_per_step")):
-            a, b, error = linear_fit(ranks, [row[field] for row in results])
+            a, b, error = linear_fit(ranks, [row[field] for row in alike])
             fits[field] = {"a_ms": a, "b_ms_per_rank": b, "largest_relative_error": error,
                            "predicted_ms": {str(n): a + b * n for n in predict}}
             print(f"| {label} | {a:.2f} | {b * 1e3:.1f} | {error:.0%} | "
                   + " | ".join(f"{a + b * n:.0f} ms" for n in predict) + " |")
+    ranks = [row["ranks"] for row in results]
     plot = plots.control_scale_plot(args.plot, ranks, {
         "first step (161 names, in full)": [row["first_step_ms"] for row in results],
         "steady cycle (161 names as bits)": [row["cycle_ms"] for row in results],
@@ -409,7 +542,8 @@ def main() -> None:
     for row in results:  # one line per size, for other tools to read
         print(f"control_scale: ranks={row['ranks']} connect_s={row['connect_s']:.3f} "
               f"first_step_s={row['first_step_ms'] / 1e3:.4f} steady_cpu_ms={row['rank0_cpu_ms_per_step']:.3f} "
-              f"steady_latency_ms={row['cycle_ms']:.3f}")
+              f"steady_latency_ms={row['cycle_ms']:.3f} coordinator_cpu_ms={row['coordinator_cpu_ms_per_step']:.3f} "
+              f"relays={'yes' if row['relays'] else 'no'}")
 
 
 if __name__ == "__main__":

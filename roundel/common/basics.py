@@ -180,7 +180,8 @@ def init(comm=None, process_sets=None) -> None:
             except ValueError as exc:  # as Horovod: the job runs on without a timeline
                 log.error("roundel: %s; the job goes on without a timeline", exc)
         try:
-            engine = Engine(ident.rank, ident.size, settings, secret, client, prefix, advertise, table, timeline)
+            engine = Engine(ident.rank, ident.size, settings, secret, client, prefix, advertise, table, timeline,
+                            placement=(ident.local_rank, ident.cross_rank, ident.hostname))
         except BaseException:
             timeline.stop()
             factory.close(backend)

@@ -62,6 +62,8 @@ class Settings:
     disable_group_fusion: bool = False
     straggler_report: str = "auto"
     metrics_port: str = ""
+    relay_from_ranks: int = 64
+    relay_fanout: int = 16
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -410,6 +412,16 @@ SPECS = (
          "1: a grouped call's tensors are fused only with each other",
          _flag("--disable-group-fusion", off=("--no-disable-group-fusion",), group="params",
                help="fuse a grouped call's tensors only with each other")),
+    Spec("relay_from_ranks", "RELAY_FROM_RANKS", _int(0, "64 (0: every rank talks to rank 0 itself)"),
+         "in jobs of at least this many ranks, each host's first rank relays the control messages of its "
+         "host's other ranks to rank 0, merging their cache bits; 0: never (roundel only)",
+         _flag("--relay-from-ranks", type=int, group="params",
+               help="relay control messages through one rank per host in jobs of at least this many ranks "
+                    "(default 64; 0: never)")),
+    Spec("relay_fanout", "RELAY_FANOUT", _int(1, "16"),
+         "with relays, at most this many hosts' relays report to rank 0, and to each relay (roundel only)",
+         _flag("--relay-fanout", type=int, group="params",
+               help="hosts' relays under rank 0 and under each relay (default 16)")),
     Spec(None, "MPI_THREADS_DISABLE", _bool,
          "accepted and handed to the workers; no effect in roundel (it drives no MPI threads)",
          _flag("--mpi-threads-disable", off=("--no-mpi-threads-disable",), config="library_options.mpi_threads_disable",

@@ -37,7 +37,8 @@ _STR, _BYTES = b"s", b"b"
 _TUPLE, _LIST, _DICT = b"t", b"l", b"m"
 _RECORD_TAGS = {Request: b"R", Entry: b"E", Batch: b"B", CachedBatch: b"C", TunedParams: b"P",
                 messages.Submit: b"S", messages.Waits: b"W", messages.Heartbeat: b"H", messages.Bye: b"Y",
-                messages.Dispatch: b"D", messages.Tune: b"U", messages.Abort: b"A"}
+                messages.Dispatch: b"D", messages.Tune: b"U", messages.Abort: b"A", messages.Merged: b"G",
+                messages.Relayed: b"L", messages.Joined: b"J", messages.Lost: b"X", messages.Deliver: b"V"}
 _ENUM_TAGS = {OpKind: b"o", ReduceOp: b"r"}
 
 # sequence fields whose items must be of these record types (beyond what the annotations say)

@@ -5,7 +5,9 @@ in the data-only codec (:mod:`roundel.common.control.codec`), which rebuilds
 only these records and checks every field's type on the way in.
 
 A rank sends ``Submit``, ``Waits``, ``Heartbeat`` and ``Bye``; the coordinator
-sends ``Dispatch``, ``Tune``, ``Abort`` and ``Heartbeat``.
+sends ``Dispatch``, ``Tune``, ``Abort`` and ``Heartbeat``. Between a relay and
+the rank above it (:mod:`roundel.common.engine.relay`) travel also ``Merged``,
+``Relayed``, ``Joined`` and ``Lost`` upward, and ``Deliver`` downward.
 """
 
 from __future__ import annotations
@@ -68,3 +70,39 @@ class Abort(NamedTuple):
     """The job's communication is broken; ``message`` says why."""
 
     message: str
+
+
+class Merged(NamedTuple):
+    """Steady submissions of ranks below a relay, at cache ``version``: ``groups`` of (ranks, mask of cache
+    bits each sent, how long each rank's mask was held on the way as float32 seconds in bytes)."""
+
+    version: int
+    groups: list
+
+
+class Relayed(NamedTuple):
+    """A message ``rank`` (below the relay that sends this) sent, as that rank encoded it."""
+
+    rank: int
+    payload: bytes
+
+
+class Joined(NamedTuple):
+    """``rank``, of host ``host``, joined below the relay that sends this."""
+
+    rank: int
+    host: str
+
+
+class Lost(NamedTuple):
+    """``rank``, below the relay that sends this, is gone without a goodbye; ``reason`` says how."""
+
+    rank: int
+    reason: str
+
+
+class Deliver(NamedTuple):
+    """To a relay: hand ``payload`` (an encoded message) to each of ``ranks``, itself or ranks below it."""
+
+    ranks: tuple
+    payload: bytes

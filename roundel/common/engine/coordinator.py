@@ -7,10 +7,16 @@ dispatches the agreed batches (rank 0's to its own executor through the
 engine), and watches the job: heartbeats both ways, ranks that go silent
 (lost), deadlocks between ranks, stalls, and the goodbyes at shutdown. The
 messages are the records of :mod:`roundel.common.control.messages`.
+
+With relays (:mod:`roundel.common.engine.relay`) most ranks reach the
+coordinator through a relay: their messages arrive wrapped (``Relayed``, or
+their steady submissions ``Merged``), and what goes to them is addressed
+(``Deliver``) to the child they are reached through (``_route``).
 """
 
 from __future__ import annotations
 
+import array
 import logging
 import queue
 import selectors
@@ -19,8 +25,9 @@ import threading
 import time
 
 from roundel.common.control import channel as control_channel, codec as control_codec
-from roundel.common.control.messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
-from roundel.common.engine import autotune, deadlock, small_allreduce
+from roundel.common.control.messages import (Abort, Bye, Dispatch, Heartbeat, Joined, Lost, Merged, Relayed, Submit,
+                                              Tune, Waits)
+from roundel.common.engine import autotune, deadlock, relay, small_allreduce
 from roundel.common.engine.liveness import BYE_GRACE_S, HEARTBEAT_S, TICK_S, describe_silence
 from roundel.common.engine.metrics import METRICS, MetricsServer
 from roundel.common.engine.negotiation import Negotiator
@@ -62,6 +69,7 @@ class Coordinator:
         self._autotuner = autotune.Autotuner(settings, engine.job_backend.tunable_hierarchy,
                                              lambda: engine.bucketed) if settings.autotune else None
         self._peers: dict[int, control_channel.Connection] = {}
+        self._route: dict[int, int] = {}  # a rank reached through a relay -> the peer it is reached through
         self._readers: dict[int, control_channel.FrameReader] = {}
         self._outbox: dict[int, list] = {}
         self._resends: dict[int, list] = {}
@@ -165,7 +173,7 @@ class Coordinator:
         while not self._accepted.empty():
             sock = self._accepted.get()
             rank = sock.rank
-            if rank in self._peers or not 0 < rank < self._engine.size:
+            if rank in self._peers or rank in self._route or not 0 < rank < self._engine.size:
                 log.warning("roundel coordinator refused a second connection claiming rank %d", rank)
                 sock.close()
                 continue
@@ -224,31 +232,97 @@ class Coordinator:
             return
         now = time.monotonic()
         self._heard[rank] = now
-        negotiator = self._negotiator
         for message in self._readers[rank].feed(data):
-            kind = type(message)
-            if kind is Heartbeat:
-                self._hosts[rank] = message.host
-            elif kind is Waits:
-                self._rank_waits[rank] = (message.sequence, message.waits)
-            elif kind is Submit:
-                self._stragglers.arrived(rank, now)
-                version = message.version
-                if self._engine.timeline.active:
-                    self._timeline_cached_arrivals(rank, message.bits, version)
-                stale = [(version, bit) for bit in negotiator.submit_bits(rank, message.bits, version, now,
-                                                                          message.bit_data)]
-                full_data = message.full_data if len(message.full_data) == len(message.full) else ()
-                for index, request in enumerate(message.full):
-                    if self._engine.timeline.active:
-                        self._engine.timeline.rank_ready(request.name, request.kind.label, rank)
-                    negotiator.submit(rank, request, now, data=full_data[index] if full_data else None)
-                if stale:
-                    self._resends.setdefault(rank, []).extend(stale)
-            elif kind is Bye:
-                self._drop_peer(rank, f"rank {rank} has shut down: it finished, called hvd.shutdown(), "
-                                      "or failed and exited (its own output says which)")
+            if rank not in self._peers:
                 return
+            kind = type(message)
+            if kind is Merged:
+                self._merged(rank, message, now)
+            elif kind is Relayed:
+                self._relayed(rank, message, now)
+            elif kind is Joined:
+                self._joined(rank, message.rank, message.host)
+            elif kind is Lost:
+                if self._route.get(message.rank) == rank:
+                    self._lose_peer(message.rank, message.reason)
+            else:
+                self._handle(rank, message, now)
+
+    def _handle(self, rank: int, message, now: float) -> None:
+        """A message of ``rank``'s, straight from it or through a relay."""
+        kind = type(message)
+        negotiator = self._negotiator
+        if kind is Heartbeat:
+            self._hosts[rank] = message.host
+        elif kind is Waits:
+            self._rank_waits[rank] = (message.sequence, message.waits)
+        elif kind is Submit:
+            self._stragglers.arrived(rank, now)
+            version = message.version
+            if self._engine.timeline.active:
+                self._timeline_cached_arrivals(rank, message.bits, version)
+            stale = [(version, bit) for bit in negotiator.submit_bits(rank, message.bits, version, now,
+                                                                      message.bit_data)]
+            full_data = message.full_data if len(message.full_data) == len(message.full) else ()
+            for index, request in enumerate(message.full):
+                if self._engine.timeline.active:
+                    self._engine.timeline.rank_ready(request.name, request.kind.label, rank)
+                negotiator.submit(rank, request, now, data=full_data[index] if full_data else None)
+            if stale:
+                self._resends.setdefault(rank, []).extend(stale)
+        elif kind is Bye:
+            self._drop_peer(rank, f"rank {rank} has shut down: it finished, called hvd.shutdown(), "
+                                  "or failed and exited (its own output says which)")
+
+    def _merged(self, child: int, message: Merged, now: float) -> None:
+        """Steady submissions of ranks below the relay ``child``, grouped by mask."""
+        version, route, negotiator = message.version, self._route, self._negotiator
+        timeline = self._engine.timeline.active
+        for ranks, bits, held in message.groups:
+            if not all(route.get(rank, rank) == child for rank in ranks):  # the relay's own rank is a peer
+                log.warning("roundel coordinator ignored submissions relayed by rank %d for ranks it does not "
+                            "relay: %s", child, [rank for rank in ranks if route.get(rank, rank) != child])
+                continue
+            waited = array.array("f")
+            waited.frombytes(held)
+            for rank, seconds in zip(ranks, waited):
+                self._stragglers.arrived(rank, now - seconds)
+            if timeline:
+                for rank in ranks:
+                    self._timeline_cached_arrivals(rank, bits, version)
+            stale = negotiator.submit_bits_of(ranks, bits, version, now)
+            for rank in ranks if stale else ():
+                self._resends.setdefault(rank, []).extend((version, bit) for bit in stale)
+
+    def _relayed(self, child: int, message: Relayed, now: float) -> None:
+        """A message of a rank below the relay ``child``, as that rank sent it."""
+        if self._route.get(message.rank) != child:
+            return
+        try:
+            inner = control_codec.decode(message.payload)
+        except control_codec.DecodeError as exc:
+            log.error("roundel coordinator: rank %d relayed a message of rank %d that does not decode (%s)",
+                      child, message.rank, exc)
+            return
+        if type(inner) in (Heartbeat, Waits, Submit, Bye):
+            self._handle(message.rank, inner, now)
+
+    def _joined(self, child: int, rank: int, host: str) -> None:
+        """``rank`` joined below the relay ``child`` (again, once its host is known)."""
+        if not 0 < rank < self._engine.size or rank in self._peers or self._route.get(rank, child) != child:
+            log.warning("roundel coordinator refused rank %d relayed by rank %d: it is already connected", rank,
+                        child)
+            return
+        if host:
+            self._hosts[rank] = host
+        if rank in self._route:
+            return
+        self._route[rank] = child
+        self._ever_connected.add(rank)
+        if len(self._ever_connected) == self._engine.size - 1:
+            self.all_connected.set()
+        if self._abort_sent:
+            self._send_peer(rank, Abort(str(self._engine.broken)))
 
     def _timeline_cached_arrivals(self, rank: int, bits: int, version: int) -> None:
         for bit in range(bits.bit_length()):
@@ -258,15 +332,21 @@ class Coordinator:
                 self._engine.timeline.rank_ready(request.name, request.kind.label, rank)
 
     def _drop_peer(self, rank: int, reason: str) -> None:
+        """``rank`` is gone (its connection or its relay says so), and so is every rank reached through it."""
         sock = self._peers.pop(rank, None)
-        if sock is None:
+        if sock is not None:
+            self._engine.selector.unregister(sock)
+            sock.close()
+            self._readers.pop(rank, None)
+            self._heard.pop(rank, None)
+        elif self._route.pop(rank, None) is None:
             return
-        self._engine.selector.unregister(sock)
-        sock.close()
-        self._readers.pop(rank, None)
-        self._heard.pop(rank, None)
         self._rank_waits.pop(rank, None)
         self._negotiator.rank_left(rank, reason)
+        for below in [r for r, via in self._route.items() if via == rank]:
+            del self._route[below]
+            self._rank_waits.pop(below, None)
+            self._negotiator.rank_left(below, f"rank {below} lost its relay: {reason}")
 
     def _tick(self, now: float) -> None:
         """Heartbeat every peer, declare silent ones lost, and look for a deadlock."""
@@ -307,7 +387,7 @@ class Coordinator:
         states = dict(self._rank_waits)
         states[0] = own
         negotiator = self._negotiator
-        live = [r for r in negotiator.live_ranks() if r == 0 or r in self._peers]
+        live = [r for r in negotiator.live_ranks() if r == 0 or r in self._peers or r in self._route]
         stuck = deadlock.deadlocked_ranks({r: w for r, (_, w) in states.items()}, live,
                                           negotiator.missing_ranks)
         if not stuck:
@@ -321,7 +401,7 @@ class Coordinator:
             return
         # only ranks heard from since (alive, still blocked alike) count: a stopped rank's last report is
         # stale (e.g. sent before the request it names); the heartbeat timeout deals with that rank
-        if any(r != 0 and self._heard.get(r, 0.0) <= self._deadlock_seen[0] for r in stuck):
+        if any(r != 0 and self._heard.get(self._route.get(r, r), 0.0) <= self._deadlock_seen[0] for r in stuck):
             return
         self._deadlock_seen = None
         message = ("roundel detected a deadlock: these ranks are blocked on collectives that can never "
@@ -377,12 +457,13 @@ class Coordinator:
             for member in members:
                 if member == 0:
                     mine.append(batch)
-                elif member in self._peers:
+                elif member in self._peers or member in self._route:
                     self._outbox.setdefault(member, []).append(sent)
         evicted = [bit for bit, _ in negotiator.take_evictions()]
         version = negotiator.cache.version
-        targets = set(self._outbox) | set(self._resends) | (set(self._peers) if evicted else set())
-        encoded: dict[tuple, list] = {}  # peers getting the same batches share one encoding
+        targets = set(self._outbox) | set(self._resends) | (set(self._peers) | set(self._route) if evicted else set())
+        encoded: dict[tuple, list] = {}  # ranks getting the same batches share one encoding
+        by_peer: dict[tuple, tuple] = {}  # (peer, id of the payloads) -> (payloads, ranks reached through it)
         for rank in targets:
             outbox, resends = self._outbox.get(rank, []), self._resends.get(rank, [])
             same = (tuple(map(id, outbox)), bool(resends))
@@ -392,8 +473,11 @@ class Coordinator:
                             for message in _dispatches(version, outbox, evicted, resends)]
                 if not resends:
                     encoded[same] = payloads
+            peer = self._route.get(rank, rank)
+            by_peer.setdefault((peer, id(payloads)), (payloads, []))[1].append(rank)
+        for (peer, _), (payloads, ranks) in by_peer.items():
             for payload in payloads:
-                self._send_peer_encoded(rank, payload)
+                self._send_peer_encoded(peer, relay.addressed(peer, ranks, payload))
         self._outbox.clear()
         self._resends.clear()
         if mine:  # after the peers' messages are out: rank 0's executor waits for them in the collective anyway
@@ -409,11 +493,18 @@ class Coordinator:
         if params.cache_enabled != self._engine.tuned.cache_enabled:
             self._negotiator.set_cache_capacity(self._engine.settings.cache_capacity if params.cache_enabled else 0)
         self._engine.retune(params)
-        for rank in list(self._peers):
-            self._send_peer(rank, Tune(params))
+        self._broadcast(control_codec.encode(Tune(params)))
 
     def _send_peer(self, rank: int, message) -> None:
-        self._send_peer_encoded(rank, control_codec.encode(message))
+        """Send ``message`` to ``rank``, straight or through its relay."""
+        peer = self._route.get(rank, rank)
+        self._send_peer_encoded(peer, relay.addressed(peer, [rank], control_codec.encode(message)))
+
+    def _broadcast(self, payload: bytes) -> None:
+        """Send an encoded message to every other rank: one message to each peer."""
+        below = relay.fan_out(self._route, self._route)
+        for peer in list(self._peers):
+            self._send_peer_encoded(peer, relay.addressed(peer, [peer] + below.get(peer, []), payload))
 
     def _send_peer_encoded(self, rank: int, payload: bytes) -> None:
         connection = self._peers.get(rank)
@@ -433,9 +524,7 @@ class Coordinator:
         if self._abort_sent:
             return
         self._abort_sent = True
-        payload = control_codec.encode(Abort(str(self._engine.broken)))
-        for rank in list(self._peers):
-            self._send_peer_encoded(rank, payload)
+        self._broadcast(control_codec.encode(Abort(str(self._engine.broken))))
 
     def _count_negotiated(self, batches: list, now: float) -> None:
         for _, batch in batches:

@@ -48,7 +48,7 @@ import threading
 import time
 
 from roundel.common.control import channel as control_channel
-from roundel.common.engine import autotune, small_allreduce
+from roundel.common.engine import autotune, relay, small_allreduce
 from roundel.common.engine.coordinator import Coordinator
 from roundel.common.engine.executor import Executor, Work
 from roundel.common.engine.handles import Handle
@@ -81,7 +81,8 @@ class Engine:
 
     def __init__(self, rank: int, size: int, settings: Settings, secret: bytes,
                  rendezvous, key_prefix: str, advertise_host: str, process_sets: dict,
-                 timeline: Timeline | None = None):
+                 timeline: Timeline | None = None, placement: tuple | None = None):
+        """``placement``: this rank's (local rank, cross rank, host), for relays (None: no relays)."""
         self.rank = rank
         self.size = size
         self.settings = settings
@@ -105,21 +106,32 @@ class Engine:
         self.executor = Executor(process_sets, self._transport_failed, self._executor_idle, self.timeline)
         self.rendezvous = rendezvous
         self._key_prefix = key_prefix
-        self.host = os.environ.get("ROUNDEL_HOSTNAME") or socket.gethostname()
+        self.host = (placement[2] if placement else "") or os.environ.get("ROUNDEL_HOSTNAME") or socket.gethostname()
         self._waits = WaitTracker()
 
         key = key_prefix + "coordinator"
         self._coordinator: Coordinator | None = None
         self._link: RankLink | None = None
+        relayed = placement is not None and 0 < settings.relay_from_ranks <= size
         if rank == 0:
             self._coordinator = Coordinator(self, size, settings, secret, advertise_host)
             if self._coordinator.local_name is not None:  # before the address: ranks that read it find this
                 rendezvous.set(key + "/local", json.dumps(
                     {"host": self.host, "name": self._coordinator.local_name}).encode())
+            if relayed and placement[0] == 0:  # the other ranks of this host connect here
+                rendezvous.set(relay.host_key(key_prefix, self.host), relay.address_record(
+                    0, f"{advertise_host}:{self._coordinator.port}", self.host, self._coordinator.local_name))
             rendezvous.set(key, f"{advertise_host}:{self._coordinator.port}".encode())
             target = self._coordinator.run
+        elif relayed:
+            local_rank, cross_rank, _ = placement
+            keys = (relay.host_key(key_prefix, self.host), relay.leader_key(key_prefix, cross_rank)) \
+                if local_rank == 0 else ()
+            self._link = RankLink(self, secret, key_prefix, relay.parent_key(
+                key_prefix, self.host, local_rank, cross_rank, settings.relay_fanout), keys, advertise_host)
+            target = self._link.run
         else:
-            self._link = RankLink(self, secret, key)
+            self._link = RankLink(self, secret, key_prefix, None)
             target = self._link.run
         self._thread = threading.Thread(target=target, name="roundel-engine", daemon=True)
         self._thread.start()

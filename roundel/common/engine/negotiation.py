@@ -191,6 +191,26 @@ class Negotiator:
             self._unsettled = True
         return list(_bits_of(stale))
 
+    def submit_bits_of(self, ranks: tuple, bits: int, sender_version: int, now: float) -> list[int]:
+        """:meth:`submit_bits` for each of ``ranks`` (none of them rank 0), which all sent the same mask and no
+        data (a relay's merged submissions); returns the bits found stale, which each must resend.
+
+        In the steady state this merges the mask into each rank's outstanding mask and nothing more.
+        """
+        if self._joined or self._left or bits & (self._loose | self.cache.changed_since(sender_version)):
+            stale = 0
+            for rank in ranks:
+                for bit in self.submit_bits(rank, bits, sender_version, now):
+                    stale |= 1 << bit
+            return list(_bits_of(stale))
+        self._now = now
+        outstanding = self._outstanding
+        for rank in ranks:
+            outstanding[rank] = outstanding.get(rank, 0) | bits
+        self._seen |= bits
+        self._unsettled = True
+        return []
+
     def rank_left(self, rank: int, reason: str) -> None:
         """``rank`` has shut down or died: fail every name that now cannot complete."""
         self._loosen(self._seen)

@@ -7,6 +7,11 @@ back to the engine core's executor, and keeps the liveness duties of a rank:
 heartbeats, reports of what this rank waits for (for deadlock detection), and
 the check that rank 0 is alive. It reaches the core only through its public
 methods (see :class:`roundel.common.engine.core.Engine`).
+
+When relays are on (:mod:`roundel.common.engine.relay`) the rank above is
+this host's relay, or for a host's first rank another host's relay or rank 0;
+on a host's first rank the link also runs that host's relay, in the same
+thread.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import selectors
 import time
 
 from roundel.common.control import channel as control_channel
-from roundel.common.control.messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
-from roundel.common.engine import small_allreduce
+from roundel.common.control import codec as control_codec
+from roundel.common.control.messages import Abort, Bye, Deliver, Dispatch, Heartbeat, Submit, Tune, Waits
+from roundel.common.engine import relay as relays, small_allreduce
 from roundel.common.engine.liveness import BYE_GRACE_S, HEARTBEAT_S, TICK_S, describe_silence
 from roundel.common.engine.requests import CachedBatch, ProcessSetChange
 from roundel.common.engine.response_cache import RankCache
@@ -30,38 +36,70 @@ log = logging.getLogger("roundel")
 class RankLink:
     """A rank's connection to the coordinator, and the loop of its engine thread.
 
-    Connects at construction; raises RoundelInternalError when rank 0's
-    coordinator cannot be reached or refuses this rank.
+    Connects at construction (with ``relay_key``, also starts this host's
+    relay and publishes its address there first); raises
+    RoundelInternalError when the rank above cannot be reached or refuses
+    this rank.
     """
 
-    def __init__(self, engine, secret: bytes, coordinator_key: str):
+    def __init__(self, engine, secret: bytes, key_prefix: str, parent_key: str | None,
+                 relay_keys: tuple = (), advertise_host: str = ""):
         self._engine = engine
         settings = engine.settings
         self._cache = RankCache()
         self._sent_bits: dict[tuple, tuple] = {}  # (cache version, bit) -> key, for requests sent as bits
-        address = engine.rendezvous.get(coordinator_key, timeout=settings.start_timeout_s).decode()
-        host, port = address.rsplit(":", 1)
+        self._relay: relays.Relay | None = None
+        if relay_keys:
+            self._relay = relays.Relay(engine.rank, engine.size, secret, advertise_host, engine.selector,
+                                       self._send_up, engine.wake, engine.tuned.cycle_time_ms / 1000,
+                                       settings.heartbeat_timeout_s, engine.host)
+            record = relays.address_record(engine.rank, f"{advertise_host}:{self._relay.listener.port}",
+                                           engine.host, self._relay.listener.local_name)
+            for key in relay_keys:
+                engine.rendezvous.set(key, record)
         try:
-            self._connection = control_channel.connect(
-                host, int(port), secret, engine.rank, settings.start_timeout_s,
-                send_timeout_s=settings.heartbeat_timeout_s,
-                local_name=self._local_coordinator(coordinator_key + "/local"))
-        except OSError as exc:  # ChannelError and AuthenticationError are OSErrors too
-            raise RoundelInternalError(
-                f"rank {engine.rank} could not join rank 0's coordinator at {host}:{port}: {exc}; rank 0 may "
-                "have failed or exited (see its output)") from exc
+            self._connect_up(secret, key_prefix, parent_key)
+        except BaseException:
+            if self._relay is not None:
+                self._relay.close(time.monotonic())
+            raise
         self._reader = control_channel.FrameReader(self._connection)
         self._heard = time.monotonic()
-        self._coordinator_host = host
         self._lost = False
         self._sent_waits_seq = 0
         self._next_tick = 0.0
         self._last_heartbeat = 0.0
         engine.selector.register(self._connection, selectors.EVENT_READ, "coordinator")
 
+    def _connect_up(self, secret: bytes, key_prefix: str, parent_key: str | None) -> None:
+        """Connect to rank 0's coordinator (``parent_key`` None) or to the relay whose address is there."""
+        engine = self._engine
+        timeout = engine.settings.start_timeout_s
+        if parent_key is None:
+            self._above_rank, what = 0, "rank 0's coordinator"
+            address = engine.rendezvous.get(key_prefix + "coordinator", timeout=timeout).decode()
+            local = self._local_coordinator(key_prefix + "coordinator/local")
+        else:
+            found = json.loads(engine.rendezvous.get(parent_key, timeout=timeout))
+            self._above_rank, address = found["rank"], found["address"]
+            local = found["local"] if found["host"] == engine.host else None
+            what = "rank 0's coordinator" if self._above_rank == 0 else f"the relay on rank {self._above_rank}"
+        host, port = address.rsplit(":", 1)
+        self._above_host = host
+        self._above = ("rank 0, the coordinator" if self._above_rank == 0 else
+                       f"rank {self._above_rank}, which relays this rank's control messages to rank 0")
+        try:
+            self._connection = control_channel.connect(
+                host, int(port), secret, engine.rank, timeout,
+                send_timeout_s=engine.settings.heartbeat_timeout_s, local_name=local)
+        except OSError as exc:  # ChannelError and AuthenticationError are OSErrors too
+            raise RoundelInternalError(
+                f"rank {engine.rank} could not join {what} at {host}:{port}: {exc}; rank {self._above_rank} "
+                "may have failed or exited (see its output)") from exc
+
     @property
     def peer(self) -> str:
-        """How this rank reaches the coordinator: its local socket's name, or ``host:port`` over TCP."""
+        """How this rank reaches the rank above: its local socket's name, or ``host:port`` over TCP."""
         return self._connection.peer
 
     def _local_coordinator(self, key: str) -> str | None:
@@ -79,26 +117,58 @@ class RankLink:
 
     def run(self) -> None:
         """The engine thread's loop; returns once the engine shuts down."""
-        engine = self._engine
         try:
-            while True:
-                for key, events in engine.selector.select(max(0.0, self._next_tick - time.monotonic())):
-                    if key.data == "wake":
-                        if self._forward():
-                            return
-                        continue
-                    if events & selectors.EVENT_WRITE:
-                        self._flush()
-                    if events & selectors.EVENT_READ and not self._lost:
-                        self._receive()
-                if time.monotonic() >= self._next_tick and self._tick():
-                    return
+            while not self._step(forwarding=True):
+                pass
+            self._leave()
         except Exception as exc:  # keep the user's threads from hanging on a dead engine
             log.exception("roundel engine thread failed")
             self._break(f"roundel's engine thread failed: {exc!r}")
-        finally:  # what is still queued (a goodbye) goes out first, unless rank 0 stops reading
-            self._connection.drain(time.monotonic() + BYE_GRACE_S)
+        finally:  # what is still queued (a goodbye) goes out first, unless the rank above stops reading
+            deadline = time.monotonic() + BYE_GRACE_S
+            self._connection.drain(deadline)
             self._connection.close()
+            if self._relay is not None:
+                self._relay.close(deadline)
+
+    def _step(self, forwarding: bool) -> bool:
+        """One round of select (``forwarding``: what the rank queues goes up); True once the engine stops."""
+        engine, relay = self._engine, self._relay
+        timeout = self._next_tick - time.monotonic()
+        held = relay.deadline() if relay is not None else None
+        if held is not None:
+            timeout = min(timeout, held - time.monotonic())
+        for key, events in engine.selector.select(max(0.0, timeout)):
+            data = key.data
+            if data == "wake":
+                if not forwarding:
+                    engine.drain()
+                elif self._forward():
+                    return True
+            elif data == "coordinator":
+                if events & selectors.EVENT_WRITE:
+                    self._flush()
+                if events & selectors.EVENT_READ and not self._lost:
+                    self._receive()
+            else:
+                relay.serve(data[1], events)
+        now = time.monotonic()
+        if relay is not None:
+            relay.poll(now)
+        return forwarding and now >= self._next_tick and self._tick()
+
+    def _leave(self) -> None:
+        """The engine stops: a relay first passes on its children's goodbyes (for a while), then this rank
+        says its own, unless the job is broken."""
+        relay = self._relay
+        if relay is not None:
+            deadline = time.monotonic() + BYE_GRACE_S
+            while relay.children and not self._lost and time.monotonic() < deadline:
+                self._next_tick = min(self._next_tick, time.monotonic() + 0.05)
+                self._step(forwarding=False)
+                relay.flush()
+        if self._engine.broken is None:
+            self._send(Bye())
 
     def _fail_inflight(self, error: Exception) -> None:
         self._engine.fail_inflight(error)
@@ -107,6 +177,8 @@ class RankLink:
     def _break(self, message: str) -> None:
         self._engine.break_job(message)
         self._sent_bits.clear()
+        if self._relay is not None:  # the ranks below cannot go on either
+            self._relay.abort_children(str(self._engine.broken))
 
     def _forward(self) -> bool:
         """Send what the rank queued to the coordinator; True once the engine is shutting down."""
@@ -141,8 +213,6 @@ class RankLink:
         if engine.broken is None and (bits or full):
             self._send(Submit(self._cache.version, bits, full, bit_data, full_data))
         if engine.stopping:
-            if engine.broken is None:
-                self._send(Bye())
             self._fail_inflight(RoundelInternalError("roundel was shut down on this rank"))
             return True
         return False
@@ -165,14 +235,20 @@ class RankLink:
             self._last_heartbeat = now
             self._send(Heartbeat(engine.host))
         self._flush()  # gives up on a coordinator that took nothing for the send timeout
+        if self._relay is not None:
+            self._relay.tick(now)
         silent = now - self._heard
         if silent > engine.settings.heartbeat_timeout_s:
             self._lost = True
             reason = f"stopped responding: {describe_silence(silent, engine.settings.heartbeat_timeout_s)}"
-            engine.record_lost(0, self._coordinator_host, reason)
-            self._break(f"rank 0 (host {self._coordinator_host}), the coordinator, {reason}; "
-                        "the job's communication is broken")
+            engine.record_lost(self._above_rank, self._above_host, reason)
+            self._break(f"{self._above_named()} {reason}; the job's communication is broken")
         return False
+
+    def _above_named(self) -> str:
+        """The rank above, with its host: 'rank 0 (host h), the coordinator,'."""
+        rank, what = self._above.split(", ", 1)
+        return f"{rank} (host {self._above_host}), {what},"
 
     def _coordinator_gone(self, what: str) -> None:
         """Break the job after the connection to rank 0 failed (``what``, the default explanation).
@@ -180,14 +256,25 @@ class RankLink:
         When another rank already found rank 0 stopped responding (the launcher then ends it, which
         closes this connection), that is the error here too.
         """
-        recorded = self._engine.recorded_loss(0)
+        recorded = self._engine.recorded_loss(self._above_rank)
         if recorded is None:
             self._break(what)
             return
-        self._break(f"rank 0 (host {recorded.get('host', self._coordinator_host)}), the coordinator, "
-                    f"{recorded['reason']} (found by another rank); the job's communication is broken")
+        self._above_host = recorded.get("host", self._above_host)
+        self._break(f"{self._above_named()} {recorded['reason']} (found by another rank); the job's "
+                    "communication is broken")
 
     def _send(self, message) -> None:
+        """Send one of this rank's messages up; on a relay, steady submissions join the ones held."""
+        relay = self._relay
+        if relay is not None:
+            if type(message) is Submit and not message.full and not message.bit_data:
+                relay.hold(message.version, self._engine.rank, message.bits, 0.0, time.monotonic())
+                return
+            relay.flush()
+        self._send_up(message)
+
+    def _send_up(self, message) -> None:
         try:
             control_channel.send(self._connection, message)
         except OSError as exc:
@@ -208,8 +295,8 @@ class RankLink:
         self._engine.watch_writes(self._connection, "coordinator")
 
     def _send_failed(self, exc: OSError) -> None:
-        self._coordinator_gone(f"lost the connection to the coordinator on rank 0 ({exc}); "
-                               "rank 0 has shut down or died")
+        self._coordinator_gone(f"lost the connection to {self._above} ({exc}); rank {self._above_rank} "
+                               "has shut down or died")
 
     def _receive(self) -> None:
         engine = self._engine
@@ -220,30 +307,41 @@ class RankLink:
         if not data:
             engine.selector.unregister(self._connection)
             self._lost = True
-            self._coordinator_gone("lost the connection to the coordinator on rank 0: rank 0 has shut down "
-                                   "or died (see its output)")
+            self._coordinator_gone(f"lost the connection to {self._above}: rank {self._above_rank} has shut "
+                                   "down or died (see its output)")
             return
         self._heard = time.monotonic()
         for message in self._reader.feed(data):
-            kind = type(message)
-            if kind is Heartbeat:
-                self._coordinator_host = message.host
-            elif kind is Dispatch:
-                self._cache.evict(message.evicted)
-                self._cache.version = message.version
-                if message.resend:
-                    self._resend(message.resend)
-                try:
-                    batches = [self._cache.expand(b) if isinstance(b, CachedBatch) else b for b in message.batches]
-                except KeyError as exc:
-                    self._break(f"the coordinator sent cache bit {exc} that this rank does not hold "
-                                "(are all ranks running the same roundel version?)")
-                    return
-                self._accept(batches)
-            elif kind is Tune:
-                engine.retune(message.params)
-            elif kind is Abort:
-                self._break(message.message)
+            if type(message) is Deliver:
+                relay = self._relay
+                if relay is not None and not relay.deliver(message.ranks, message.payload):
+                    continue
+                if relay is None and self._engine.rank not in message.ranks:
+                    continue
+                message = control_codec.decode(message.payload)
+            self._handle(message)
+
+    def _handle(self, message) -> None:
+        """One message from the rank above, for this rank."""
+        kind = type(message)
+        if kind is Heartbeat:
+            self._above_host = message.host
+        elif kind is Dispatch:
+            self._cache.evict(message.evicted)
+            self._cache.version = message.version
+            if message.resend:
+                self._resend(message.resend)
+            try:
+                batches = [self._cache.expand(b) if isinstance(b, CachedBatch) else b for b in message.batches]
+            except KeyError as exc:
+                self._break(f"the coordinator sent cache bit {exc} that this rank does not hold "
+                            "(are all ranks running the same roundel version?)")
+                return
+            self._accept(batches)
+        elif kind is Tune:
+            self._engine.retune(message.params)
+        elif kind is Abort:
+            self._break(message.message)
 
     def _accept(self, batches) -> None:
         """Hand agreed batches to the executor, remembering the cache bits they assign."""

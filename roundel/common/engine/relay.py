@@ -1,0 +1,334 @@
+"""Relays: one rank per host carries its host's control messages to rank 0, merging their cache bits.
+
+Without relays rank 0 reads, checks and answers one frame per rank per
+cycle, about 30 µs each in Python: 30 ms per cycle at 1,024 ranks. In a job
+of at least ``relay_from_ranks`` ranks, each host's first rank (local rank 0)
+is a relay instead: the other ranks of its host connect to it, and the
+hosts' relays form a tree under rank 0 with at most ``relay_fanout`` of them
+under rank 0 and under each relay (:func:`parent_key`). Rank 0 then hears
+one frame per child, not per rank.
+
+Upward, a relay holds the steady-state submissions of the ranks below it (a
+mask of cache bits and nothing else) and sends them on as one ``Merged``
+message, grouped by mask, as soon as every rank below it has something held
+or the oldest has waited the cycle time; each rank's time held travels with
+it, for rank 0's straggler record. Anything else a rank sends goes up as
+``Relayed`` after what was held, so each rank's messages keep their order.
+``Joined`` and ``Lost`` tell the ranks above of the ranks below.
+
+Downward, rank 0 sends each child a ``Deliver`` (ranks, encoded message);
+a relay hands its own rank's share to its link, sends the message as it is
+to each child it names, and a ``Deliver`` of their own to children that
+relay for ranks it names (:func:`fan_out`).
+
+A relay heartbeats its children and watches them as the coordinator watches
+its peers: a child that dies or goes silent is reported up as ``Lost``, which
+breaks the job. A relay that loses the rank above it tells its children why
+(``Abort``); when a relay dies, its children lose their connection and break.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import logging
+import queue
+import selectors
+import time
+from typing import Callable
+
+from roundel.common.control import channel as control_channel, codec as control_codec
+from roundel.common.control.messages import Abort, Bye, Deliver, Heartbeat, Joined, Lost, Merged, Relayed, Submit
+from roundel.common.engine.liveness import HEARTBEAT_S, describe_silence
+
+log = logging.getLogger("roundel")
+
+BYE = control_codec.encode(Bye())  # a goodbye, as every rank encodes it
+
+
+def host_key(prefix: str, host: str) -> str:
+    """Where the relay of ``host`` (or rank 0, on its own host) publishes its address."""
+    return f"{prefix}relay/host/{host}"
+
+
+def leader_key(prefix: str, cross_rank: int) -> str:
+    """Where the relay of the host with cross rank ``cross_rank`` publishes its address."""
+    return f"{prefix}relay/leader/{cross_rank}"
+
+
+def parent_key(prefix: str, host: str, local_rank: int, cross_rank: int, fanout: int) -> str | None:
+    """The key of the address a rank other than 0 connects to when relays are on; None: rank 0's own.
+
+    A rank that is not its host's first connects to its host's relay. A host's first rank connects to
+    rank 0 when its host is among the first ``fanout`` hosts after rank 0's, else to the relay of host
+    ``(cross_rank - 1) // fanout``: the relays form a tree of ``fanout`` under each.
+    """
+    if local_rank > 0:
+        return host_key(prefix, host)
+    above = (cross_rank - 1) // fanout
+    return None if cross_rank == 0 or above == 0 else leader_key(prefix, above)
+
+
+def address_record(rank: int, address: str, host: str, local_name: str | None) -> bytes:
+    """What a relay (or rank 0) publishes under its keys: its rank, ``host:port``, host, local socket."""
+    return json.dumps({"rank": rank, "address": address, "host": host, "local": local_name}).encode()
+
+
+def fan_out(ranks, route: dict) -> dict[int, list]:
+    """``ranks`` by the child they are reached through (``route``: rank -> child); unknown ranks are left out."""
+    by_child: dict[int, list] = {}
+    for rank in ranks:
+        child = route.get(rank)
+        if child is not None:
+            by_child.setdefault(child, []).append(rank)
+    return by_child
+
+
+def addressed(child: int, targets: list, payload: bytes) -> bytes:
+    """What goes to ``child`` so that ``payload`` reaches ``targets`` (the child alone: the payload itself)."""
+    if len(targets) == 1 and targets[0] == child:
+        return payload
+    return control_codec.encode(Deliver(tuple(targets), payload))
+
+
+class Relay:
+    """The relay on a host's first rank: its children's connections, merged upward and fanned out downward.
+
+    Runs on that rank's engine thread, in its ``selector`` (children are
+    registered with the data ``("child", rank)``: pass their events to
+    :meth:`serve`). ``up(message)`` sends a message to the rank above;
+    ``wake()`` interrupts the thread's select when a child connects.
+    """
+
+    def __init__(self, rank: int, size: int, secret: bytes, advertise_host: str, selector,
+                 up: Callable[[object], None], wake: Callable[[], None], hold_s: float,
+                 heartbeat_timeout_s: float, host: str):
+        self.rank = rank
+        self._size = size
+        self._selector = selector
+        self._up = up
+        self._host = host
+        self._hold_s = hold_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._children: dict[int, control_channel.Connection] = {}
+        self._readers: dict[int, control_channel.FrameReader] = {}
+        self._heard: dict[int, float] = {}
+        self._hosts: dict[int, str] = {}
+        self._route: dict[int, int] = {}  # rank below -> the child it is reached through (a child: itself)
+        self._held: dict[int, list] = {}  # rank -> [mask, when held here, seconds held below]
+        self._held_version = 0
+        self._held_since: float | None = None
+        self._accepted: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._last_heartbeat = 0.0
+        self._wake = wake
+        self.listener = control_channel.Listener(advertise_host, secret, self._connection_accepted,
+                                                 send_timeout_s=heartbeat_timeout_s)
+
+    @property
+    def children(self) -> int:
+        """How many ranks are connected to this relay."""
+        return len(self._children)
+
+    def _connection_accepted(self, connection: control_channel.Connection) -> None:
+        self._accepted.put(connection)
+        self._wake()
+
+    # ------------------------------------------------------------------ upward
+    def hold(self, version: int, rank: int, bits: int, waited: float, now: float) -> None:
+        """Hold ``rank``'s mask of cache ``bits`` (at cache ``version``, already held ``waited`` seconds)."""
+        if self._held and version != self._held_version:
+            self.flush(now)
+        self._held_version = version
+        entry = self._held.get(rank)
+        if entry is None:
+            self._held[rank] = [bits, now, waited]
+            if self._held_since is None:
+                self._held_since = now
+        else:
+            entry[0] |= bits
+
+    def flush(self, now: float | None = None) -> None:
+        """Send what is held up as one Merged message."""
+        if not self._held:
+            return
+        now = time.monotonic() if now is None else now
+        groups: dict[int, tuple] = {}
+        for rank, (bits, since, waited) in self._held.items():
+            group = groups.get(bits)
+            if group is None:
+                group = groups[bits] = ([], array.array("f"))
+            group[0].append(rank)
+            group[1].append(waited + now - since)
+        self._held.clear()
+        self._held_since = None
+        self._up(Merged(self._held_version, [(tuple(ranks), bits, held.tobytes())
+                                             for bits, (ranks, held) in groups.items()]))
+
+    def send_up(self, message) -> None:
+        """Send ``message`` up after what is held (each rank's messages keep their order)."""
+        self.flush()
+        self._up(message)
+
+    def deadline(self) -> float | None:
+        """When what is held must go up at the latest (None: nothing held)."""
+        return None if self._held_since is None else self._held_since + self._hold_s
+
+    def poll(self, now: float) -> None:
+        """After a round of select: take new children; send what is held once every rank below has
+        something held, or the oldest has waited the hold time."""
+        while not self._accepted.empty():
+            self._adopt(self._accepted.get())
+        if self._held and (len(self._held) > len(self._route) or now >= self._held_since + self._hold_s):
+            self.flush(now)
+
+    def _adopt(self, connection: control_channel.Connection) -> None:
+        rank = connection.rank
+        if rank in self._children or rank in self._route or not 0 < rank < self._size or rank == self.rank:
+            log.warning("roundel relay on rank %d refused a connection claiming rank %d", self.rank, rank)
+            connection.close()
+            return
+        self._children[rank] = connection
+        self._readers[rank] = control_channel.FrameReader(connection)
+        self._route[rank] = rank
+        self._heard[rank] = time.monotonic()
+        self._selector.register(connection, selectors.EVENT_READ, ("child", rank))
+        self._send_child(rank, Heartbeat(self._host))
+        self._up(Joined(rank, ""))  # before anything it sends
+
+    def serve(self, child: int, events: int) -> None:
+        """A child's connection is writable and/or readable."""
+        connection = self._children.get(child)
+        if connection is None:
+            return
+        if events & selectors.EVENT_WRITE:
+            try:
+                connection.flush()
+            except OSError:
+                pass  # shut down: the read below sees it closed
+            else:
+                self._watch(child)
+        if not events & selectors.EVENT_READ:
+            return
+        try:
+            data = connection.recv(control_channel.RECV_BYTES)
+        except OSError:
+            data = b""
+        if not data:
+            self._lose(child, f"died (crashed or was killed) or lost its connection to its relay, rank {self.rank}")
+            return
+        now = time.monotonic()
+        self._heard[child] = now
+        for message in self._readers[child].feed(data):
+            if child not in self._children:
+                return
+            self._from_child(child, message, now)
+
+    def _from_child(self, child: int, message, now: float) -> None:
+        kind = type(message)
+        if kind is Submit and not message.full and not message.bit_data:
+            self.hold(message.version, child, message.bits, 0.0, now)
+        elif kind is Heartbeat:
+            if self._hosts.get(child) != message.host:  # its host, for rank 0's messages (no order to keep)
+                self._hosts[child] = message.host
+                self._up(Joined(child, message.host))
+        elif kind is Merged:
+            for ranks, bits, held in message.groups:
+                waited = array.array("f")
+                waited.frombytes(held)
+                for rank, seconds in zip(ranks, waited):
+                    if self._route.get(rank) == child:
+                        self.hold(message.version, rank, bits, seconds, now)
+        elif kind is Joined:
+            if 0 < message.rank < self._size and self._route.get(message.rank, child) == child:
+                self._route[message.rank] = child
+                self.send_up(message)
+        elif kind is Lost or kind is Relayed:
+            if self._route.get(message.rank) == child:
+                if kind is Lost or message.payload == BYE:
+                    self._forget(message.rank)
+                self.send_up(message)
+        elif kind is Bye:
+            self.send_up(Relayed(child, BYE))
+            self._drop(child)
+        else:
+            self.send_up(Relayed(child, control_codec.encode(message)))
+
+    def _forget(self, rank: int) -> None:
+        """``rank`` is gone: so is every rank reached through it."""
+        self._held.pop(rank, None)
+        for below in [r for r, via in self._route.items() if via == rank or r == rank]:
+            del self._route[below]
+            self._held.pop(below, None)
+
+    def _drop(self, child: int) -> None:
+        connection = self._children.pop(child, None)
+        if connection is None:
+            return
+        self._selector.unregister(connection)
+        connection.close()
+        self._readers.pop(child, None)
+        self._heard.pop(child, None)
+        self._hosts.pop(child, None)
+        self._forget(child)
+
+    def _lose(self, child: int, reason: str) -> None:
+        self._drop(child)
+        self.send_up(Lost(child, reason))
+
+    # ---------------------------------------------------------------- downward
+    def deliver(self, ranks, payload: bytes) -> bool:
+        """Hand ``payload`` (an encoded message) on to ``ranks`` below; True when this rank is one of them."""
+        for child, targets in fan_out(ranks, self._route).items():
+            self._send_child_encoded(child, addressed(child, targets, payload))
+        return self.rank in ranks
+
+    def abort_children(self, message: str) -> None:
+        """Tell every child the job is broken (this relay lost the rank above it)."""
+        payload = control_codec.encode(Abort(message))
+        for child in list(self._children):
+            self._send_child_encoded(child, payload)
+
+    def _send_child(self, child: int, message) -> None:
+        self._send_child_encoded(child, control_codec.encode(message))
+
+    def _send_child_encoded(self, child: int, payload: bytes) -> None:
+        connection = self._children.get(child)
+        if connection is None:
+            return
+        try:
+            connection.send_encoded(payload)
+        except OSError:
+            return  # a closed child is noticed by select and dropped there
+        self._watch(child)
+
+    def _watch(self, child: int) -> None:
+        connection = self._children[child]
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.pending else 0)
+        if self._selector.get_key(connection).events != events:
+            self._selector.modify(connection, events, ("child", child))
+
+    # ---------------------------------------------------------------- liveness
+    def tick(self, now: float) -> None:
+        """Heartbeat the children each second; report one silent for the heartbeat timeout as lost."""
+        if now - self._last_heartbeat >= HEARTBEAT_S:
+            self._last_heartbeat = now
+            payload = control_codec.encode(Heartbeat(self._host))
+            for child in list(self._children):
+                self._send_child_encoded(child, payload)
+        for child, connection in list(self._children.items()):
+            if connection.pending:
+                try:
+                    connection.flush()  # gives up on a child that took nothing for the send timeout
+                except OSError:
+                    pass
+            silent = now - self._heard.get(child, now)
+            if silent > self._heartbeat_timeout_s:
+                self._lose(child, f"stopped responding: {describe_silence(silent, self._heartbeat_timeout_s)}")
+
+    def close(self, deadline: float) -> None:
+        """Stop accepting; write out what is queued for the children (until ``deadline``) and close them."""
+        self.listener.close()
+        for connection in self._children.values():
+            connection.drain(deadline)
+            connection.close()
+        self._children.clear()

@@ -1,0 +1,317 @@
+"""Relays: one rank per host carries its host's control messages to rank 0 (``roundel.common.engine.relay``).
+
+The first tests drive a real ``Relay`` (its listener, authenticated
+connections, codec) from this process, with children that connect to it as
+ranks do. The others run real jobs under ``roundelrun`` with relays forced on
+(``ROUNDEL_RELAY_FROM_RANKS=2``) over loopback "hosts", so that ranks reach
+rank 0 through one relay, or through a chain of them (``ROUNDEL_RELAY_FANOUT=1``):
+the collectives, process sets, join, mismatches, stalls, deadlocks, a killed
+relay and a stopped rank behind a relay behave as without relays.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import random
+import selectors
+import time
+
+import pytest
+
+from launch_util import assert_checks_passed, describe, rank_lines, run_job
+from roundel.common.control import channel as control_channel, codec as control_codec
+from roundel.common.control.messages import (Abort, Bye, Deliver, Heartbeat, Joined, Lost, Merged, Relayed, Submit,
+                                              Waits)
+from roundel.common.engine import relay as relays
+from roundel.common.engine.negotiation import Negotiator
+from roundel.common.engine.requests import OpKind, Request
+
+SECRET = os.urandom(32)
+
+
+# ------------------------------------------------------------------ the relay in this process
+class _Harness:
+    """A relay of rank 2 in a job of 8, with children that connect as ranks 3.. do."""
+
+    def __init__(self, hold_s: float = 0.05):
+        self.selector = selectors.DefaultSelector()
+        self.up: list = []
+        self.relay = relays.Relay(2, 8, SECRET, "127.0.0.1", self.selector, self.up.append, lambda: None,
+                                  hold_s, 30.0, "relay-host")
+        self.children: dict[int, control_channel.Connection] = {}
+        self.readers: dict[int, control_channel.FrameReader] = {}
+
+    def connect(self, rank: int) -> None:
+        connection = control_channel.connect("127.0.0.1", self.relay.listener.port, SECRET, rank, 10.0)
+        connection._sock.setblocking(True)
+        connection._sock.settimeout(10.0)
+        self.children[rank] = connection
+        self.readers[rank] = control_channel.FrameReader(connection)
+        self.pump(lambda: self.relay.children >= len(self.children))
+
+    def pump(self, until, seconds: float = 5.0) -> None:
+        """Run the relay's side of the engine loop until ``until()`` holds."""
+        deadline = time.monotonic() + seconds
+        while not until():
+            assert time.monotonic() < deadline, f"gave up waiting; sent up so far: {self.up}"
+            for key, events in self.selector.select(0.01):
+                self.relay.serve(key.data[1], events)
+            self.relay.poll(time.monotonic())
+
+    def read(self, rank: int) -> list:
+        """The messages child ``rank`` has received (waits for the first)."""
+        found: list = []
+        while not found:
+            found = self.readers[rank].feed(self.children[rank].recv(65536))
+        return found
+
+    def sent_up(self, kind) -> list:
+        return [message for message in self.up if type(message) is kind]
+
+    def close(self) -> None:
+        for connection in self.children.values():
+            connection.close()
+        self.relay.close(time.monotonic())
+
+
+@pytest.fixture
+def harness():
+    made = _Harness()
+    yield made
+    made.close()
+
+
+def test_a_relay_announces_its_children_and_merges_their_steady_submissions_with_its_own(harness):
+    harness.connect(3)
+    harness.connect(4)
+    assert [(m.rank, m.host) for m in harness.sent_up(Joined)] == [(3, ""), (4, "")]
+    assert harness.read(3)[0] == Heartbeat("relay-host")
+    for rank in (3, 4):
+        harness.children[rank].send(Heartbeat(f"host-of-{rank}"))
+        harness.children[rank].send(Submit(7, 0b1011, [], {}, []))
+    harness.pump(lambda: len(harness.relay._held) == 2)
+    assert not harness.sent_up(Merged), "sent before every rank below (the relay's own too) had submitted"
+    harness.relay.hold(7, 2, 0b0011, 0.0, time.monotonic())
+    harness.relay.poll(time.monotonic())
+    (merged,) = harness.sent_up(Merged)
+    assert merged.version == 7
+    groups = {bits: ranks for ranks, bits, _ in merged.groups}
+    assert groups == {0b1011: (3, 4), 0b0011: (2,)}
+    assert [(m.rank, m.host) for m in harness.sent_up(Joined)][2:] == [(3, "host-of-3"), (4, "host-of-4")]
+
+
+def test_what_is_held_goes_up_after_the_hold_time_and_before_a_ranks_next_message(harness):
+    harness.connect(3)
+    harness.connect(4)
+    harness.children[3].send(Submit(1, 0b1, [], {}, []))
+    harness.pump(lambda: harness.sent_up(Merged), seconds=2.0)  # rank 4 and the relay never submit
+    (merged,) = harness.sent_up(Merged)
+    ((ranks, bits, held),) = merged.groups
+    assert (ranks, bits) == ((3,), 0b1)
+    assert array.array("f", held)[0] >= 0.04  # held for the hold time (0.05 s)
+    harness.children[4].send(Submit(1, 0b10, [], {}, []))
+    harness.children[4].send(Waits(1, ((0, "x", "allreduce"),)))
+    harness.pump(lambda: harness.sent_up(Relayed))
+    kinds = [type(m) for m in harness.up if type(m) in (Merged, Relayed)]
+    assert kinds == [Merged, Merged, Relayed], "rank 4's waits overtook its submission"
+    (relayed,) = harness.sent_up(Relayed)
+    assert relayed.rank == 4 and control_codec.decode(relayed.payload) == Waits(1, ((0, "x", "allreduce"),))
+
+
+def test_a_submission_that_carries_requests_or_data_is_relayed_as_it_was_sent(harness):
+    harness.connect(3)
+    request = Request("full", OpKind.ALLREDUCE, 0, "float32", (2,))
+    harness.children[3].send(Submit(0, 0, [request], {}, [None]))
+    harness.children[3].send(Submit(0, 0b1, [], {0: b"\0" * 8}, []))
+    harness.pump(lambda: len(harness.sent_up(Relayed)) == 2)
+    first, second = (control_codec.decode(m.payload) for m in harness.sent_up(Relayed))
+    assert first.full == [request] and second.bit_data == {0: b"\0" * 8}
+    assert not harness.sent_up(Merged)
+
+
+def test_deliveries_reach_the_named_ranks_and_a_child_relay_gets_a_delivery_of_its_own(harness):
+    harness.connect(3)
+    harness.connect(4)
+    harness.children[4].send(Joined(5, "far"))  # rank 4 relays for rank 5
+    harness.pump(lambda: any(m.rank == 5 for m in harness.sent_up(Joined)))
+    payload = control_codec.encode(Abort("stop"))
+    assert harness.relay.deliver((2, 3, 4, 5), payload) is True
+    assert harness.read(3) == [Heartbeat("relay-host"), Abort("stop")]
+    assert harness.read(4) == [Heartbeat("relay-host"), Deliver((4, 5), payload)]
+    assert harness.relay.deliver((3,), payload) is False
+    assert harness.read(3) == [Abort("stop")]
+
+
+def test_a_child_that_dies_is_reported_lost_and_one_that_says_goodbye_is_relayed(harness):
+    harness.connect(3)
+    harness.connect(4)
+    harness.children[4].send(Joined(6, "far"))
+    harness.children[3].send(Bye())
+    harness.pump(lambda: harness.sent_up(Relayed))
+    assert harness.sent_up(Relayed) == [Relayed(3, relays.BYE)]
+    harness.children[4].close()
+    harness.pump(lambda: harness.sent_up(Lost))
+    (lost,) = harness.sent_up(Lost)
+    assert lost.rank == 4 and "died" in lost.reason and "relay, rank 2" in lost.reason
+    assert harness.relay.children == 0 and not harness.relay._route  # rank 6 went with rank 4
+
+
+def test_a_relay_refuses_a_second_connection_for_a_rank_it_already_serves(harness):
+    harness.connect(3)
+    intruder = control_channel.connect("127.0.0.1", harness.relay.listener.port, SECRET, 3, 10.0)
+    deadline = time.monotonic() + 5
+    closed = False
+    while not closed and time.monotonic() < deadline:
+        harness.relay.poll(time.monotonic())
+        try:
+            closed = intruder.recv(1) == b""
+        except BlockingIOError:
+            time.sleep(0.01)
+    assert closed and harness.relay.children == 1
+    intruder.close()
+
+
+def test_the_tree_of_relays():
+    prefix = "p/"
+    assert relays.parent_key(prefix, "h", 1, 5, 16) == relays.host_key(prefix, "h")
+    assert relays.parent_key(prefix, "h", 0, 0, 16) is None
+    assert [relays.parent_key(prefix, "h", 0, c, 2) for c in (1, 2, 3, 4, 5)] == [
+        None, None, relays.leader_key(prefix, 1), relays.leader_key(prefix, 1), relays.leader_key(prefix, 2)]
+    assert relays.fan_out([5, 6, 7, 9], {5: 1, 6: 2, 7: 1}) == {1: [5, 7], 2: [6]}
+    assert relays.addressed(3, [3], b"x") == b"x"
+    assert control_codec.decode(relays.addressed(3, [3, 8], b"x")) == Deliver((3, 8), b"x")
+
+
+# ------------------------------------------------------------------ merged submissions at rank 0
+def _cached_negotiator(size: int, names: int) -> Negotiator:
+    negotiator = Negotiator(size, 64)
+    for i in range(names):
+        request = Request(f"t{i}", OpKind.ALLREDUCE, 0, "float32", (4,))
+        for rank in range(size):
+            negotiator.submit(rank, request, 0.0)
+    negotiator.take(1 << 20)
+    return negotiator
+
+
+@pytest.mark.parametrize("size", [2, 3, 64, 1024])
+def test_merged_submissions_agree_with_each_ranks_own(size):
+    names = 6
+    rng = random.Random(size)
+    masks = {rank: rng.getrandbits(names) | 1 for rank in range(1, size)}
+    separate, merged = _cached_negotiator(size, names), _cached_negotiator(size, names)
+    for rank, mask in masks.items():
+        assert separate.submit_bits(rank, mask, separate.cache.version, 1.0) == []
+    by_mask: dict[int, list] = {}
+    for rank, mask in masks.items():
+        by_mask.setdefault(mask, []).append(rank)
+    for mask, ranks in by_mask.items():
+        assert merged.submit_bits_of(tuple(ranks), mask, merged.cache.version, 1.0) == []
+    everything = (1 << names) - 1
+    for negotiator in (separate, merged):
+        assert negotiator.submit_bits(0, everything, negotiator.cache.version, 1.0) == []
+    agreed = [sorted(e.name for _, b in n.take(1 << 20) for e in b.entries) for n in (separate, merged)]
+    assert agreed[0] == agreed[1]
+    common = everything
+    for mask in masks.values():
+        common &= mask
+    assert agreed[1] == sorted(f"t{bit}" for bit in range(names) if common >> bit & 1)
+
+
+def test_merged_submissions_after_a_rank_joined_or_left_take_the_careful_path():
+    negotiator = _cached_negotiator(4, 2)
+    negotiator.rank_left(3, "rank 3 has shut down")
+    assert negotiator.submit_bits_of((1, 2), 0b11, negotiator.cache.version, 1.0) == []
+    assert negotiator.submit_bits(0, 0b11, negotiator.cache.version, 1.0) == []
+    batches = negotiator.take(1 << 20)
+    assert all(batch.error for _, batch in batches), "names could complete without rank 3"
+
+
+def test_merged_submissions_at_an_old_cache_version_are_stale():
+    negotiator = _cached_negotiator(3, 2)
+    old = negotiator.cache.version
+    negotiator.set_cache_capacity(1)  # evicts a bit: a mask from before that names it is stale
+    evicted = [bit for bit, _ in negotiator.take_evictions()]
+    assert evicted
+    stale = negotiator.submit_bits_of((1, 2), 0b11, old, 1.0)
+    assert set(stale) >= set(evicted)
+
+
+# ------------------------------------------------------------------ real jobs through relays
+RELAYS = {"ROUNDEL_RELAY_FROM_RANKS": "2", "ROUNDEL_RELAY_FANOUT": "1"}
+# rank 0 alone; ranks 1-2 on a second host (1 relays for 2); rank 3 on a third host, below rank 1's relay
+# (fanout 1) and relaying for rank 4 with it
+FIVE = ("-H", "localhost:1,127.0.0.1:2,127.0.0.2:2")
+THREE = ("-H", "localhost:1,127.0.0.1:2")  # rank 1 relays for rank 2
+
+
+def _relayed(np, worker, scenarios, launcher_args, env=None, timeout=120):
+    return run_job(np, worker, ",".join(scenarios), env={**RELAYS, **(env or {})}, launcher_args=launcher_args,
+                   timeout=timeout)
+
+
+def test_collectives_through_a_chain_of_relays():
+    scenarios = ("steady", "allreduce", "grouped", "coordinator_reduce", "allgather", "broadcast", "alltoall",
+                 "ordering", "barrier", "join")
+    result = _relayed(5, "torch_collectives.py", scenarios, FIVE)
+    assert_checks_passed(result, 5, *scenarios)
+
+
+def test_a_tiny_cache_through_relays_evicts_and_resends():
+    scenarios = ("steady", "allreduce", "ordering")
+    result = _relayed(5, "torch_collectives.py", scenarios, FIVE, env={"ROUNDEL_CACHE_CAPACITY": "2"})
+    assert_checks_passed(result, 5, *scenarios)
+
+
+def test_process_sets_through_relays():
+    scenarios = ("static", "concurrent", "dynamic")
+    result = _relayed(5, "torch_process_sets.py", scenarios, FIVE)
+    assert_checks_passed(result, 5, *scenarios)
+
+
+def test_mismatches_through_relays_fail_on_every_rank_and_the_job_goes_on():
+    scenarios = ("mismatch", "mismatch_cached", "duplicate")
+    result = _relayed(3, "torch_errors.py", scenarios, THREE)
+    assert_checks_passed(result, 3, *scenarios)
+
+
+def test_the_stall_warning_names_a_rank_behind_a_relay():
+    result = _relayed(3, "torch_errors.py", ("stall",), THREE, env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "1"})
+    assert_checks_passed(result, 3, "stall")
+    warnings = [line for line in rank_lines(result.stderr, 0, "stderr") if "roundel stall" in line]
+    assert any("'stall.late'" in line and "not yet by rank(s) 1" in line for line in warnings), describe(result)
+
+
+def test_a_deadlock_across_relays_is_found():
+    result = _relayed(3, "torch_hangs.py", ("diverged",), THREE, env={"ROUNDEL_HEARTBEAT_TIMEOUT_SECONDS": "3"},
+                      timeout=60)
+    assert_checks_passed(result, 3, "diverged")
+    for rank in range(3):
+        errors = [line for line in rank_lines(result.stdout, rank, "stdout") if line.startswith("ERROR ")]
+        assert len(errors) == 1 and "CollectiveDeadlockError" in errors[0], describe(result)
+        assert "rank 1 waits for broadcast 'diverged.bcast'" in errors[0], describe(result)
+
+
+def test_a_killed_relay_fails_every_rank_at_once():
+    # rank 1, the relay of rank 2, dies 0.5 s after ranks 0 and 2 block in an allreduce it never submits
+    result = _relayed(3, "torch_errors.py", ("killed",), THREE, timeout=60)
+    assert result.returncode == 128 + 9, describe(result)
+    for rank in (0, 2):
+        assert "CHECKS PASSED killed" in rank_lines(result.stdout, rank, "stdout"), describe(result)
+        errors = [line for line in rank_lines(result.stdout, rank, "stdout") if "HorovodInternalError" in line]
+        assert any("rank 1" in line and "died" in line for line in errors), describe(result)
+        measured = [float(line.split()[1]) for line in rank_lines(result.stdout, rank, "stdout")
+                    if line.startswith("MEASURED ")]
+        assert measured and measured[0] < 10, describe(result)
+
+
+def test_a_stopped_rank_behind_a_relay_is_found_by_its_relay():
+    # rank 2 is stopped (SIGSTOP); its relay, rank 1, finds it silent and rank 0 breaks the job
+    env = {**RELAYS, "ROUNDEL_HEARTBEAT_TIMEOUT_SECONDS": "3", "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}
+    result = run_job(3, "torch_hangs.py", "stopped", 2, env=env, launcher_args=THREE, timeout=90)
+    last = result.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("roundelrun: rank 2 (host ") and "was lost: stopped responding" in last, describe(result)
+    for rank in (0, 1):
+        assert "CHECKS PASSED stopped" in rank_lines(result.stdout, rank, "stdout"), describe(result)
+        errors = [line for line in rank_lines(result.stdout, rank, "stdout") if line.startswith("ERROR ")]
+        assert any("rank 2 (host " in line and "stopped responding" in line for line in errors), describe(result)
