@@ -11,7 +11,6 @@ relay and a stopped rank behind a relay behave as without relays.
 
 from __future__ import annotations
 
-import array
 import os
 import random
 import selectors
@@ -96,8 +95,8 @@ def test_a_relay_announces_its_children_and_merges_their_steady_submissions_with
     harness.relay.poll(time.monotonic())
     (merged,) = harness.sent_up(Merged)
     assert merged.version == 7
-    groups = {bits: ranks for ranks, bits, _ in merged.groups}
-    assert groups == {0b1011: (3, 4), 0b0011: (2,)}
+    groups = {bits: list(ranks) for ranks, bits, _ in map(relays.unpack_group, merged.groups)}
+    assert groups == {0b1011: [3, 4], 0b0011: [2]}
     assert [(m.rank, m.host) for m in harness.sent_up(Joined)][2:] == [(3, "host-of-3"), (4, "host-of-4")]
 
 
@@ -107,9 +106,9 @@ def test_what_is_held_goes_up_after_the_hold_time_and_before_a_ranks_next_messag
     harness.children[3].send(Submit(1, 0b1, [], {}, []))
     harness.pump(lambda: harness.sent_up(Merged), seconds=2.0)  # rank 4 and the relay never submit
     (merged,) = harness.sent_up(Merged)
-    ((ranks, bits, held),) = merged.groups
-    assert (ranks, bits) == ((3,), 0b1)
-    assert array.array("f", held)[0] >= 0.04  # held for the hold time (0.05 s)
+    ((ranks, bits, held),) = map(relays.unpack_group, merged.groups)
+    assert (list(ranks), bits) == ([3], 0b1)
+    assert held[0] >= 0.04  # held for the hold time (0.05 s)
     harness.children[4].send(Submit(1, 0b10, [], {}, []))
     harness.children[4].send(Waits(1, ((0, "x", "allreduce"),)))
     harness.pump(lambda: harness.sent_up(Relayed))
@@ -141,6 +140,9 @@ def test_deliveries_reach_the_named_ranks_and_a_child_relay_gets_a_delivery_of_i
     assert harness.read(4) == [Heartbeat("relay-host"), Deliver((4, 5), payload)]
     assert harness.relay.deliver((3,), payload) is False
     assert harness.read(3) == [Abort("stop")]
+    assert harness.relay.deliver((), payload) is True  # everyone below, this rank too
+    assert harness.read(3) == [Abort("stop")]
+    assert harness.read(4) == [Deliver((), payload)]
 
 
 def test_a_child_that_dies_is_reported_lost_and_one_that_says_goodbye_is_relayed(harness):

@@ -73,8 +73,8 @@ class Abort(NamedTuple):
 
 
 class Merged(NamedTuple):
-    """Steady submissions of ranks below a relay, at cache ``version``: ``groups`` of (ranks, mask of cache
-    bits each sent, how long each rank's mask was held on the way as float32 seconds in bytes)."""
+    """Steady submissions of ranks below a relay, at cache ``version``: ``groups`` of (the ranks, the mask of
+    cache bits each sent, how long each rank's mask was held on the way), packed by ``relay.pack_group``."""
 
     version: int
     groups: list

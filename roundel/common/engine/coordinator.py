@@ -16,7 +16,6 @@ their steady submissions ``Merged``), and what goes to them is addressed
 
 from __future__ import annotations
 
-import array
 import logging
 import queue
 import selectors
@@ -70,6 +69,7 @@ class Coordinator:
                                              lambda: engine.bucketed) if settings.autotune else None
         self._peers: dict[int, control_channel.Connection] = {}
         self._route: dict[int, int] = {}  # a rank reached through a relay -> the peer it is reached through
+        self._below: dict[int, set] = {}  # a peer that relays -> the ranks reached through it
         self._readers: dict[int, control_channel.FrameReader] = {}
         self._outbox: dict[int, list] = {}
         self._resends: dict[int, list] = {}
@@ -278,15 +278,19 @@ class Coordinator:
         """Steady submissions of ranks below the relay ``child``, grouped by mask."""
         version, route, negotiator = message.version, self._route, self._negotiator
         timeline = self._engine.timeline.active
-        for ranks, bits, held in message.groups:
-            if not all(route.get(rank, rank) == child for rank in ranks):  # the relay's own rank is a peer
-                log.warning("roundel coordinator ignored submissions relayed by rank %d for ranks it does not "
-                            "relay: %s", child, [rank for rank in ranks if route.get(rank, rank) != child])
+        for group in message.groups:
+            try:
+                ranks, bits, waited = relay.unpack_group(group)
+            except ValueError as exc:
+                log.error("roundel coordinator: rank %d sent %s; ignored", child, exc)
                 continue
-            waited = array.array("f")
-            waited.frombytes(held)
-            for rank, seconds in zip(ranks, waited):
-                self._stragglers.arrived(rank, now - seconds)
+            named = set(ranks)
+            named.discard(child)  # the relay's own rank is a peer
+            if not named <= self._below.get(child, set()):
+                log.warning("roundel coordinator ignored submissions relayed by rank %d for ranks it does not "
+                            "relay: %s", child, sorted(rank for rank in named if route.get(rank) != child))
+                continue
+            self._stragglers.arrived_many(ranks, map(now.__sub__, waited))
             if timeline:
                 for rank in ranks:
                     self._timeline_cached_arrivals(rank, bits, version)
@@ -318,6 +322,7 @@ class Coordinator:
         if rank in self._route:
             return
         self._route[rank] = child
+        self._below.setdefault(child, set()).add(rank)
         self._ever_connected.add(rank)
         if len(self._ever_connected) == self._engine.size - 1:
             self.all_connected.set()
@@ -339,11 +344,13 @@ class Coordinator:
             sock.close()
             self._readers.pop(rank, None)
             self._heard.pop(rank, None)
-        elif self._route.pop(rank, None) is None:
+        elif rank in self._route:
+            self._below[self._route.pop(rank)].discard(rank)
+        else:
             return
         self._rank_waits.pop(rank, None)
         self._negotiator.rank_left(rank, reason)
-        for below in [r for r, via in self._route.items() if via == rank]:
+        for below in sorted(self._below.pop(rank, ())):
             del self._route[below]
             self._rank_waits.pop(below, None)
             self._negotiator.rank_left(below, f"rank {below} lost its relay: {reason}")
@@ -451,6 +458,14 @@ class Coordinator:
             for _, batch in batches:
                 for entry in batch.entries:
                     self._engine.timeline.negotiated(entry.name)
+        evicted = [bit for bit, _ in negotiator.take_evictions()]
+        version = negotiator.cache.version
+        everyone = negotiator.process_sets[0]
+        if batches and all(members is everyone for members, _ in batches):  # the usual case: one message for all
+            mine = [batch for _, batch in batches]
+            self._send_everyone([negotiator.compact_form(batch) or batch for batch in mine], evicted, version)
+            self._accept_own(mine, batches)
+            return
         mine = []
         for members, batch in batches:
             sent = negotiator.compact_form(batch) or batch  # bits where the members hold the requests
@@ -459,8 +474,6 @@ class Coordinator:
                     mine.append(batch)
                 elif member in self._peers or member in self._route:
                     self._outbox.setdefault(member, []).append(sent)
-        evicted = [bit for bit, _ in negotiator.take_evictions()]
-        version = negotiator.cache.version
         targets = set(self._outbox) | set(self._resends) | (set(self._peers) | set(self._route) if evicted else set())
         encoded: dict[tuple, list] = {}  # ranks getting the same batches share one encoding
         by_peer: dict[tuple, tuple] = {}  # (peer, id of the payloads) -> (payloads, ranks reached through it)
@@ -480,10 +493,34 @@ class Coordinator:
                 self._send_peer_encoded(peer, relay.addressed(peer, ranks, payload))
         self._outbox.clear()
         self._resends.clear()
-        if mine:  # after the peers' messages are out: rank 0's executor waits for them in the collective anyway
+        self._accept_own(mine, batches)
+
+    def _accept_own(self, mine: list, batches: list) -> None:
+        """Rank 0's batches to its executor, after the others' messages are out (its executor waits for them
+        in the collective anyway); then autotune scores the dispatch."""
+        if mine:
             self._engine.accept_batches(mine)
         if self._autotuner is not None and not self._autotuner.done:
             self._autotune(batches)
+
+    def _send_everyone(self, outbox: list, evicted: list, version: int) -> None:
+        """The batches of ``outbox`` to every other rank, one message per peer (a rank owed resends gets its
+        own, with them)."""
+        payloads = [control_codec.encode(message) for message in _dispatches(version, outbox, evicted, [])]
+        owed = self._resends
+        for peer in list(self._peers):
+            below = self._below.get(peer)
+            if owed and (peer in owed or (below and not owed.keys().isdisjoint(below))):
+                reach = [rank for rank in (peer, *sorted(below or ())) if rank not in owed]
+                for payload in payloads if reach else ():
+                    self._send_peer_encoded(peer, relay.addressed(peer, reach, payload))
+                continue
+            for payload in payloads:
+                self._send_peer_encoded(peer, relay.to_all_below(payload) if below else payload)
+        for rank, resends in list(owed.items()):
+            for message in _dispatches(version, outbox, evicted, resends):
+                self._send_peer(rank, message)
+        owed.clear()
 
     def _autotune(self, batches) -> None:
         """Score the dispatched batches; apply and announce new settings when a sample ends."""
@@ -502,9 +539,8 @@ class Coordinator:
 
     def _broadcast(self, payload: bytes) -> None:
         """Send an encoded message to every other rank: one message to each peer."""
-        below = relay.fan_out(self._route, self._route)
         for peer in list(self._peers):
-            self._send_peer_encoded(peer, relay.addressed(peer, [peer] + below.get(peer, []), payload))
+            self._send_peer_encoded(peer, relay.to_all_below(payload) if self._below.get(peer) else payload)
 
     def _send_peer_encoded(self, rank: int, payload: bytes) -> None:
         connection = self._peers.get(rank)

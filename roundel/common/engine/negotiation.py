@@ -109,6 +109,7 @@ class Negotiator:
         self._settled = 0  # the same, exactly, as of the last _settle()
         self._first_seen: dict[int, float] = {}  # bit -> when it was first outstanding
         self._loose = 0  # bits whose names take per-rank submissions until they complete
+        self._lacking: dict[int, int] = {}  # set id -> a member whose mask lacked the set's candidates
         self._unsettled = False
         self._now = 0.0
 
@@ -232,6 +233,8 @@ class Negotiator:
 
     def live_ranks(self) -> list[int]:
         """The ranks that have not shut down or been lost."""
+        if not self._left:
+            return range(self.size)
         return [r for r in range(self.size) if r not in self._left]
 
     def missing_ranks(self, process_set_id: int, name: str) -> tuple | None:
@@ -408,18 +411,25 @@ class Negotiator:
             return
         self._unsettled = False
         outstanding = self._outstanding
+        completed = False
         for set_id, set_bits in self.cache.bits_by_set():
             candidates = set_bits & self._seen & ~self._loose
             members = self.process_sets.get(set_id) if candidates else None
             if members is None:
                 continue
+            lacking = self._lacking.get(set_id)  # the member that held none of them last time, checked first
+            if lacking is not None and lacking in self._member_sets[set_id] and \
+                    not candidates & outstanding.get(lacking, 0):
+                continue
             for rank in members:
                 if rank:
                     candidates &= outstanding.get(rank, 0)
                     if not candidates:
+                        self._lacking[set_id] = rank
                         break
             if not candidates:
                 continue
+            completed = True
             for rank in members:
                 if rank in outstanding:
                     outstanding[rank] &= ~candidates
@@ -430,9 +440,11 @@ class Negotiator:
                     pending = self._pending[key] = _Pending(self._first_seen.get(bit, self._now))
                 pending.bulk = requests
                 self._check_ready(key)
-        seen = 0
-        for held in outstanding.values():
-            seen |= held
+        seen = self._seen  # exact, unless names just completed
+        if completed:
+            seen = 0
+            for held in outstanding.values():
+                seen |= held
         for bit in _bits_of(seen & ~self._settled):
             self._first_seen[bit] = self._now
         for bit in _bits_of(self._settled & ~seen):
@@ -557,7 +569,7 @@ class Negotiator:
         self._ready.append((entry, joined))
 
     def _agreed_entry(self, key, requests: dict, members: tuple, joined: tuple) -> Entry:
-        request = requests[min(requests)]
+        request = requests[members[0] if members[0] in requests else min(requests)]  # the lowest rank's
         first_dims = splits = None
         if request.kind == OpKind.ALLGATHER:
             first_dims = tuple(requests[r].shape[0] if r in requests else 0 for r in members)

@@ -91,6 +91,29 @@ def addressed(child: int, targets: list, payload: bytes) -> bytes:
     return control_codec.encode(Deliver(tuple(targets), payload))
 
 
+def pack_group(ranks, bits: int, held) -> tuple:
+    """One group of a ``Merged`` message: the ranks (uint32) and the seconds each was held (float32) as
+    bytes, which decode at C speed however many ranks there are."""
+    return array.array("I", ranks).tobytes(), bits, array.array("f", held).tobytes()
+
+
+def unpack_group(group) -> tuple:
+    """(ranks, mask, seconds held) of a packed group; ValueError when it is malformed."""
+    try:
+        packed_ranks, bits, packed_held = group
+        ranks, held = array.array("I", packed_ranks), array.array("f", packed_held)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"a malformed group of merged submissions ({exc})") from None
+    if not isinstance(bits, int) or len(ranks) != len(held):
+        raise ValueError("a malformed group of merged submissions")
+    return ranks, bits, held
+
+
+def to_all_below(payload: bytes) -> bytes:
+    """What goes to a relay so that ``payload`` reaches it and every rank below it."""
+    return control_codec.encode(Deliver((), payload))
+
+
 class Relay:
     """The relay on a host's first rank: its children's connections, merged upward and fanned out downward.
 
@@ -161,7 +184,7 @@ class Relay:
             group[1].append(waited + now - since)
         self._held.clear()
         self._held_since = None
-        self._up(Merged(self._held_version, [(tuple(ranks), bits, held.tobytes())
+        self._up(Merged(self._held_version, [pack_group(ranks, bits, held)
                                              for bits, (ranks, held) in groups.items()]))
 
     def send_up(self, message) -> None:
@@ -232,9 +255,12 @@ class Relay:
                 self._hosts[child] = message.host
                 self._up(Joined(child, message.host))
         elif kind is Merged:
-            for ranks, bits, held in message.groups:
-                waited = array.array("f")
-                waited.frombytes(held)
+            for group in message.groups:
+                try:
+                    ranks, bits, waited = unpack_group(group)
+                except ValueError as exc:
+                    log.error("roundel relay on rank %d: rank %d sent %s; ignored", self.rank, child, exc)
+                    continue
                 for rank, seconds in zip(ranks, waited):
                     if self._route.get(rank) == child:
                         self.hold(message.version, rank, bits, seconds, now)
@@ -277,7 +303,14 @@ class Relay:
 
     # ---------------------------------------------------------------- downward
     def deliver(self, ranks, payload: bytes) -> bool:
-        """Hand ``payload`` (an encoded message) on to ``ranks`` below; True when this rank is one of them."""
+        """Hand ``payload`` (an encoded message) on to ``ranks`` below (none named: every rank below); True
+        when this rank is one of them."""
+        if not ranks:
+            relaying = {via for rank, via in self._route.items() if via != rank}
+            onward = to_all_below(payload) if relaying else payload
+            for child in list(self._children):
+                self._send_child_encoded(child, onward if child in relaying else payload)
+            return True
         for child, targets in fan_out(ranks, self._route).items():
             self._send_child_encoded(child, addressed(child, targets, payload))
         return self.rank in ranks

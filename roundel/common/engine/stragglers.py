@@ -39,13 +39,24 @@ class StragglerTracker:
         """``rank``'s submission arrived at ``now``."""
         self._arrived[rank] = now
 
+    def arrived_many(self, ranks, times) -> None:
+        """Each of ``ranks``' submissions arrived at the time at the same place in ``times``."""
+        self._arrived.update(zip(ranks, times))
+
     def cycle(self, ranks) -> None:
         """Names of ``ranks`` were dispatched: record who of them submitted last, and by how much."""
-        times = sorted((self._arrived[rank], rank) for rank in ranks if rank in self._arrived)
-        if len(times) < 2:
+        arrived = self._arrived
+        try:
+            times = list(map(arrived.__getitem__, ranks))
+        except KeyError:  # some have not submitted yet
+            ranks = [rank for rank in ranks if rank in arrived]
+            times = list(map(arrived.__getitem__, ranks))
+        if len(ranks) < 2:
             return
-        last_at, last = times[-1]
-        lag = last_at - times[(len(times) - 1) // 2][0]
+        last_at = max(times)
+        last = ranks[times.index(last_at)]
+        times.sort()
+        lag = last_at - times[(len(times) - 1) // 2]
         self.cycles += 1
         self._recent.append((last, lag))
         self._last_counts[last] += 1
