@@ -409,9 +409,10 @@ def _training_run(n: int, tmp: str) -> dict:
 
 
 def _control_run(control_ranks: str, tmp: str) -> dict:
-    """One ``control_scale.py`` run: {ranks: (steady cycle ms, rank 0 CPU ms per step)}."""
+    """One ``control_scale.py`` run without relays (the form fitted): {ranks: (steady cycle ms, rank 0 CPU ms
+    per step)}."""
     path = Path(tmp) / "control.json"
-    _run([sys.executable, BENCHMARKS / "control_scale.py", "--ranks", control_ranks, "--steps", 5,
+    _run([sys.executable, BENCHMARKS / "control_scale.py", "--ranks", control_ranks, "--steps", 5, "--relay-from-ranks", 0,
           "--json", path, "--plot", Path(tmp) / "c.png"])
     return {r["ranks"]: (r["cycle_ms"], r["rank0_cpu_ms_per_step"]) for r in json.loads(path.read_text())["results"]}
 

@@ -4,7 +4,7 @@
 sizes and one short round; ``benchmarks/torch_training.py`` runs interleaved
 (one ``roundelrun -np 2`` job) with the small CNN on a tiny batch for one
 step per span; ``benchmarks/control_scale.py`` simulates jobs of 4 and 9
-ranks. The figures themselves are not checked, only that each run succeeds,
+ranks (the second through relays). The figures themselves are not checked, only that each run succeeds,
 names its plot, and the plot is a PNG matplotlib reads back.
 ``benchmarks/elastic_reset.py`` kills a rank of a 3-rank elastic job and must
 time the survivors' reset. ``benchmarks/scaling.py`` runs its copy, allreduce
@@ -64,14 +64,17 @@ def test_training_benchmark_writes_throughput_plot(tmp_path):
 
 def test_control_scale_simulation_runs_rank_zero_against_simulated_ranks(tmp_path):
     png, figures = tmp_path / "control.png", tmp_path / "control.json"
+    # 9 ranks on hosts of 2 with relays, one under each: a chain of 4 relays under rank 0
     result = run_command([sys.executable, BENCHMARKS / "control_scale.py", "--ranks", "4,9", "--workers", "2",
-                          "--steps", "2", "--json", figures, "--plot", png], timeout=180)
+                          "--steps", "2", "--relay-from-ranks", "8", "--per-host", "2", "--fanout", "1",
+                          "--json", figures, "--plot", png], timeout=180)
     assert result.returncode == 0, describe(result)
     assert_valid_png(png, result)
     rows = json.loads(figures.read_text())["results"]
     assert [row["ranks"] for row in rows] == [4, 9] and all(row["cycle_ms"] > 0 for row in rows), rows
     summary = [line for line in result.stdout.splitlines() if line.startswith("control_scale: ")]
     assert [line.split()[1] for line in summary] == ["ranks=4", "ranks=9"], describe(result)
+    assert [row["relays"] for row in rows] == [False, True], rows
     assert all(key in summary[0] for key in ("connect_s=", "first_step_s=", "steady_cpu_ms=",
                                               "steady_latency_ms=")), summary
 

@@ -6,7 +6,8 @@ ranks do. The others run real jobs under ``roundelrun`` with relays forced on
 (``ROUNDEL_RELAY_FROM_RANKS=2``) over loopback "hosts", so that ranks reach
 rank 0 through one relay, or through a chain of them (``ROUNDEL_RELAY_FANOUT=1``):
 the collectives, process sets, join, mismatches, stalls, deadlocks, a killed
-relay and a stopped rank behind a relay behave as without relays.
+relay, a stopped rank behind a relay and an elastic job whose relay fails
+behave as without relays.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import time
 
 import pytest
 
-from launch_util import assert_checks_passed, describe, rank_lines, run_job
+from elastic_util import ElasticJob, check_training
+from launch_util import WORKERS_DIR, assert_checks_passed, describe, rank_lines, run_job
 from roundel.common.control import channel as control_channel, codec as control_codec
 from roundel.common.control.messages import (Abort, Bye, Deliver, Heartbeat, Joined, Lost, Merged, Relayed, Submit,
                                               Waits)
@@ -317,3 +319,17 @@ def test_a_stopped_rank_behind_a_relay_is_found_by_its_relay():
         assert "CHECKS PASSED stopped" in rank_lines(result.stdout, rank, "stdout"), describe(result)
         errors = [line for line in rank_lines(result.stdout, rank, "stdout") if line.startswith("ERROR ")]
         assert any("rank 2 (host " in line and "stopped responding" in line for line in errors), describe(result)
+
+
+def test_an_elastic_job_goes_on_without_the_host_whose_relay_failed(tmp_path):
+    # ranks 0-1 on one host, 2-3 on another (rank 2 relays for rank 3); rank 2 fails in the first generation:
+    # its host is taken out, rank 3 (cut off from rank 0 with it) stops, and the first host trains on
+    env = {"EPOCHS": 2, "SAMPLES": 96, "BATCH": 4, "STEP_SLEEP": 0.05, "EXIT_SCHEDULE": '{"0": [2]}', **RELAYS}
+    job = ElasticJob(tmp_path, None, str(WORKERS_DIR / "torch_elastic.py"),
+                     ("-np", "4", "-H", "127.0.0.2:2,127.0.0.3:2", "--min-np", "2", "--elastic-timeout", "60"), env)
+    assert job.finish(timeout=120) == 0, job.describe()
+    text = job.text()
+    assert "worker 127.0.0.3:0 exited with code 1; host 127.0.0.3 blacklisted for the rest of the job" in text, \
+        job.describe()
+    assert "generation 1: 2 worker(s), ranks 127.0.0.2:0=0, 127.0.0.2:1=1" in text, job.describe()
+    assert len(check_training(text, 2, 96, 4, 1 * 2 * 4 * 4 + 2 * 4)) == 2  # one failure, two generations
