@@ -20,6 +20,8 @@
 #   gpu       python benchmarks/torch_training.py --device cuda --np 1: ResNet-50 at 224x224,
 #             batch 64, roundel against DDP over NCCL and one process without communication
 #   cuda      python -m pytest -q tests/test_cuda.py
+#   control   python benchmarks/control_scale.py --ranks 128,1024 --workers 12: rank 0 against simulated
+#             ranks (through relays) with a core for each simulating process, if time is left
 #
 # Every step's time limit is cut to what is left of BUDGET_S (default 290 s).
 # The summary at the end gives each step's exit status (124: timed out) and time.
@@ -54,9 +56,11 @@ step() {
 if [[ -n "${DEVICE_FIGURES_TINY:-}" ]]; then
     SCALING=(--np 2 --sizes 4K,1M --quick --copy-mib 16 --timeout 60)
     GPU=(--model small_cnn --image-size 32 --batch-size 8 --warmup 1 --steps 2 --measurements 1)
+    CONTROL=(--ranks 4,9 --workers 2 --steps 2 --relay-from-ranks 8 --per-host 2)
 else
     SCALING=(--np 2,8,16 --sizes 1M,4M,16M,64M --models mlp --quick --timeout 60)
     GPU=(--model resnet50 --image-size 224 --batch-size 64 --warmup 3 --steps 5 --measurements 2)
+    CONTROL=(--ranks 128,1024 --workers 12 --steps 10)
 fi
 
 if ! "$PYTHON" -c "import roundel, torch, numpy, cloudpickle, yaml, psutil, matplotlib, pytest" 2>/dev/null; then
@@ -70,6 +74,8 @@ step scaling 130 "$PYTHON" benchmarks/scaling.py "${SCALING[@]}" --json "$OUT/sc
 step gpu 75 "$PYTHON" benchmarks/torch_training.py --device cuda --np 1 "${GPU[@]}" --rounds 1 \
     --only roundel,ddp,single --timeout 60 --json "$OUT/gpu_training.json" --plot "$OUT/gpu_training.png"
 step cuda 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py
+step control 40 "$PYTHON" benchmarks/control_scale.py "${CONTROL[@]}" --json "$OUT/control_scale.json" \
+    --plot "$OUT/control_scale.png"
 
 echo
 echo "=== summary ($((SECONDS - START)) s of $BUDGET_S; outputs in $OUT)"

@@ -6,16 +6,18 @@ ranks do. The others run real jobs under ``roundelrun`` with relays forced on
 (``ROUNDEL_RELAY_FROM_RANKS=2``) over loopback "hosts", so that ranks reach
 rank 0 through one relay, or through a chain of them (``ROUNDEL_RELAY_FANOUT=1``):
 the collectives, process sets, join, mismatches, stalls, deadlocks, a killed
-relay, a stopped rank behind a relay and an elastic job whose relay fails
-behave as without relays.
+relay, a stopped rank behind a relay, the timeline and an elastic job whose
+relay fails behave as without relays.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import selectors
 import time
+from collections import Counter
 
 import pytest
 
@@ -333,3 +335,16 @@ def test_an_elastic_job_goes_on_without_the_host_whose_relay_failed(tmp_path):
         job.describe()
     assert "generation 1: 2 worker(s), ranks 127.0.0.2:0=0, 127.0.0.2:1=1" in text, job.describe()
     assert len(check_training(text, 2, 96, 4, 1 * 2 * 4 * 4 + 2 * 4)) == 2  # one failure, two generations
+
+
+def test_the_timeline_shows_when_each_rank_behind_a_relay_submitted(tmp_path):
+    path = tmp_path / "timeline.json"
+    result = run_job(3, "torch_timeline.py", "steps", tmp_path, env={**RELAYS, "HOROVOD_STALL_CHECK_DISABLE": "1"},
+                     launcher_args=[*THREE, "--timeline-filename", path], timeout=90)
+    assert_checks_passed(result, 3, "steps")
+    events = json.loads(path.read_text())
+    rows = {e["pid"]: e["args"]["name"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name" and e["pid"]}
+    for name in ("allreduce.grad.a", "allreduce.grad.late"):  # rank 2's arrivals come through rank 1's relay
+        arrivals = Counter(e["name"] for e in events if e.get("ph") == "X" and rows.get(e.get("pid")) == name)
+        assert arrivals == {"0": 3, "1": 3, "2": 3}, (name, arrivals)

@@ -231,7 +231,7 @@ class Negotiator:
                               f"join() cannot complete: {reason}", "internal")
             self._joined.clear()
 
-    def live_ranks(self) -> list[int]:
+    def live_ranks(self) -> list[int] | range:
         """The ranks that have not shut down or been lost."""
         if not self._left:
             return range(self.size)

@@ -36,8 +36,9 @@ log = logging.getLogger("roundel")
 class RankLink:
     """A rank's connection to the coordinator, and the loop of its engine thread.
 
-    Connects at construction (with ``relay_key``, also starts this host's
-    relay and publishes its address there first); raises
+    Connects at construction to rank 0 (``parent_key`` None) or to the relay
+    whose address is under ``parent_key``; with ``relay_keys``, first starts
+    this host's relay and publishes its address under them. Raises
     RoundelInternalError when the rank above cannot be reached or refuses
     this rank.
     """
