@@ -265,7 +265,8 @@ class Relay:
                     if self._route.get(rank) == child:
                         self.hold(message.version, rank, bits, seconds, now)
         elif kind is Joined:
-            if 0 < message.rank < self._size and self._route.get(message.rank, child) == child:
+            if 0 < message.rank < self._size and message.rank != self.rank and \
+                    self._route.get(message.rank, child) == child:
                 self._route[message.rank] = child
                 self.send_up(message)
         elif kind is Lost or kind is Relayed:
