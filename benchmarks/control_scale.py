@@ -205,8 +205,8 @@ class _SimulatedHosts:
         if connection.pending:
             self.selector.modify(connection, selectors.EVENT_READ | selectors.EVENT_WRITE, ("parent", leader))
 
-    def serve(self, timeout: float, pipe=None) -> bool:
-        """One round of select over every connection here; True when ``pipe`` has a command."""
+    def serve(self, timeout: float) -> bool:
+        """One round of select over every connection here; True when the parent's pipe has a command."""
         now = time.monotonic()
         for relay in self.relays.values():
             held = relay.deadline()
