@@ -80,7 +80,7 @@ from roundel.transport.backend import Backend
 NAMES = 161  # ResNet-50's gradient tensors
 SHAPE = (16,)
 PREFIX = "sim/"
-HOLD_S = 0.001  # a relay's hold time: the engine's default cycle time
+HOLD_S = Settings().cycle_time_ms / 1000  # a relay holds submissions for the cycle time, as in a job
 
 
 def _requests() -> list:
@@ -202,8 +202,7 @@ class _SimulatedHosts:
     def _up(self, leader: int, message) -> None:
         connection = self.parents[leader]
         connection.send(message)
-        if connection.pending:
-            self.selector.modify(connection, selectors.EVENT_READ | selectors.EVENT_WRITE, ("parent", leader))
+        control_channel.watch_writes(self.selector, connection, ("parent", leader))
 
     def serve(self, timeout: float) -> bool:
         """One round of select over every connection here; True when the parent's pipe has a command."""
@@ -225,8 +224,7 @@ class _SimulatedHosts:
                 connection = key.fileobj
                 if events & selectors.EVENT_WRITE:
                     connection.flush()
-                    if not connection.pending:
-                        self.selector.modify(connection, selectors.EVENT_READ, key.data)
+                    control_channel.watch_writes(self.selector, connection, key.data)
                 if events & selectors.EVENT_READ:
                     for message in self.readers[key.data].feed(connection.recv(control_channel.RECV_BYTES)):
                         self._received(kind, rank, message)

@@ -44,6 +44,7 @@ import logging
 import random
 import secrets
 import select
+import selectors
 import socket
 import sys
 import threading
@@ -225,6 +226,14 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"<roundel control connection to rank {self.rank} at {self.peer}>"
+
+
+def watch_writes(selector, connection: Connection, data) -> None:
+    """Have ``selector`` report ``connection`` (registered with ``data``) writable exactly while it holds
+    queued bytes."""
+    events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.pending else 0)
+    if selector.get_key(connection).events != events:
+        selector.modify(connection, events, data)
 
 
 def send(connection: Connection, message) -> None:

@@ -315,9 +315,7 @@ class Engine:
 
     def watch_writes(self, connection: control_channel.Connection, data) -> None:
         """Have select report ``connection`` writable exactly while it holds queued bytes."""
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.pending else 0)
-        if self.selector.get_key(connection).events != events:
-            self.selector.modify(connection, events, data)
+        control_channel.watch_writes(self.selector, connection, data)
 
     def register(self, work: Work) -> None:
         """Track ``work`` as in flight (submit() keeps names unique among this rank's in-flight work)."""

@@ -336,10 +336,7 @@ class Relay:
         self._watch(child)
 
     def _watch(self, child: int) -> None:
-        connection = self._children[child]
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.pending else 0)
-        if self._selector.get_key(connection).events != events:
-            self._selector.modify(connection, events, ("child", child))
+        control_channel.watch_writes(self._selector, self._children[child], ("child", child))
 
     # ---------------------------------------------------------------- liveness
     def tick(self, now: float) -> None:
