@@ -668,3 +668,113 @@ def test_stale_bits_in_a_mask_are_returned_for_a_resend():
     _cached_names(n, ["b"], range(2))  # 'b' took over the bit
     assert n.submit_bits(1, 1 << bit_a, version_a, 1.0) == [bit_a]
     assert not n.has_pending()
+
+
+def test_rank_zero_s_own_mask_completes_names_like_any_rank_s():
+    n = Negotiator(4, 8)
+    bits = _cached_names(n, ["a", "b"], range(4))
+    for order in ((0, 1, 2, 3), (3, 2, 1, 0), (1, 0, 3, 2)):  # rank 0's mask first, last, between
+        for rank in order[:-1]:
+            _masks(n, bits, ["a", "b"], (rank,))
+            assert not n.has_ready()
+        _masks(n, bits, ["a", "b"], order[-1:])
+        [(members, batch)] = n.take(1 << 30)
+        assert members == (0, 1, 2, 3) and batch.error is None
+        assert [e.name for e in batch.entries] == sorted(["a", "b"], key=bits.get)
+        assert n.compact_form(batch).bits == (1 << bits["a"]) | (1 << bits["b"])
+        assert not n.has_pending()
+
+
+def test_rank_zero_sending_a_cached_name_in_full_makes_the_others_masks_count_rank_by_rank():
+    n = Negotiator(3, 8)
+    bits = _cached_names(n, ["a", "b"], range(3))
+    _masks(n, bits, ["a", "b"], (1, 2))
+    n.submit(0, allreduce("a"), 1.0)  # with data to reduce, say, or a changed view
+    _masks(n, bits, ["b"], (0,))
+    batches = n.take(1 << 30)
+    assert sorted(name for batch in names(batches) for name in batch) == ["a", "b"]
+    assert all(batch.error is None for _, batch in batches) and not n.has_pending()
+
+
+@pytest.mark.parametrize("size, seed", [(3, 0), (16, 1), (64, 2), (64, 3)])
+def test_masks_arriving_in_pieces_in_any_order_complete_a_name_exactly_when_its_last_member_sent_it(size, seed):
+    import random
+
+    rng = random.Random(seed)
+    n = Negotiator(size, 64)
+    n.add_process_set(1, tuple(range(0, size, 2)))
+    everyone = [f"g{i}" for i in range(12)]
+    evens = [f"e{i}" for i in range(4)]
+    submit_all(n, {r: [allreduce(x) for x in everyone] + ([allreduce(x, set_id=1) for x in evens] if r % 2 == 0
+                                                        else []) for r in range(size)})
+    bits = {e.name: e.cache_bit for _, batch in n.take(1 << 30) for e in batch.entries}
+    for _ in range(3):  # steady cycles: each rank sends its names as a few masks, ranks interleaved at random
+        queued = {}
+        for rank in range(size):
+            mine = everyone + (evens if rank % 2 == 0 else [])
+            rng.shuffle(mine)
+            cuts = sorted(rng.sample(range(1, len(mine)), 2))
+            queued[rank] = [mine[:cuts[0]], mine[cuts[0]:cuts[1]], mine[cuts[1]:]]
+        turns = [rank for rank in range(size) for _ in range(3)]
+        rng.shuffle(turns)
+        pieces = [(rank, queued[rank].pop(0)) for rank in turns]
+        sent: dict = {}
+        done = set()
+        for rank, part in pieces:
+            assert n.submit_bits(rank, sum(1 << bits[x] for x in part), n.cache.version, 1.0) == []
+            for name in part:
+                sent.setdefault(name, set()).add(rank)
+            members = lambda name: range(size) if name.startswith("g") else range(0, size, 2)  # noqa: E731
+            expected = {name for name, ranks in sent.items() if ranks >= set(members(name))} - done
+            ready = {e.name for _, batch in n.take(1 << 30) for e in batch.entries}
+            assert ready == expected
+            done |= ready
+        assert done == set(everyone + evens) and not n.has_pending()
+
+
+def test_a_name_cached_again_under_the_same_bit_runs_with_its_new_request():
+    n = Negotiator(2, 1)
+    bit = _cached_names(n, ["a"], range(2))["a"]
+    _cached_names(n, ["b"], range(2))  # evicts 'a'
+    submit_all(n, {r: [allreduce("a", shape=(5,))] for r in range(2)})
+    [(_, batch)] = n.take(1 << 30)
+    assert batch.entries[0].cache_bit == bit  # the only bit, reused
+    n.take_evictions()  # sent with that batch
+    _masks(n, {"a": bit}, ["a"], (0, 1))
+    [(_, batch)] = n.take(1 << 30)
+    assert batch.entries[0].request.shape == (5,) and n.compact_form(batch) is not None
+
+
+def test_the_cache_gives_a_rank_s_bit_only_for_the_request_it_cached():
+    n = Negotiator(2, 4)
+    bit = _cached_names(n, ["a"], range(2))["a"]
+    assert n.cache.bit_of((0, "a"), 0, allreduce("a")) == bit
+    assert n.cache.bit_of((0, "a"), 0, allreduce("a", shape=(5,))) == -1
+    assert n.cache.bit_of((0, "a"), 7, allreduce("a")) == -1
+    assert n.cache.bit_of((0, "zzz"), 0, allreduce("zzz")) == -1
+
+
+def _replayed(n, batches, evicted):
+    """A rank's mirror after it applied one dispatch: the evictions, then each entry's bit in order."""
+    from roundel.common.engine.response_cache import RankCache
+
+    mirror = RankCache()
+    mirror.evict(evicted)
+    for _, batch in batches:
+        for entry in batch.entries:
+            if entry.cache_bit >= 0:
+                mirror.record((batch.process_set_id, entry.name), entry.cache_bit, entry.request)
+    return mirror
+
+
+def test_a_name_ready_from_masks_but_evicted_earlier_in_the_same_dispatch_is_cached_again_in_order():
+    n = Negotiator(3, 1)
+    bit = _cached_names(n, ["a"], range(3))["a"]
+    n.take_evictions()
+    submit_all(n, {r: [allreduce("c")] for r in range(3)})  # ready first: caching it evicts 'a'
+    _masks(n, {"a": bit}, ["a"], range(3))
+    batches = n.take(1 << 30)
+    assert names(batches) == [("c", "a")]
+    mirror = _replayed(n, batches, [b for b, _ in n.take_evictions()])
+    assert n.cache.entry_key(bit) == (0, "a") and mirror.bit_for((0, "a"), allreduce("a")) == bit
+    assert mirror.bit_for((0, "c"), allreduce("c")) == -1 and n.compact_form(batches[0][1]) is None

@@ -188,19 +188,33 @@ class Coordinator:
         if self._engine.broken is not None:
             self._engine.fail_inflight(self._engine.broken)
         now = time.monotonic()
+        negotiator, own_bits = self._negotiator, 0  # rank 0's cached requests, submitted as one mask like a rank's
         for item in items:
             if isinstance(item, ProcessSetChange):
+                self._submit_own_bits(own_bits, now)
+                own_bits = 0
                 self._apply_control(item)
             elif self._engine.broken is not None:
                 item.handle.set_error(self._engine.broken)
             else:
+                request = item.request
                 self._engine.register(item)
                 if self._engine.timeline.active:
-                    self._engine.timeline.rank_ready(item.request.name, item.request.kind.label, 0)
-                self._negotiator.submit(0, item.request, now, data=item.data)
+                    self._engine.timeline.rank_ready(request.name, request.kind.label, 0)
+                bit = -1 if item.data is not None else negotiator.cache.bit_of((request.process_set_id, request.name),
+                                                                               0, request)
+                if bit >= 0:
+                    own_bits |= 1 << bit
+                else:
+                    negotiator.submit(0, request, now, data=item.data)
                 self._stragglers.arrived(0, now)
                 if self.metrics is not None:
-                    self._submitted_at[(item.request.process_set_id, item.request.name)] = now
+                    self._submitted_at[(request.process_set_id, request.name)] = now
+        self._submit_own_bits(own_bits, now)
+
+    def _submit_own_bits(self, bits: int, now: float) -> None:
+        if bits:  # at the cache's own version: never stale
+            self._negotiator.submit_bits(0, bits, self._negotiator.cache.version, now)
 
     def _serve(self, rank: int, events: int) -> None:
         """A peer's connection is writable (queued messages go out) and/or readable."""

@@ -13,12 +13,16 @@ class Handle:
     ``on_done`` is called once when the handle completes, with its error (None on success).
     """
 
-    __slots__ = ("name", "_event", "_result", "_error", "_waits", "_what", "_on_done", "_lock",
+    __slots__ = ("name", "_latch", "_done", "_result", "_error", "_waits", "_what", "_on_done", "_lock",
                  "_finished")
 
     def __init__(self, name: str, waits=None, what: tuple = (), on_done=None):
         self.name = name
-        self._event = threading.Event()
+        # held until the handle completes: a waiter takes and returns it (a step makes thousands of
+        # handles, and a lock costs a fraction of an Event)
+        self._latch = threading.Lock()
+        self._latch.acquire()
+        self._done = False
         self._result = None
         self._error: BaseException | None = None
         self._waits = waits
@@ -29,18 +33,17 @@ class Handle:
 
     def done(self) -> bool:
         """True once the collective has finished (successfully or not)."""
-        return self._event.is_set()
+        return self._done
 
     def wait(self):
         """Block until finished; return the result or raise the collective's error."""
-        if not self._event.is_set():
-            if self._waits is None:
-                self._event.wait()
-            else:
-                token = self._waits.enter(self._what)
-                try:
-                    self._event.wait()
-                finally:
+        if not self._done:
+            token = None if self._waits is None else self._waits.enter(self._what)
+            try:
+                with self._latch:
+                    pass
+            finally:
+                if token is not None:
                     self._waits.leave(token)
         if self._error is not None:
             raise self._error
@@ -60,4 +63,5 @@ class Handle:
             self._result, self._error = result, error
         if self._on_done is not None:  # before waking the waiter, who may reuse the name at once
             self._on_done(error)
-        self._event.set()
+        self._done = True
+        self._latch.release()

@@ -6,12 +6,13 @@ its process set (other than ranks that have joined) has submitted it; ready
 names are then checked for agreement and fused into batches in one order that
 every rank executes.
 
-In the steady state every rank but 0 sends cached names as a mask of cache
-bits. Such a mask is only merged into the rank's outstanding bits (one integer
-OR, whatever the number of names); once per cycle the members' outstanding
-masks are ANDed per process set, and the bits every member holds become
-ready names. Rank 0's work per cycle is thus one big-integer operation per
-rank plus one step per ready name, not one step per rank and name. A name
+In the steady state every rank, rank 0 included, submits cached names as a
+mask of cache bits. Such a mask is only merged into the rank's outstanding
+bits (one integer OR, whatever the number of names); the members' outstanding
+masks are ANDed per process set, resuming where the last AND found a member
+lacking, and the bits every member holds become ready names. Rank 0's work
+per cycle is thus about one big-integer operation per rank plus one step per
+ready name, not one step per rank and name. A name
 that needs per-rank attention (a rank sent it in full, with data to reduce
 here, while ranks join, or when it stalls, fails or is evicted) is
 "loosened": its outstanding bits become per-rank submissions until it
@@ -43,7 +44,7 @@ _COMPACT = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER)
 
 
 class _Pending:
-    __slots__ = ("requests", "since", "warned", "by_bit", "data", "bulk")
+    __slots__ = ("requests", "since", "warned", "by_bit", "data")
 
     def __init__(self, since: float):
         self.requests: dict[int, Request] = {}
@@ -51,17 +52,14 @@ class _Pending:
         self.warned = False
         self.by_bit: set[int] = set()  # ranks that submitted their cache bit
         self.data: dict[int, bytes] = {}  # rank -> its tensor's bytes (a small allreduce)
-        self.bulk: dict | None = None  # every member but rank 0 sent its bit: the cached requests
 
     def has(self, rank: int) -> bool:
         """Whether ``rank`` has submitted this name."""
-        return rank in self.requests or (self.bulk is not None and rank != 0)
+        return rank in self.requests
 
-    def submitters(self, members: tuple) -> tuple:
+    def submitters(self) -> tuple:
         """The members that have submitted this name, in order."""
-        if self.bulk is None:
-            return tuple(sorted(self.requests))
-        return tuple(r for r in members if r != 0 or 0 in self.requests)
+        return tuple(sorted(self.requests))
 
 
 def _bits_of(mask: int):
@@ -100,6 +98,7 @@ class Negotiator:
         self._evictions: list[tuple[int, tuple]] = []
         self._agreed_requests: dict[tuple, dict] = {}  # every rank's request, for the cache
         self._from_cache: dict[tuple, int] = {}  # ready names every other rank sent as this unchanged bit
+        self._cached_entries: dict[int, tuple] = {}  # bit -> (its cached requests, the agreed entry for them)
         self._compact: dict[int, CachedBatch] = {}  # id(batch) -> its compact form, from the last take()
         self._reduce_bytes = reduce_bytes  # small allreduces up to this size are reduced here
         self._reduced: dict[tuple, bytes] = {}  # ready names reduced here -> their result
@@ -109,7 +108,8 @@ class Negotiator:
         self._settled = 0  # the same, exactly, as of the last _settle()
         self._first_seen: dict[int, float] = {}  # bit -> when it was first outstanding
         self._loose = 0  # bits whose names take per-rank submissions until they complete
-        self._lacking: dict[int, int] = {}  # set id -> a member whose mask lacked the set's candidates
+        self._scans: dict[int, tuple] = {}  # set id -> (index of the member the last AND stopped at, what the
+        # members before it all hold); reset whenever an outstanding bit is taken away
         self._unsettled = False
         self._now = 0.0
 
@@ -121,12 +121,13 @@ class Negotiator:
     def remove_process_set(self, process_set_id: int) -> None:
         """Forget the set; its names still pending fail on the ranks that submitted them."""
         self._loosen(self.cache.set_bits(process_set_id))
-        members = self.process_sets.pop(process_set_id, ())
+        self._scans.pop(process_set_id, None)
+        self.process_sets.pop(process_set_id, None)
         self._member_sets.pop(process_set_id, None)
         self._evictions.extend(self.cache.drop_process_set(process_set_id))
         for key in [k for k in self._pending if k[0] == process_set_id]:
             pending = self._pop_pending(key)
-            self._fail_direct(pending.submitters(members), _any_request(pending),
+            self._fail_direct(pending.submitters(), _any_request(pending),
                               f"'{key[1]}' cannot complete: process set {process_set_id} was removed while "
                               "it was pending (submit it on every member before remove_process_set())",
                               "mismatch")
@@ -151,8 +152,7 @@ class Negotiator:
             pending.by_bit.add(rank)
         if data is not None:
             pending.data[rank] = data
-        if rank != 0:  # the other members' bits of this name must now be per-rank too
-            self._loosen_key(key)
+        self._loosen_key(key)  # the other members' bits of this name must now be per-rank too
         self._check_ready(key)
 
     def submit_bit(self, rank: int, bit: int, sender_version: int, now: float, data: bytes | None = None) -> bool:
@@ -180,7 +180,7 @@ class Negotiator:
                 if bits >> bit & 1 and not per_rank >> bit & 1:
                     self._loosen(1 << bit)
                     per_rank |= 1 << bit
-        if self._joined or self._left or rank == 0:
+        if self._joined or self._left:
             per_rank = bits
         for bit in _bits_of(per_rank):
             if not self.submit_bit(rank, bit, sender_version, now, data.get(bit) if data else None):
@@ -217,6 +217,7 @@ class Negotiator:
         self._loosen(self._seen)
         self._left.add(rank)
         self._outstanding.pop(rank, None)
+        self._scans.clear()
         if rank in self._joined:
             self._joined.remove(rank)
         for key in list(self._pending):
@@ -260,8 +261,7 @@ class Negotiator:
             self._loosen_key((set_id, name))
             pending = self._pop_pending((set_id, name))
             if pending is not None:
-                members = self.process_sets.get(set_id, ())
-                self._fail_direct(pending.submitters(members), _any_request(pending), message, "deadlock")
+                self._fail_direct(pending.submitters(), _any_request(pending), message, "deadlock")
 
     # ---------------------------------------------------------------- output
     def take(self, fusion_threshold: int) -> list[tuple[tuple, Batch]]:
@@ -374,7 +374,7 @@ class Negotiator:
             pending.warned = True
             members = self.process_sets.get(ps_id, ())
             missing = [r for r in members if not pending.has(r) and r not in self._joined]
-            report.append((name, ps_id, missing, list(pending.submitters(members)), waited))
+            report.append((name, ps_id, missing, list(pending.submitters()), waited))
         return report
 
     def fail_stalled(self, now: float, after_s: float) -> None:
@@ -406,44 +406,43 @@ class Negotiator:
         return None
 
     def _settle(self) -> None:
-        """Make ready the cached names whose bit every member but rank 0 has sent by mask."""
+        """Make ready the cached names whose bit every member has sent by mask.
+
+        Masks only gain bits until names complete, so an AND that stopped at a
+        member lacking the candidates resumes there next time, when the
+        candidates are among those the members before it all hold: the members
+        of a set are scanned about once per completion, however the masks arrive.
+        """
         if not self._unsettled:
             return
         self._unsettled = False
-        outstanding = self._outstanding
         completed = False
         for set_id, set_bits in self.cache.bits_by_set():
             candidates = set_bits & self._seen & ~self._loose
             members = self.process_sets.get(set_id) if candidates else None
-            if members is None:
+            if members is None or len(self._outstanding) < len(members):  # some member holds no bit at all
                 continue
-            lacking = self._lacking.get(set_id)  # the member that held none of them last time, checked first
-            if lacking is not None and lacking in self._member_sets[set_id] and \
-                    not candidates & outstanding.get(lacking, 0):
-                continue
-            for rank in members:
-                if rank:
-                    candidates &= outstanding.get(rank, 0)
-                    if not candidates:
-                        self._lacking[set_id] = rank
-                        break
+            start, held = self._scans.get(set_id, (0, 0))
+            if candidates & ~held:
+                start = 0
+            outstanding = self._outstanding
+            for index in range(start, len(members)):
+                before = candidates
+                candidates &= outstanding.get(members[index], 0)
+                if not candidates:
+                    self._scans[set_id] = (index, before)
+                    break
             if not candidates:
                 continue
             completed = True
-            for rank in members:
-                if rank in outstanding:
-                    outstanding[rank] &= ~candidates
+            self._scans.clear()
+            self._outstanding = {rank: rest for rank, held in outstanding.items() if (rest := held & ~candidates)}
             for bit in _bits_of(candidates):
-                key, requests = self.cache.entry(bit)
-                pending = self._pending.get(key)
-                if pending is None:
-                    pending = self._pending[key] = _Pending(self._first_seen.get(bit, self._now))
-                pending.bulk = requests
-                self._check_ready(key)
+                self._ready_from_cache(bit, members)
         seen = self._seen  # exact, unless names just completed
         if completed:
             seen = 0
-            for held in outstanding.values():
+            for held in self._outstanding.values():
                 seen |= held
         for bit in _bits_of(seen & ~self._settled):
             self._first_seen[bit] = self._now
@@ -464,6 +463,7 @@ class Negotiator:
         self._loose |= moving
         if not moving:
             return
+        self._scans.clear()
         for rank, held in list(self._outstanding.items()):
             taken = held & moving
             if not taken:
@@ -488,15 +488,20 @@ class Negotiator:
         if old:
             self._loosen(old)
 
-    def _unbulk(self, key: tuple, pending: _Pending) -> None:
-        """Record a bulk arrival as the members' own submissions."""
-        if pending.bulk is None:
+    def _ready_from_cache(self, bit: int, members: tuple) -> None:
+        """Every member sent ``bit``: its cached requests, agreed before, run again as they are."""
+        key, requests = self.cache.entry(bit)
+        if key in self._pending:  # the name has submissions of its own too: rank by rank, then
+            for rank in members:
+                self.submit(rank, requests[rank], self._first_seen.get(bit, self._now), by_bit=True)
             return
-        for rank in self.process_sets.get(key[0], ()):
-            if rank:
-                pending.requests[rank] = pending.bulk[rank]
-                pending.by_bit.add(rank)
-        pending.bulk = None
+        known = self._cached_entries.get(bit)
+        if known is None or known[0] is not requests:  # first time under this bit, or the entry changed
+            entry = self._agreed_entry(key, requests, members, ())
+            known = self._cached_entries[bit] = (requests, entry._replace(cache_bit=bit))
+        self._from_cache[key] = bit
+        self._agreed_requests[key] = requests  # take() checks they are still cached under the bit
+        self._ready.append((known[1], ()))
 
     def _pop_pending(self, key: tuple) -> _Pending | None:
         pending = self._pending.pop(key, None)
@@ -513,8 +518,6 @@ class Negotiator:
 
     def _join(self, rank: int, request: Request, now: float) -> None:
         self._loosen(self._seen)  # while ranks are joined, every name is checked rank by rank
-        for key, pending in self._pending.items():
-            self._unbulk(key, pending)
         if rank not in self._joined:
             self._joined.append(rank)
         for key in list(self._pending):
@@ -535,21 +538,14 @@ class Negotiator:
             joined = tuple(r for r in self._joined if r in member_set)
             if any(r not in pending.requests for r in members if r not in joined):
                 return
-        elif len(pending.requests) + (0 if pending.bulk is None else len(members) - (0 in self._member_sets[key[0]])) \
-                < len(members):  # only members submit, each once: a count will do
+        elif len(pending.requests) < len(members):  # only members submit, each once: a count will do
             return
         else:
             joined = ()
         self._pop_pending(key)
         requests = pending.requests
-        if pending.bulk is not None:  # every member but rank 0 sent the bit of these cached requests
-            if all(pending.bulk.get(r) == q for r, q in requests.items()):
-                requests = pending.bulk
-            else:
-                requests = {**pending.bulk, **requests}
-                pending.requests, pending.bulk = requests, None
-        if not joined and (requests is pending.bulk or (
-                all(r in pending.by_bit for r in members if r != 0) and self.cache.requests(key) == requests)):
+        if not joined and (
+                all(r in pending.by_bit for r in members if r != 0) and self.cache.requests(key) == requests):
             # the very requests agreed and cached before: nothing to check again, and every
             # other member can rebuild the batch from its own cache
             self._from_cache[key] = self.cache.get_bit(key)
@@ -561,6 +557,7 @@ class Negotiator:
                                                 error=problem)))
                 return
         entry = self._agreed_entry(key, requests, members, joined)
+        self._agreed_requests[key] = requests  # no longer changed: the pending name is gone
         if not joined and len(pending.data) == len(members) and \
                 small_allreduce.eligible(entry.request, self._reduce_bytes):
             reduced = small_allreduce.reduce(entry.request, [pending.data[r] for r in members])
@@ -575,7 +572,6 @@ class Negotiator:
             first_dims = tuple(requests[r].shape[0] if r in requests else 0 for r in members)
         elif request.kind == OpKind.ALLTOALL:
             splits = tuple(requests[r].splits if r in requests else (0,) * len(members) for r in members)
-        self._agreed_requests[key] = requests  # no longer changed: the pending name is gone
         return Entry(key[1], request, first_dims, splits)
 
     def _cached(self, entry: Entry, joined: tuple) -> Entry:
@@ -586,8 +582,8 @@ class Negotiator:
         """
         key = (entry.request.process_set_id, entry.name)
         requests = self._agreed_requests.pop(key, None)
-        if requests is not None and requests is self.cache.requests(key):  # agreed from the cache as it is
-            return entry._replace(cache_bit=self.cache.touch(key))
+        if requests is not None and requests is self.cache.requests(key):  # still cached as agreed
+            return entry  # (ready from masks: it carries the bit already)
         if requests is None or joined or not all(r.cacheable for r in requests.values()):
             return entry
         bit, evicted = self.cache.put((entry.request.process_set_id, entry.name), requests)
@@ -597,9 +593,7 @@ class Negotiator:
 
 def _any_request(pending: _Pending) -> Request:
     """One of the requests submitted for a pending name."""
-    for request in pending.requests.values():
-        return request
-    return next(iter(pending.bulk.values()))
+    return next(iter(pending.requests.values()))
 
 
 def entry_bytes(entry: Entry) -> int:

@@ -48,11 +48,6 @@ class CoordinatorCache:
         entry = self._entries.get(bit)
         return None if entry is None else entry[0]
 
-    def touch(self, key: Key) -> int:
-        """Mark ``key`` used; returns its bit."""
-        self._bits.move_to_end(key)
-        return self._bits[key]
-
     def changed_since(self, sender_version: int) -> int:
         """The mask of bits evicted or reassigned after ``sender_version`` (stale in a sender's view)."""
         if sender_version >= self.version:
@@ -85,6 +80,11 @@ class CoordinatorCache:
     def get_bit(self, key: Key) -> int:
         """The bit ``key`` is cached under, or -1."""
         return self._bits.get(key, -1)
+
+    def bit_of(self, key: Key, rank: int, request) -> int:
+        """The bit ``key`` is cached under if ``rank``'s cached request is ``request``, else -1."""
+        bit = self._bits.get(key, -1)
+        return bit if bit >= 0 and self._entries[bit][1].get(rank) == request else -1
 
     def put(self, key: Key, requests: dict) -> tuple[int, list[tuple[int, Key]]]:
         """Cache ``requests`` (by rank) under ``key``; return its bit and the entries evicted."""
