@@ -25,7 +25,10 @@ For each N it reports:
   ``--steps`` steps;
 * rank 0's CPU per steady step (this process: engine threads and the
   submitting thread), the part of it its coordinator thread spent, and its
-  peak memory.
+  peak memory;
+* the CPU the simulating processes spent per steady step, all together: when
+  it exceeds what the cores left to them can give in one cycle, the steady
+  cycle measures the simulation more than rank 0.
 
 It then fits ``t(N) = a + b N`` by least squares to the steady cycle and to
 rank 0's CPU per step, over the sizes run the same way as the largest (with
@@ -306,7 +309,9 @@ def _worker(store_port: int, secret: bytes, prefix: str, size: int, hosts: list,
             command = pipe.recv()
             if command == "stop":
                 break
-            pipe.send(("step", simulated.step(cached=command == "cached")))
+            before = time.process_time()
+            sent, done = simulated.step(cached=command == "cached")
+            pipe.send(("step", (sent, done, time.process_time() - before)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         pipe.send(("error", repr(exc)))
 
@@ -415,11 +420,13 @@ def measure(size: int, workers: int, steps: int, per_host: int = 8, relay_from_r
         next(thread for thread in threading.enumerate() if thread.name == "roundel-engine").ident)
     tensors = [torch.zeros(SHAPE) for _ in range(NAMES)]
     try:
-        first = _step(engine, pipes, tensors, cached=False)
-        cycles, cpu, coordinator_cpu = [], [], []
+        first, _ = _step(engine, pipes, tensors, cached=False)
+        cycles, cpu, coordinator_cpu, simulation_cpu = [], [], [], []
         for _ in range(steps):
             before, coordinator_before = time.process_time(), time.clock_gettime(coordinator_clock)
-            cycles.append(_step(engine, pipes, tensors, cached=True))
+            cycle, simulating = _step(engine, pipes, tensors, cached=True)
+            cycles.append(cycle)
+            simulation_cpu.append(simulating)
             cpu.append(time.process_time() - before)
             coordinator_cpu.append(time.clock_gettime(coordinator_clock) - coordinator_before)
     finally:
@@ -435,6 +442,7 @@ def measure(size: int, workers: int, steps: int, per_host: int = 8, relay_from_r
             "cycle_ms": statistics.median(cycles) * 1e3, "cycle_ms_min": min(cycles) * 1e3,
             "rank0_cpu_ms_per_step": statistics.median(cpu) * 1e3,
             "coordinator_cpu_ms_per_step": statistics.median(coordinator_cpu) * 1e3,
+            "simulation_cpu_ms_per_step": statistics.median(simulation_cpu) * 1e3,
             "rank0_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "rank0_rss_growth_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024}
 
@@ -457,20 +465,23 @@ def _expect(pipe, what: str):
     return value
 
 
-def _step(engine: Engine, pipes: list, tensors: list, cached: bool) -> float:
-    """One step of 161 names on every rank; seconds from the last submission to the last rank's reply."""
+def _step(engine: Engine, pipes: list, tensors: list, cached: bool) -> tuple[float, float]:
+    """One step of 161 names on every rank; (seconds from the last submission to the last rank's reply,
+    CPU seconds the simulating processes spent on it)."""
     for pipe in pipes:
         pipe.send("cached" if cached else "full")
     submitted = finished = time.monotonic()
+    simulation_cpu = 0.0
     handles = engine.submit_group([(request, tensor, tensor) for request, tensor in zip(_requests(), tensors)])
     for pipe in pipes:  # a simulating process that fails says so here, rather than leaving rank 0 waiting
-        sent, done = _expect(pipe, "step")
+        sent, done, cpu = _expect(pipe, "step")
         submitted, finished = max(submitted, sent), max(finished, done)
+        simulation_cpu += cpu
     if not all(handle.done() for handle in handles):
         for handle in handles:
             handle.wait()
         finished = time.monotonic()
-    return finished - submitted
+    return finished - submitted, simulation_cpu
 
 
 def main() -> None:
@@ -495,14 +506,14 @@ def main() -> None:
           f"{NAMES} names per step; hosts of {args.per_host} ranks; relays from {args.relay_from_ranks} ranks, "
           f"{args.fanout} under each\n")
     print("| ranks | relays | connect (s) | first step (ms) | steady cycle (ms) | rank 0 CPU per step (ms) "
-          "| of it, the coordinator thread (ms) | rank 0 peak RSS (MiB) |\n"
-          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| of it, the coordinator thread (ms) | rank 0 peak RSS (MiB) | simulating processes' CPU per step (ms) |\n"
+          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size in (int(n) for n in args.ranks.split(",")):
         row = measure(size, args.workers, args.steps, args.per_host, args.relay_from_ranks, args.fanout)
         results.append(row)
         print(f"| {size:,} | {'yes' if row['relays'] else 'no'} | {row['connect_s']:.2f} | {row['first_step_ms']:.1f} "
               f"| {row['cycle_ms']:.2f} | {row['rank0_cpu_ms_per_step']:.2f} | {row['coordinator_cpu_ms_per_step']:.2f} "
-              f"| {row['rank0_peak_rss_mib']:.0f} |", flush=True)
+              f"| {row['rank0_peak_rss_mib']:.0f} | {row['simulation_cpu_ms_per_step']:.1f} |", flush=True)
     ranks = [row["ranks"] for row in results]
     fits = {}
     alike = [row for row in results if row["relays"] == results[-1]["relays"]]  # a line fits one way of running

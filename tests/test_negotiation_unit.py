@@ -778,3 +778,20 @@ def test_a_name_ready_from_masks_but_evicted_earlier_in_the_same_dispatch_is_cac
     mirror = _replayed(n, batches, [b for b, _ in n.take_evictions()])
     assert n.cache.entry_key(bit) == (0, "a") and mirror.bit_for((0, "a"), allreduce("a")) == bit
     assert mirror.bit_for((0, "c"), allreduce("c")) == -1 and n.compact_form(batches[0][1]) is None
+
+
+def test_the_same_names_ready_from_masks_again_make_the_same_batches_at_each_threshold():
+    n = Negotiator(3, 16)
+    names_ = [f"g{i}" for i in range(6)]
+    bits = _cached_names(n, names_, range(3))
+    n.take_evictions()
+    seen = {}
+    for threshold in (1 << 30, 32, 1 << 30, 32, 0):
+        _masks(n, bits, names_, range(3))
+        batches = n.take(threshold)
+        got = (names(batches), [n.compact_form(batch).bits for _, batch in batches])
+        assert seen.setdefault(threshold, got) == got
+        assert not n.has_pending()
+    assert len(seen[1 << 30][0]) == 1 and len(seen[32][0]) == 3 and len(seen[0][0]) == 6  # 16 bytes a name
+    _masks(n, bits, names_[:2], range(3))  # fewer names ready: not the plan of six
+    assert [name for batch in names(n.take(1 << 30)) for name in batch] == sorted(names_[:2], key=bits.get)

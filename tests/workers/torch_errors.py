@@ -191,6 +191,7 @@ def scenario_duplicate():
                       f"'{group}.1'", "already in flight", what="a grouped call with a member's name in flight")
         check(hvd.synchronize(first), np.full(3, float(SIZE)), "the member's name submitted first completes")
     else:
+        time.sleep(1.0)  # so that the last rank's first submission is still in flight when it makes the grouped call
         check(hvd.allreduce(x, name=f"{group}.1", op=hvd.Sum), np.full(3, float(SIZE)), "the others' member name")
     for i, out in enumerate(hvd.grouped_allreduce([x, x, x], name=group, op=hvd.Sum)):
         check(out, np.full(3, float(SIZE)), f"the grouped call after the refused one [{i}]")

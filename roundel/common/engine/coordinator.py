@@ -188,29 +188,32 @@ class Coordinator:
         if self._engine.broken is not None:
             self._engine.fail_inflight(self._engine.broken)
         now = time.monotonic()
-        negotiator, own_bits = self._negotiator, 0  # rank 0's cached requests, submitted as one mask like a rank's
+        engine, negotiator = self._engine, self._negotiator
+        bit_of, own_bits, submitted = negotiator.cache.bit_of, 0, False  # own cached requests: one mask, as a rank
         for item in items:
             if isinstance(item, ProcessSetChange):
                 self._submit_own_bits(own_bits, now)
                 own_bits = 0
                 self._apply_control(item)
-            elif self._engine.broken is not None:
-                item.handle.set_error(self._engine.broken)
+            elif engine.broken is not None:
+                item.handle.set_error(engine.broken)
             else:
                 request = item.request
-                self._engine.register(item)
-                if self._engine.timeline.active:
-                    self._engine.timeline.rank_ready(request.name, request.kind.label, 0)
-                bit = -1 if item.data is not None else negotiator.cache.bit_of((request.process_set_id, request.name),
-                                                                               0, request)
+                key = (request.process_set_id, request.name)
+                engine.register(item)
+                if engine.timeline.active:
+                    engine.timeline.rank_ready(request.name, request.kind.label, 0)
+                bit = -1 if item.data is not None else bit_of(key, 0, request)
                 if bit >= 0:
                     own_bits |= 1 << bit
                 else:
                     negotiator.submit(0, request, now, data=item.data)
-                self._stragglers.arrived(0, now)
+                submitted = True
                 if self.metrics is not None:
-                    self._submitted_at[(request.process_set_id, request.name)] = now
+                    self._submitted_at[key] = now
         self._submit_own_bits(own_bits, now)
+        if submitted:
+            self._stragglers.arrived(0, now)
 
     def _submit_own_bits(self, bits: int, now: float) -> None:
         if bits:  # at the cache's own version: never stale
@@ -521,6 +524,7 @@ class Coordinator:
         """The batches of ``outbox`` to every other rank, one message per peer (a rank owed resends gets its
         own, with them)."""
         payloads = [control_codec.encode(message) for message in _dispatches(version, outbox, evicted, [])]
+        to_all_below = [relay.to_all_below(payload) for payload in payloads] if self._below else None
         owed = self._resends
         for peer in list(self._peers):
             below = self._below.get(peer)
@@ -529,8 +533,8 @@ class Coordinator:
                 for payload in payloads if reach else ():
                     self._send_peer_encoded(peer, relay.addressed(peer, reach, payload))
                 continue
-            for payload in payloads:
-                self._send_peer_encoded(peer, relay.to_all_below(payload) if below else payload)
+            for payload in to_all_below if below else payloads:
+                self._send_peer_encoded(peer, payload)
         for rank, resends in list(owed.items()):
             for message in _dispatches(version, outbox, evicted, resends):
                 self._send_peer(rank, message)

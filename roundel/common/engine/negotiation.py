@@ -41,6 +41,7 @@ _NOT_WITH_JOIN = (OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL, OpKind.RE
 # Kinds whose batch a rank can rebuild from its own cached requests alone (allgather and alltoall
 # also need every rank's first dimensions or splits).
 _COMPACT = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER)
+_PLANS_KEPT = 64  # take() plans remembered (a training step makes a few, one per set of names ready together)
 
 
 class _Pending:
@@ -99,6 +100,8 @@ class Negotiator:
         self._agreed_requests: dict[tuple, dict] = {}  # every rank's request, for the cache
         self._from_cache: dict[tuple, int] = {}  # ready names every other rank sent as this unchanged bit
         self._cached_entries: dict[int, tuple] = {}  # bit -> (its cached requests, the agreed entry for them)
+        self._ready_from_masks = 0  # how many of the ready entries are such agreed entries
+        self._plans: dict[tuple, tuple] = {}  # what take() made of the same such entries before
         self._compact: dict[int, CachedBatch] = {}  # id(batch) -> its compact form, from the last take()
         self._reduce_bytes = reduce_bytes  # small allreduces up to this size are reduced here
         self._reduced: dict[tuple, bytes] = {}  # ready names reduced here -> their result
@@ -275,6 +278,15 @@ class Negotiator:
         self._settle()
         if self._seen and self.cache.full():  # a cache put may evict a bit still outstanding
             self._loosen(self._seen)
+        plan_key = self._plan_key(fusion_threshold)
+        plan = self._plans.get(plan_key) if plan_key else None
+        if plan is not None:  # the same entries as a step before: the same batches, nothing put in the cache
+            batches, self._compact = plan
+            self._ready.clear()
+            self._ready_from_masks = 0
+            self._agreed_requests.clear()
+            self._from_cache.clear()
+            return self.take_direct() + batches
         out: list[tuple[tuple, list]] = []
         open_batches: dict[tuple, list] = {}
         for entry, extra in self._ready:
@@ -300,6 +312,7 @@ class Negotiator:
             if request.kind in _FUSABLE:
                 open_batches[fusion_key] = slot
         self._ready.clear()
+        self._ready_from_masks = 0
         batches = []
         for item in out:
             if isinstance(item[1], Batch):
@@ -326,7 +339,18 @@ class Negotiator:
                 self._compact[id(batch)] = CachedBatch(batch.kind, batch.process_set_id,
                                                        sum(1 << e.cache_bit for e in batch.entries), batch.reduced)
         self._from_cache.clear()
+        if plan_key and not self._evictions:  # (nothing was put in the cache)
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            self._plans[plan_key] = (batches, self._compact)
         return self.take_direct() + batches
+
+    def _plan_key(self, fusion_threshold: int) -> tuple | None:
+        """What identifies this take's batches when every ready entry is an agreed entry from masks (whose
+        ids stay unique while a kept plan holds them) and no eviction is pending; else None."""
+        if not self._ready or self._ready_from_masks != len(self._ready) or self._evictions:
+            return None
+        return (fusion_threshold, *(id(entry) for entry, _ in self._ready))
 
     def compact_form(self, batch: Batch) -> CachedBatch | None:
         """The bits standing for ``batch``, one of the last ``take()``'s, for its members other than rank 0.
@@ -502,6 +526,7 @@ class Negotiator:
         self._from_cache[key] = bit
         self._agreed_requests[key] = requests  # take() checks they are still cached under the bit
         self._ready.append((known[1], ()))
+        self._ready_from_masks += 1
 
     def _pop_pending(self, key: tuple) -> _Pending | None:
         pending = self._pending.pop(key, None)
