@@ -35,7 +35,7 @@ def cycle_us(cached: int, hot: int, reps: int, ranks: int = 2) -> float:
     start = time.perf_counter()
     for _ in range(reps):
         version = negotiator.cache.version
-        own = 0  # rank 0's coordinator finds its own requests' bits, as core's coordinator does
+        own = 0  # rank 0's own requests' bits, found as the engine's coordinator finds them
         for request in requests[:hot]:
             own |= 1 << negotiator.cache.bit_of((request.process_set_id, request.name), 0, request)
         negotiator.submit_bits(0, own, version, 1.0)

@@ -118,6 +118,7 @@ class Negotiator:
 
     # ----------------------------------------------------------------- input
     def add_process_set(self, process_set_id: int, ranks: Iterable[int]) -> None:
+        self._scans.pop(process_set_id, None)  # (positions in the members it had, if any)
         self.process_sets[process_set_id] = tuple(ranks)
         self._member_sets[process_set_id] = frozenset(self.process_sets[process_set_id])
 
