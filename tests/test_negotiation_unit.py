@@ -5,12 +5,14 @@ take() returns are what every rank would execute.
 """
 
 import itertools
+import random
 
 import pytest
 
 from roundel.common.engine.negotiation import JOIN_NAME, Negotiator
 from roundel.ops import ReduceOp
 from roundel.common.engine.requests import OpKind, Request
+from roundel.common.engine.response_cache import RankCache
 
 
 def allreduce(name, shape=(4,), dtype="float32", set_id=0, **fields):
@@ -698,8 +700,6 @@ def test_rank_zero_sending_a_cached_name_in_full_makes_the_others_masks_count_ra
 
 @pytest.mark.parametrize("size, seed", [(3, 0), (16, 1), (64, 2), (64, 3)])
 def test_masks_arriving_in_pieces_in_any_order_complete_a_name_exactly_when_its_last_member_sent_it(size, seed):
-    import random
-
     rng = random.Random(seed)
     n = Negotiator(size, 64)
     n.add_process_set(1, tuple(range(0, size, 2)))
@@ -708,6 +708,7 @@ def test_masks_arriving_in_pieces_in_any_order_complete_a_name_exactly_when_its_
     submit_all(n, {r: [allreduce(x) for x in everyone] + ([allreduce(x, set_id=1) for x in evens] if r % 2 == 0
                                                         else []) for r in range(size)})
     bits = {e.name: e.cache_bit for _, batch in n.take(1 << 30) for e in batch.entries}
+    members = {**{name: set(range(size)) for name in everyone}, **{name: set(range(0, size, 2)) for name in evens}}
     for _ in range(3):  # steady cycles: each rank sends its names as a few masks, ranks interleaved at random
         queued = {}
         for rank in range(size):
@@ -724,8 +725,7 @@ def test_masks_arriving_in_pieces_in_any_order_complete_a_name_exactly_when_its_
             assert n.submit_bits(rank, sum(1 << bits[x] for x in part), n.cache.version, 1.0) == []
             for name in part:
                 sent.setdefault(name, set()).add(rank)
-            members = lambda name: range(size) if name.startswith("g") else range(0, size, 2)  # noqa: E731
-            expected = {name for name, ranks in sent.items() if ranks >= set(members(name))} - done
+            expected = {name for name, ranks in sent.items() if ranks >= members[name]} - done
             ready = {e.name for _, batch in n.take(1 << 30) for e in batch.entries}
             assert ready == expected
             done |= ready
@@ -754,10 +754,8 @@ def test_the_cache_gives_a_rank_s_bit_only_for_the_request_it_cached():
     assert n.cache.bit_of((0, "zzz"), 0, allreduce("zzz")) == -1
 
 
-def _replayed(n, batches, evicted):
+def _replayed(batches, evicted):
     """A rank's mirror after it applied one dispatch: the evictions, then each entry's bit in order."""
-    from roundel.common.engine.response_cache import RankCache
-
     mirror = RankCache()
     mirror.evict(evicted)
     for _, batch in batches:
@@ -775,7 +773,7 @@ def test_a_name_ready_from_masks_but_evicted_earlier_in_the_same_dispatch_is_cac
     _masks(n, {"a": bit}, ["a"], range(3))
     batches = n.take(1 << 30)
     assert names(batches) == [("c", "a")]
-    mirror = _replayed(n, batches, [b for b, _ in n.take_evictions()])
+    mirror = _replayed(batches, [b for b, _ in n.take_evictions()])
     assert n.cache.entry_key(bit) == (0, "a") and mirror.bit_for((0, "a"), allreduce("a")) == bit
     assert mirror.bit_for((0, "c"), allreduce("c")) == -1 and n.compact_form(batches[0][1]) is None
 
