@@ -793,3 +793,15 @@ def test_the_same_names_ready_from_masks_again_make_the_same_batches_at_each_thr
     assert len(seen[1 << 30][0]) == 1 and len(seen[32][0]) == 3 and len(seen[0][0]) == 6  # 16 bytes a name
     _masks(n, bits, names_[:2], range(3))  # fewer names ready: not the plan of six
     assert [name for batch in names(n.take(1 << 30)) for name in batch] == sorted(names_[:2], key=bits.get)
+
+
+def test_a_name_submitted_again_before_it_is_cached_completes_when_the_others_send_its_bit():
+    n = Negotiator(2, 8)
+    submit_all(n, {0: [allreduce("a")], 1: [allreduce("a")]})
+    n.submit(0, allreduce("a"), 1.0)  # the next step's, before the first is taken (and cached)
+    [(_, batch)] = n.take(1 << 30)
+    bit = batch.entries[0].cache_bit
+    assert bit >= 0
+    assert n.submit_bits(1, 1 << bit, n.cache.version, 2.0) == []
+    [(_, batch)] = n.take(1 << 30)
+    assert [e.name for e in batch.entries] == ["a"] and batch.error is None and not n.has_pending()

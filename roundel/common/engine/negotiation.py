@@ -515,11 +515,7 @@ class Negotiator:
 
     def _ready_from_cache(self, bit: int, members: tuple) -> None:
         """Every member sent ``bit``: its cached requests, agreed before, run again as they are."""
-        key, requests = self.cache.entry(bit)
-        if key in self._pending:  # the name has submissions of its own too: rank by rank, then
-            for rank in members:
-                self.submit(rank, requests[rank], self._first_seen.get(bit, self._now), by_bit=True)
-            return
+        key, requests = self.cache.entry(bit)  # (never a pending name's: those bits are loose)
         known = self._cached_entries.get(bit)
         if known is None or known[0] is not requests:  # first time under this bit, or the entry changed
             entry = self._agreed_entry(key, requests, members, ())
@@ -612,8 +608,10 @@ class Negotiator:
             return entry  # (ready from masks: it carries the bit already)
         if requests is None or joined or not all(r.cacheable for r in requests.values()):
             return entry
-        bit, evicted = self.cache.put((entry.request.process_set_id, entry.name), requests)
+        bit, evicted = self.cache.put(key, requests)
         self._evictions.extend(evicted)
+        if bit >= 0 and key in self._pending:  # submitted again already: its masks count rank by rank
+            self._loose |= 1 << bit
         return entry._replace(cache_bit=bit)
 
 
