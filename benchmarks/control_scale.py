@@ -9,8 +9,8 @@ rank's engine does (in full the first time, then as one mask of cache bits)
 and reads the batches the coordinator sends back, recording the cache bits as
 a rank's mirror does. The ranks sit on simulated hosts of ``--per-host``; in
 jobs of at least ``--relay-from-ranks`` ranks (the setting's default), each
-host's first rank runs roundel's real relay, as it would in a job of that
-size: the host's other ranks connect to it, and the relays form the same tree
+host's first rank (the second on rank 0's host) runs roundel's real relay,
+as it would in a job of that size: the host's other ranks connect to it, and the relays form the same tree
 under rank 0. No tensor data moves: rank 0's transport does nothing (the data
 plane has benchmarks of its own), so what is timed is the control plane
 alone.
@@ -131,7 +131,7 @@ class _SimulatedHosts:
     """Many hosts' ranks, driven from one process.
 
     Without relays every simulated rank connects to rank 0. With relays each
-    host's first rank runs roundel's real ``Relay`` (listener, children,
+    host's relaying rank runs roundel's real ``Relay`` (listener, children,
     merging, fan-out) and connects to the rank above it, and the host's other
     ranks connect to it, as in a real job; a simulated rank submits what a
     rank's engine would (in full the first time, then one mask of cache
@@ -147,7 +147,7 @@ class _SimulatedHosts:
         os.set_blocking(self._wake_r, False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", 0))
         self.leaves: dict = {}  # rank -> connection to its relay (or rank 0)
-        self.relays: dict = {}  # a host's first rank -> its Relay
+        self.relays: dict = {}  # a host's relaying rank -> its Relay
         self.parents: dict = {}  # a host's first rank -> its connection to the rank above
         self.readers: dict = {}  # ("leaf" or "parent", rank) -> FrameReader
         self.relay_of: dict = {}  # rank -> the relay here it is a child of
@@ -157,28 +157,34 @@ class _SimulatedHosts:
         self.done = 0.0
         self.last_heartbeat = time.monotonic()
         coordinator = client.get(prefix + "coordinator", timeout=300.0).decode()
+        leaders = {h: ranks[relays.relay_local_rank(h)] for h, ranks in hosts
+                   if relayed and len(ranks) > relays.relay_local_rank(h)}
         for h, ranks in hosts:  # the relays first, so that ranks in other processes find them
-            if relayed and ranks[0] != 0:
-                relay = relays.Relay(ranks[0], size, secret, "127.0.0.1", self.selector,
-                                     functools.partial(self._up, ranks[0]), self._wake, HOLD_S, 600.0, _host_name(h))
-                record = relays.address_record(ranks[0], f"127.0.0.1:{relay.listener.port}", _host_name(h),
+            leader = leaders.get(h)
+            if leader is not None:
+                relay = relays.Relay(leader, size, secret, "127.0.0.1", self.selector,
+                                     functools.partial(self._up, leader), self._wake, HOLD_S, 600.0, _host_name(h))
+                record = relays.address_record(leader, f"127.0.0.1:{relay.listener.port}", _host_name(h),
                                                relay.listener.local_name)
                 client.set(relays.host_key(prefix, _host_name(h)), record)
-                client.set(relays.leader_key(prefix, h), record)
-                self.relays[ranks[0]] = relay
-                for rank in ranks[1:]:
-                    self.relay_of[rank] = relay
+                if h:
+                    client.set(relays.leader_key(prefix, h), record)
+                self.relays[leader] = relay
+                for rank in ranks:
+                    if rank not in (0, leader):
+                        self.relay_of[rank] = relay
         for h, ranks in hosts:
-            if ranks[0] not in self.relays:
+            leader = leaders.get(h)
+            if leader is None:
                 continue
-            key = relays.parent_key(prefix, _host_name(h), 0, h, fanout)
+            key = relays.parent_key(prefix, _host_name(h), relays.relay_local_rank(h), h, fanout)
             address = coordinator if key is None else json.loads(client.get(key, timeout=300.0))["address"]
-            connection = self._connect(address, None, ranks[0], ("parent", ranks[0]))
-            self.parents[ranks[0]] = connection
+            connection = self._connect(address, None, leader, ("parent", leader))
+            self.parents[leader] = connection
             connection.send(Heartbeat(_host_name(h)))
-            for child_host in range(h * fanout + 1, h * fanout + fanout + 1):  # hosts whose relays report here
+            for child_host in range(h * fanout + 1, h * fanout + fanout + 1) if h else ():  # relays reporting here
                 if child_host * per_host < size:
-                    self.relay_of[child_host * per_host] = self.relays[ranks[0]]
+                    self.relay_of[child_host * per_host] = self.relays[leader]
         for h, ranks in hosts:
             for rank in ranks:
                 if rank == 0 or rank in self.relays:

@@ -64,7 +64,8 @@ def test_training_benchmark_writes_throughput_plot(tmp_path):
 
 def test_control_scale_simulation_runs_rank_zero_against_simulated_ranks(tmp_path):
     png, figures = tmp_path / "control.png", tmp_path / "control.json"
-    # 9 ranks on hosts of 2 with relays, one under each: a chain of 4 relays under rank 0
+    # 9 ranks on hosts of 2 with relays, one under each: a chain of 4 relays under rank 0 (and rank 1, the relay
+    # of rank 0's host, with no rank to relay for)
     result = run_command([sys.executable, BENCHMARKS / "control_scale.py", "--ranks", "4,9", "--workers", "2",
                           "--steps", "2", "--relay-from-ranks", "8", "--per-host", "2", "--fanout", "1",
                           "--json", figures, "--plot", png], timeout=180)

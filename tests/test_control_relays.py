@@ -181,7 +181,11 @@ def test_a_relay_refuses_a_second_connection_for_a_rank_it_already_serves(harnes
 def test_the_tree_of_relays():
     prefix = "p/"
     assert relays.parent_key(prefix, "h", 1, 5, 16) == relays.host_key(prefix, "h")
-    assert relays.parent_key(prefix, "h", 0, 0, 16) is None
+    # on rank 0's host (cross rank 0) the second rank relays, straight to rank 0, for the third and later
+    assert [relays.relay_local_rank(c) for c in (0, 1, 2)] == [1, 0, 0]
+    assert relays.parent_key(prefix, "h", 1, 0, 16) is None
+    assert relays.parent_key(prefix, "h", 2, 0, 16) == relays.parent_key(prefix, "h", 7, 0, 16) == \
+        relays.host_key(prefix, "h")
     assert [relays.parent_key(prefix, "h", 0, c, 2) for c in (1, 2, 3, 4, 5)] == [
         None, None, relays.leader_key(prefix, 1), relays.leader_key(prefix, 1), relays.leader_key(prefix, 2)]
     assert relays.fan_out([5, 6, 7, 9], {5: 1, 6: 2, 7: 1}) == {1: [5, 7], 2: [6]}
@@ -249,6 +253,8 @@ RELAYS = {"ROUNDEL_RELAY_FROM_RANKS": "2", "ROUNDEL_RELAY_FANOUT": "1"}
 # (fanout 1) and relaying for rank 4 with it
 FIVE = ("-H", "localhost:1,127.0.0.1:2,127.0.0.2:2")
 THREE = ("-H", "localhost:1,127.0.0.1:2")  # rank 1 relays for rank 2
+# on rank 0's host its second rank relays: rank 1 for rank 2 there; rank 3 for rank 4 on the other host
+RANK_0_HOST = ("-H", "localhost:3,127.0.0.1:2")
 
 
 def _relayed(np, worker, scenarios, launcher_args, env=None, timeout=120):
@@ -260,6 +266,12 @@ def test_collectives_through_a_chain_of_relays():
     scenarios = ("steady", "allreduce", "grouped", "coordinator_reduce", "allgather", "broadcast", "alltoall",
                  "ordering", "barrier", "join")
     result = _relayed(5, "torch_collectives.py", scenarios, FIVE)
+    assert_checks_passed(result, 5, *scenarios)
+
+
+def test_collectives_through_the_relay_on_rank_0s_host():
+    scenarios = ("steady", "allreduce", "grouped", "coordinator_reduce", "broadcast", "join")
+    result = _relayed(5, "torch_collectives.py", scenarios, RANK_0_HOST)
     assert_checks_passed(result, 5, *scenarios)
 
 
@@ -309,6 +321,15 @@ def test_a_killed_relay_fails_every_rank_at_once():
         measured = [float(line.split()[1]) for line in rank_lines(result.stdout, rank, "stdout")
                     if line.startswith("MEASURED ")]
         assert measured and measured[0] < 10, describe(result)
+
+
+def test_on_rank_0s_host_the_second_rank_relays_for_the_others():
+    # one host of 3: rank 2 reaches rank 0 through rank 1, so rank 1's death cuts rank 2's line to rank 0
+    result = _relayed(3, "torch_errors.py", ("killed",), ("-H", "localhost:3"), timeout=60)
+    assert result.returncode == 128 + 9, describe(result)
+    errors = [line for line in rank_lines(result.stdout, 2, "stdout") if "HorovodInternalError" in line]
+    assert any("rank 1, which relays this rank's control messages to rank 0" in line for line in errors), \
+        describe(result)
 
 
 def test_a_stopped_rank_behind_a_relay_is_found_by_its_relay():

@@ -805,3 +805,25 @@ def test_a_name_submitted_again_before_it_is_cached_completes_when_the_others_se
     assert n.submit_bits(1, 1 << bit, n.cache.version, 2.0) == []
     [(_, batch)] = n.take(1 << 30)
     assert [e.name for e in batch.entries] == ["a"] and batch.error is None and not n.has_pending()
+
+
+def test_names_ready_together_again_count_as_used_for_the_cache_s_eviction_order():
+    n = Negotiator(2, 3)
+    bits = _cached_names(n, ["a", "b", "c"], range(2))
+    n.take_evictions()
+    for together in (["a", "b"], ["c"], ["a", "b"]):  # the second time 'a' and 'b' are ready as a known group
+        _masks(n, bits, together, range(2))
+        assert [name for batch in names(n.take(1 << 30)) for name in batch] == together
+    _cached_names(n, ["d"], range(2))  # a fourth name takes the least recently used one's bit: 'c'
+    assert n.take_evictions() == [(bits["c"], (0, "c"))]
+
+
+def test_names_held_as_masks_are_reported_stalled_from_when_their_bits_were_first_sent():
+    n = Negotiator(3, 8)
+    bits = _cached_names(n, ["a", "b", "c"], range(3))
+    for names_, ranks, now in ((["a", "b"], (1, 2), 10.0), (["c"], (1,), 30.0), (["a"], (0,), 35.0)):
+        _masks(n, bits, names_, ranks, now=now)
+        n.has_ready()  # as the coordinator asks after every message
+    assert names(n.take(1 << 30)) == [("a",)]  # 'b' and 'c' wait on
+    assert n.stalled(50.0, 30.0) == [("b", 0, [0], [1, 2], 40.0)]  # 'c', first sent at 30, is not old enough
+    assert n.stalled(70.0, 30.0) == [("c", 0, [0, 2], [1], 40.0)]

@@ -413,8 +413,9 @@ SPECS = (
          _flag("--disable-group-fusion", off=("--no-disable-group-fusion",), group="params",
                help="fuse a grouped call's tensors only with each other")),
     Spec("relay_from_ranks", "RELAY_FROM_RANKS", _int(0, "64 (0: every rank talks to rank 0 itself)"),
-         "in jobs of at least this many ranks, each host's first rank relays the control messages of its "
-         "host's other ranks to rank 0, merging their cache bits; 0: never (roundel only)",
+         "in jobs of at least this many ranks, one rank per host (its first; the second on rank 0's host) "
+         "relays the control messages of its host's other ranks to rank 0, merging their cache bits; "
+         "0: never (roundel only)",
          _flag("--relay-from-ranks", type=int, group="params",
                help="relay control messages through one rank per host in jobs of at least this many ranks "
                     "(default 64; 0: never)")),

@@ -188,10 +188,11 @@ class Coordinator:
         if self._engine.broken is not None:
             self._engine.fail_inflight(self._engine.broken)
         now = time.monotonic()
-        engine, negotiator = self._engine, self._negotiator
+        engine, negotiator, timeline = self._engine, self._negotiator, self._engine.timeline
         bit_of, own_bits, submitted = negotiator.cache.bit_of, 0, False  # own cached requests: one mask, as a rank
+        register, counted = engine.register, self.metrics is not None
         for item in items:
-            if isinstance(item, ProcessSetChange):
+            if type(item) is ProcessSetChange:
                 self._submit_own_bits(own_bits, now)
                 own_bits = 0
                 self._apply_control(item)
@@ -200,16 +201,16 @@ class Coordinator:
             else:
                 request = item.request
                 key = (request.process_set_id, request.name)
-                engine.register(item)
-                if engine.timeline.active:
-                    engine.timeline.rank_ready(request.name, request.kind.label, 0)
+                register(item)
+                if timeline.active:
+                    timeline.rank_ready(request.name, request.kind.label, 0)
                 bit = -1 if item.data is not None else bit_of(key, 0, request)
                 if bit >= 0:
                     own_bits |= 1 << bit
                 else:
                     negotiator.submit(0, request, now, data=item.data)
                 submitted = True
-                if self.metrics is not None:
+                if counted:
                     self._submitted_at[key] = now
         self._submit_own_bits(own_bits, now)
         if submitted:

@@ -118,15 +118,14 @@ class Engine:
             if self._coordinator.local_name is not None:  # before the address: ranks that read it find this
                 rendezvous.set(key + "/local", json.dumps(
                     {"host": self.host, "name": self._coordinator.local_name}).encode())
-            if relayed and placement[0] == 0:  # the other ranks of this host connect here
-                rendezvous.set(relay.host_key(key_prefix, self.host), relay.address_record(
-                    0, f"{advertise_host}:{self._coordinator.port}", self.host, self._coordinator.local_name))
             rendezvous.set(key, f"{advertise_host}:{self._coordinator.port}".encode())
             target = self._coordinator.run
         elif relayed:
             local_rank, cross_rank, _ = placement
-            keys = (relay.host_key(key_prefix, self.host), relay.leader_key(key_prefix, cross_rank)) \
-                if local_rank == 0 else ()
+            keys = ()
+            if local_rank == relay.relay_local_rank(cross_rank):  # rank 0's host's relay leads no other hosts
+                keys = (relay.host_key(key_prefix, self.host),) + (
+                    (relay.leader_key(key_prefix, cross_rank),) if cross_rank else ())
             self._link = RankLink(self, secret, key_prefix, relay.parent_key(
                 key_prefix, self.host, local_rank, cross_rank, settings.relay_fanout), keys, advertise_host)
             target = self._link.run

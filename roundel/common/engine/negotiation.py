@@ -21,7 +21,10 @@ completes.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import operator
 from typing import Iterable
 
 from roundel.common.engine import small_allreduce
@@ -41,6 +44,7 @@ _NOT_WITH_JOIN = (OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL, OpKind.RE
 # Kinds whose batch a rank can rebuild from its own cached requests alone (allgather and alltoall
 # also need every rank's first dimensions or splits).
 _COMPACT = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER)
+_FIRST = operator.itemgetter(0)
 _PLANS_KEPT = 64  # take() plans remembered (a training step makes a few, one per set of names ready together)
 
 
@@ -100,6 +104,8 @@ class Negotiator:
         self._agreed_requests: dict[tuple, dict] = {}  # every rank's request, for the cache
         self._from_cache: dict[tuple, int] = {}  # ready names every other rank sent as this unchanged bit
         self._cached_entries: dict[int, tuple] = {}  # bit -> (its cached requests, the agreed entry for them)
+        self._cached_groups: dict[tuple, tuple] = {}  # (set id, bits ready together) -> what they made ready,
+        # at a cache version (see _ready_from_cache)
         self._ready_from_masks = 0  # how many of the ready entries are such agreed entries
         self._plans: dict[tuple, tuple] = {}  # what take() made of the same such entries before
         self._compact: dict[int, CachedBatch] = {}  # id(batch) -> its compact form, from the last take()
@@ -109,7 +115,7 @@ class Negotiator:
         self._outstanding: dict[int, int] = {}  # rank -> cache bits it sent by mask, not yet ready
         self._seen = 0  # bits in some rank's outstanding mask (a superset until the next _settle())
         self._settled = 0  # the same, exactly, as of the last _settle()
-        self._first_seen: dict[int, float] = {}  # bit -> when it was first outstanding
+        self._seen_since: list[tuple] = []  # (when, the outstanding bits first seen then), oldest first
         self._loose = 0  # bits whose names take per-rank submissions until they complete
         self._scans: dict[int, tuple] = {}  # set id -> (index of the member the last AND stopped at, what the
         # members before it all hold); reset whenever an outstanding bit is taken away
@@ -210,8 +216,11 @@ class Negotiator:
             return list(_bits_of(stale))
         self._now = now
         outstanding = self._outstanding
-        for rank in ranks:
-            outstanding[rank] = outstanding.get(rank, 0) | bits
+        if outstanding.keys().isdisjoint(ranks):  # the usual step: their first mask since their last names ran
+            outstanding.update(dict.fromkeys(ranks, bits))
+        else:
+            for rank in ranks:
+                outstanding[rank] = outstanding.get(rank, 0) | bits
         self._seen |= bits
         self._unsettled = True
         return []
@@ -351,7 +360,7 @@ class Negotiator:
         ids stay unique while a kept plan holds them) and no eviction is pending; else None."""
         if not self._ready or self._ready_from_masks != len(self._ready) or self._evictions:
             return None
-        return (fusion_threshold, *(id(entry) for entry, _ in self._ready))
+        return (fusion_threshold, *map(id, map(_FIRST, self._ready)))
 
     def compact_form(self, batch: Batch) -> CachedBatch | None:
         """The bits standing for ``batch``, one of the last ``take()``'s, for its members other than rank 0.
@@ -451,29 +460,39 @@ class Negotiator:
             if candidates & ~held:
                 start = 0
             outstanding = self._outstanding
-            for index in range(start, len(members)):
-                before = candidates
-                candidates &= outstanding.get(members[index], 0)
-                if not candidates:
-                    self._scans[set_id] = (index, before)
-                    break
-            if not candidates:
+            common = functools.reduce(operator.and_, map(outstanding.get, itertools.islice(members, start, None),
+                                                         itertools.repeat(0)), candidates)
+            if not common:  # find the member the AND ran dry at, to resume there
+                for index in range(start, len(members)):
+                    before = candidates
+                    candidates &= outstanding.get(members[index], 0)
+                    if not candidates:
+                        self._scans[set_id] = (index, before)
+                        break
                 continue
+            candidates = common
             completed = True
             self._scans.clear()
-            self._outstanding = {rank: rest for rank, held in outstanding.items() if (rest := held & ~candidates)}
-            for bit in _bits_of(candidates):
-                self._ready_from_cache(bit, members)
+            if set(outstanding.values()) == {candidates}:  # the usual step: every rank held just these
+                self._outstanding = {}
+            else:
+                self._outstanding = {rank: rest for rank, held in outstanding.items()
+                                     if (rest := held & ~candidates)}
+            self._ready_from_cache(set_id, candidates, members)
         seen = self._seen  # exact, unless names just completed
         if completed:
             seen = 0
             for held in self._outstanding.values():
                 seen |= held
-        for bit in _bits_of(seen & ~self._settled):
-            self._first_seen[bit] = self._now
-        for bit in _bits_of(self._settled & ~seen):
-            self._first_seen.pop(bit, None)
+        self._forget_seen(self._settled & ~seen)
+        if seen & ~self._settled:
+            self._seen_since.append((self._now, seen & ~self._settled))
         self._seen = self._settled = seen
+
+    def _forget_seen(self, bits: int) -> None:
+        """``bits`` are no longer outstanding: drop them from the record of when bits were first seen."""
+        if bits:
+            self._seen_since = [(when, rest) for when, held in self._seen_since if (rest := held & ~bits)]
 
     def _loosen(self, bits: int) -> None:
         """Turn the outstanding ``bits`` into per-rank submissions, and keep the pending ones per-rank
@@ -481,7 +500,8 @@ class Negotiator:
         moving = bits & self._seen
         self._seen ^= moving
         self._settled &= ~moving
-        since = {bit: self._first_seen.pop(bit, self._now) for bit in _bits_of(moving)}
+        since = {bit: when for when, held in self._seen_since for bit in _bits_of(held & moving)}
+        self._forget_seen(moving)
         for bit in _bits_of(bits & ~moving & ~self._loose):
             if self.cache.entry_key(bit) in self._pending:
                 self._loose |= 1 << bit
@@ -496,7 +516,7 @@ class Negotiator:
             self._outstanding[rank] = held ^ taken
             for bit in _bits_of(taken):
                 _, requests = self.cache.entry(bit)
-                self.submit(rank, requests[rank], since[bit], by_bit=True)
+                self.submit(rank, requests[rank], since.get(bit, self._now), by_bit=True)
 
     def _loosen_key(self, key: tuple) -> None:
         bit = self.cache.get_bit(key)
@@ -507,23 +527,41 @@ class Negotiator:
         """Loosen the outstanding bits first seen ``after_s`` or longer ago (to report or fail them)."""
         self._settle()
         old = 0
-        for bit, since in self._first_seen.items():
-            if now - since >= after_s:
-                old |= 1 << bit
+        for when, held in self._seen_since:
+            if now - when >= after_s:
+                old |= held
         if old:
             self._loosen(old)
 
-    def _ready_from_cache(self, bit: int, members: tuple) -> None:
-        """Every member sent ``bit``: its cached requests, agreed before, run again as they are."""
-        key, requests = self.cache.entry(bit)  # (never a pending name's: those bits are loose)
-        known = self._cached_entries.get(bit)
-        if known is None or known[0] is not requests:  # first time under this bit, or the entry changed
-            entry = self._agreed_entry(key, requests, members, ())
-            known = self._cached_entries[bit] = (requests, entry._replace(cache_bit=bit))
-        self._from_cache[key] = bit
-        self._agreed_requests[key] = requests  # take() checks they are still cached under the bit
-        self._ready.append((known[1], ()))
-        self._ready_from_masks += 1
+    def _ready_from_cache(self, set_id: int, bits: int, members: tuple) -> None:
+        """Every member of set ``set_id`` sent ``bits``: their cached requests, agreed before, run again as
+        they are (never a pending name's: those bits are loose).
+
+        The same bits ready together at the same cache version make the same entries ready: a steady
+        step's names are found as one group, not bit by bit.
+        """
+        cache = self.cache
+        group = self._cached_groups.get((set_id, bits))
+        if group is None or group[0] != cache.version:
+            ready, agreed, from_cache = [], {}, {}
+            for bit in _bits_of(bits):
+                key, requests = cache.entry(bit)
+                known = self._cached_entries.get(bit)
+                if known is None or known[0] is not requests:  # first time under this bit, or the entry changed
+                    entry = self._agreed_entry(key, requests, members, ())
+                    known = self._cached_entries[bit] = (requests, entry._replace(cache_bit=bit))
+                ready.append((known[1], ()))
+                agreed[key] = requests
+                from_cache[key] = bit
+            if len(self._cached_groups) >= _PLANS_KEPT:
+                self._cached_groups.clear()
+            group = self._cached_groups[(set_id, bits)] = (cache.version, ready, agreed, from_cache)
+        else:
+            cache.touch(group[2])  # used now, as entry() marks them
+        self._ready.extend(group[1])
+        self._agreed_requests.update(group[2])  # take() checks they are still cached under the bits
+        self._from_cache.update(group[3])
+        self._ready_from_masks += len(group[1])
 
     def _pop_pending(self, key: tuple) -> _Pending | None:
         pending = self._pending.pop(key, None)

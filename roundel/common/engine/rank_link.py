@@ -9,9 +9,9 @@ the check that rank 0 is alive. It reaches the core only through its public
 methods (see :class:`roundel.common.engine.core.Engine`).
 
 When relays are on (:mod:`roundel.common.engine.relay`) the rank above is
-this host's relay, or for a host's first rank another host's relay or rank 0;
-on a host's first rank the link also runs that host's relay, in the same
-thread.
+this host's relay, or for a relaying rank another host's relay or rank 0; on
+a host's relaying rank (its first; the second on rank 0's host) the link also
+runs that host's relay, in the same thread.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ cycle, about 30 µs each in Python: 30 ms per cycle at 1,024 ranks. In a job
 of at least ``relay_from_ranks`` ranks, each host's first rank (local rank 0)
 is a relay instead: the other ranks of its host connect to it, and the
 hosts' relays form a tree under rank 0 with at most ``relay_fanout`` of them
-under rank 0 and under each relay (:func:`parent_key`). Rank 0 then hears
-one frame per child, not per rank.
+under rank 0 and under each relay (:func:`parent_key`). On rank 0's own host
+the second rank relays for the others. Rank 0 then hears one frame per
+child, not per rank.
 
 Upward, a relay holds the steady-state submissions of the ranks below it (a
 mask of cache bits and nothing else) and sends them on as one ``Merged``
@@ -56,14 +57,20 @@ def leader_key(prefix: str, cross_rank: int) -> str:
     return f"{prefix}relay/leader/{cross_rank}"
 
 
+def relay_local_rank(cross_rank: int) -> int:
+    """The local rank that relays for its host: the first, but the second on rank 0's host (cross rank 0),
+    whose first is rank 0 itself."""
+    return 1 if cross_rank == 0 else 0
+
+
 def parent_key(prefix: str, host: str, local_rank: int, cross_rank: int, fanout: int) -> str | None:
     """The key of the address a rank other than 0 connects to when relays are on; None: rank 0's own.
 
-    A rank that is not its host's first connects to its host's relay. A host's first rank connects to
-    rank 0 when its host is among the first ``fanout`` hosts after rank 0's, else to the relay of host
-    ``(cross_rank - 1) // fanout``: the relays form a tree of ``fanout`` under each.
+    A rank that does not relay connects to its host's relay. A relay connects to rank 0 when it is on
+    rank 0's host or its host is among the first ``fanout`` hosts after rank 0's, else to the relay of
+    host ``(cross_rank - 1) // fanout``: the relays form a tree of ``fanout`` under each.
     """
-    if local_rank > 0:
+    if local_rank != relay_local_rank(cross_rank):
         return host_key(prefix, host)
     above = (cross_rank - 1) // fanout
     return None if cross_rank == 0 or above == 0 else leader_key(prefix, above)
@@ -115,7 +122,7 @@ def to_all_below(payload: bytes) -> bytes:
 
 
 class Relay:
-    """The relay on a host's first rank: its children's connections, merged upward and fanned out downward.
+    """The relay on a host's relaying rank: its children's connections, merged upward and fanned out downward.
 
     Runs on that rank's engine thread, in its ``selector`` (children are
     registered with the data ``("child", rank)``: pass their events to

@@ -43,6 +43,12 @@ class CoordinatorCache:
         self._bits.move_to_end(entry[0])
         return entry
 
+    def touch(self, keys) -> None:
+        """Mark the cached ``keys`` used (the least recently used entry is evicted first)."""
+        move = self._bits.move_to_end
+        for key in keys:
+            move(key)
+
     def entry_key(self, bit: int) -> Key | None:
         """The key under ``bit``, or None."""
         entry = self._entries.get(bit)
