@@ -117,6 +117,13 @@ class AsyncMemoryBackend(MemoryBackend):
         self._thread.shutdown()
 
 
+class RefusingAsyncMemoryBackend(AsyncMemoryBackend):
+    """An AsyncMemoryBackend whose async call fails before it starts (its connection already gone, say)."""
+
+    def allreduce_async(self, tensor, op):
+        raise RuntimeError("connection reset by peer")
+
+
 class HeldAsyncMemoryBackend(AsyncMemoryBackend):
     """An AsyncMemoryBackend whose async calls wait for ``release`` before they exchange anything."""
 
@@ -411,6 +418,16 @@ def test_stopping_finishes_allreduces_still_in_the_background(group):
 
 def test_a_transport_failure_in_the_background_fails_the_handle_and_is_reported(group):
     g = group(1, fail=True, backend=AsyncMemoryBackend)
+    request = Request("big", OpKind.ALLREDUCE, 0, "float32", (OWN_CALL_BYTES // 4,))
+    [[error]] = g.run(batch_of(OpKind.ALLREDUCE, [request]), [[work(request, torch.ones(OWN_CALL_BYTES // 4))]])
+    assert isinstance(error, RoundelInternalError)
+    assert "allreduce of 'big' failed in the async memory transport: connection reset by peer" in str(error)
+    assert g.transport_failures == [error]
+    assert g.executors[0].idle()
+
+
+def test_an_allreduce_the_transport_refuses_to_start_fails_the_handle_and_is_reported(group):
+    g = group(1, backend=RefusingAsyncMemoryBackend)
     request = Request("big", OpKind.ALLREDUCE, 0, "float32", (OWN_CALL_BYTES // 4,))
     [[error]] = g.run(batch_of(OpKind.ALLREDUCE, [request]), [[work(request, torch.ones(OWN_CALL_BYTES // 4))]])
     assert isinstance(error, RoundelInternalError)

@@ -25,6 +25,7 @@ are ready on any stream.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import queue
@@ -292,7 +293,7 @@ class Executor:
             futures = [backend.allreduce_async(buffer, op) for buffer, _ in parts]
         except Exception as exc:
             self._names = None
-            self._complete(works, lambda: self._raise_from_transport(batch, backend, exc))
+            self._complete(works, functools.partial(self._raise_from_transport, batch, backend, exc))
             if names is not None:
                 self._timeline.end(names, None)
             self._finished_one(works)
