@@ -10,10 +10,10 @@ and reads the batches the coordinator sends back, recording the cache bits as
 a rank's mirror does. The ranks sit on simulated hosts of ``--per-host``; in
 jobs of at least ``--relay-from-ranks`` ranks (the setting's default), each
 host's first rank (the second on rank 0's host) runs roundel's real relay,
-as it would in a job of that size: the host's other ranks connect to it, and the relays form the same tree
-under rank 0. No tensor data moves: rank 0's transport does nothing (the data
-plane has benchmarks of its own), so what is timed is the control plane
-alone.
+as it would in a job of that size: the host's other ranks connect to it,
+and the relays form the same tree under rank 0. No tensor data moves: rank
+0's transport does nothing (the data plane has benchmarks of its own), so
+what is timed is the control plane alone.
 
 For each N it reports:
 
@@ -148,7 +148,7 @@ class _SimulatedHosts:
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", 0))
         self.leaves: dict = {}  # rank -> connection to its relay (or rank 0)
         self.relays: dict = {}  # a host's relaying rank -> its Relay
-        self.parents: dict = {}  # a host's first rank -> its connection to the rank above
+        self.parents: dict = {}  # a host's relaying rank -> its connection to the rank above
         self.readers: dict = {}  # ("leaf" or "parent", rank) -> FrameReader
         self.relay_of: dict = {}  # rank -> the relay here it is a child of
         self.version = 0
