@@ -416,18 +416,10 @@ def test_stopping_finishes_allreduces_still_in_the_background(group):
     torch.testing.assert_close(w.handle.wait(), torch.full((OWN_CALL_BYTES // 4,), 3.0))
 
 
-def test_a_transport_failure_in_the_background_fails_the_handle_and_is_reported(group):
-    g = group(1, fail=True, backend=AsyncMemoryBackend)
-    request = Request("big", OpKind.ALLREDUCE, 0, "float32", (OWN_CALL_BYTES // 4,))
-    [[error]] = g.run(batch_of(OpKind.ALLREDUCE, [request]), [[work(request, torch.ones(OWN_CALL_BYTES // 4))]])
-    assert isinstance(error, RoundelInternalError)
-    assert "allreduce of 'big' failed in the async memory transport: connection reset by peer" in str(error)
-    assert g.transport_failures == [error]
-    assert g.executors[0].idle()
-
-
-def test_an_allreduce_the_transport_refuses_to_start_fails_the_handle_and_is_reported(group):
-    g = group(1, backend=RefusingAsyncMemoryBackend)
+@pytest.mark.parametrize("backend, fail", [(AsyncMemoryBackend, True), (RefusingAsyncMemoryBackend, False)],
+                         ids=["fails_on_the_wire", "refused_at_the_start"])
+def test_a_transport_failure_in_the_background_fails_the_handle_and_is_reported(group, backend, fail):
+    g = group(1, fail=fail, backend=backend)
     request = Request("big", OpKind.ALLREDUCE, 0, "float32", (OWN_CALL_BYTES // 4,))
     [[error]] = g.run(batch_of(OpKind.ALLREDUCE, [request]), [[work(request, torch.ones(OWN_CALL_BYTES // 4))]])
     assert isinstance(error, RoundelInternalError)

@@ -45,7 +45,7 @@ _NOT_WITH_JOIN = (OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL, OpKind.RE
 # also need every rank's first dimensions or splits).
 _COMPACT = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER)
 _FIRST = operator.itemgetter(0)
-_PLANS_KEPT = 64  # take() plans remembered (a training step makes a few, one per set of names ready together)
+_PLANS_KEPT = 64  # take() plans, and groups of names ready together, remembered (a training step makes a few)
 
 
 class _Pending:
