@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -34,6 +35,14 @@ def clean_env(env: dict | None = None) -> dict:
         else:
             result[key] = str(value)
     return result
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie about to be reaped, or one gone while asked, does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _script_path(script) -> str:

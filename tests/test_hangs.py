@@ -23,7 +23,7 @@ import time
 import psutil
 import pytest
 
-from launch_util import LAUNCHER, WORKERS_DIR, assert_checks_passed, describe, rank_lines, run_command, run_job
+from launch_util import LAUNCHER, WORKERS_DIR, alive, assert_checks_passed, describe, rank_lines, run_command, run_job
 from netns_util import LAUNCHER_ADDR, SSH_PORT, NetnsHosts, require_tools
 
 WORKER = "torch_hangs.py"
@@ -51,8 +51,7 @@ def _assert_nothing_left(result) -> None:
     deadline = time.monotonic() + 10
     left = pids
     while left and time.monotonic() < deadline:
-        left = [pid for pid in pids if psutil.pid_exists(pid) and
-                psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        left = [pid for pid in pids if alive(pid)]
         time.sleep(0.2)
     assert not left, f"worker processes {left} are still running\n" + describe(result)
 

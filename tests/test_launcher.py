@@ -1,5 +1,6 @@
 """roundelrun end to end: real launcher, real worker processes, real signals."""
 
+import contextlib
 import json
 import os
 import re
@@ -10,8 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+
+from launch_util import alive
 
 WORKER = str(Path(__file__).parent / "scripts" / "worker.py")
 LAUNCHER = [sys.executable, "-m", "roundel.runner.launch"]
@@ -19,13 +21,6 @@ LAUNCHER = [sys.executable, "-m", "roundel.runner.launch"]
 
 def roundelrun(*args, timeout=30, **kwargs):
     return subprocess.run([*LAUNCHER, *args], capture_output=True, timeout=timeout, **kwargs)
-
-
-def alive(pid):
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def worker_pids(piddir):
@@ -340,9 +335,13 @@ def test_workers_end_when_the_launcher_is_killed(tmp_path, how):
         pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
         proc.kill()
         proc.wait()
-        gone = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)[1]
-        assert not gone, f"workers {[p.pid for p in gone]} outlived the killed launcher"
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in pids if alive(p)]
+        assert not left, f"workers {left} outlived the killed launcher"
     finally:
         for p in tmp_path.iterdir():
-            if p.name.isdigit() and psutil.pid_exists(int(p.name)):
-                os.kill(int(p.name), signal.SIGKILL)
+            if p.name.isdigit() and alive(int(p.name)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(p.name), signal.SIGKILL)

@@ -15,10 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from launch_util import LAUNCHER, describe, rank_lines, run_command
+from launch_util import LAUNCHER, alive, describe, rank_lines, run_command
 from roundel.runner import hosts, spawn
 
 REMOTE = "192.0.2.7"  # TEST-NET-1: routable in form, never a real host; the stand-in ssh answers for it
@@ -195,6 +194,6 @@ def test_stopped_worker_is_killed_when_the_job_stops(tmp_path):
     assert elapsed < spawn.GRACE_SECONDS + 20, elapsed
     pids = [int(p.read_text()) for p in Path(tmp_path).glob("*.pid")]
     assert len(pids) == 2
-    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"left running: {alive}"
+    left = [p for p in pids if alive(p)]
+    assert not left, f"left running: {left}"
     assert rank_lines(result.stdout) == []

@@ -11,10 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from launch_util import LAUNCHER, WORKERS_DIR, assert_checks_passed, clean_env, describe, rank_lines, run_command
+from launch_util import LAUNCHER, WORKERS_DIR, alive, assert_checks_passed, clean_env, describe, rank_lines, run_command
 from netns_util import LAUNCHER_ADDR, SSH_PORT
 from netns_util import two_hosts as hosts  # noqa: F401 (a fixture)
 
@@ -126,7 +125,7 @@ def test_interrupt_stops_every_host(hosts, tmp_path, signum):
     assert err.strip().splitlines()[-1] == f"roundelrun: received {signal.Signals(signum).name}; stopped all ranks"
     assert "rank 3 got SIGTERM" in out
     assert not hosts.leftovers(), "processes left in the namespaces"
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in pids if alive(p)]
 
 
 def test_the_launchers_environment_reaches_a_remote_worker_never_on_a_command_line(hosts):
