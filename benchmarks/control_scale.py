@@ -162,8 +162,10 @@ class _SimulatedHosts:
         for h, ranks in hosts:  # the relays first, so that ranks in other processes find them
             leader = leaders.get(h)
             if leader is not None:
+                above = relays.parent_key(prefix, _host_name(h), relays.relay_local_rank(h), h, fanout)
                 relay = relays.Relay(leader, size, secret, "127.0.0.1", self.selector,
-                                     functools.partial(self._up, leader), self._wake, HOLD_S, 600.0, _host_name(h))
+                                     functools.partial(self._up, leader), self._wake, HOLD_S, 600.0, _host_name(h),
+                                     global_bits=lambda: -1, above_is_relay=above is not None)  # every name global
                 record = relays.address_record(leader, f"127.0.0.1:{relay.listener.port}", _host_name(h),
                                                relay.listener.local_name)
                 client.set(relays.host_key(prefix, _host_name(h)), record)
@@ -293,6 +295,7 @@ class _SimulatedHosts:
             if cached:
                 relay.hold(message.version, leader, message.bits, 0.0, now)
             else:
+                relay.note_sent(leader, message)
                 relay.send_up(message)
         sent = self.done = time.monotonic()
         while self.waiting:
@@ -382,8 +385,8 @@ def measure_store(size: int, workers: int) -> dict:
 
 
 # ------------------------------------------------------------------ one job size
-def measure(size: int, workers: int, steps: int, per_host: int = 8, relay_from_ranks: int = 64,
-            fanout: int = 16) -> dict:
+def measure(size: int, workers: int, steps: int, per_host: int = 8, relay_from_ranks: int = Settings().relay_from_ranks,
+            fanout: int = Settings().relay_fanout) -> dict:
     """Run one simulated job of ``size`` ranks on hosts of ``per_host``; return its figures."""
     secret = os.urandom(32)
     server = RendezvousServer(secret)

@@ -37,11 +37,11 @@ SECRET = os.urandom(32)
 class _Harness:
     """A relay of rank 2 in a job of 8, with children that connect as ranks 3.. do."""
 
-    def __init__(self, hold_s: float = 0.05):
+    def __init__(self, hold_s: float = 0.05, **options):
         self.selector = selectors.DefaultSelector()
         self.up: list = []
         self.relay = relays.Relay(2, 8, SECRET, "127.0.0.1", self.selector, self.up.append, lambda: None,
-                                  hold_s, 30.0, "relay-host")
+                                  hold_s, 30.0, "relay-host", **options)
         self.children: dict[int, control_channel.Connection] = {}
         self.readers: dict[int, control_channel.FrameReader] = {}
 
@@ -176,6 +176,112 @@ def test_a_relay_refuses_a_second_connection_for_a_rank_it_already_serves(harnes
             time.sleep(0.01)
     assert closed and harness.relay.children == 1
     intruder.close()
+
+
+@pytest.fixture
+def global_harness():
+    """A relay whose rank knows bits 0-3 as global names: they wait for the whole subtree (up to 1 s)."""
+    made = _Harness(hold_s=0.01, global_bits=lambda: 0b1111, subtree_wait_s=1.0)
+    made.connect(3)
+    made.connect(4)
+    yield made
+    made.close()
+
+
+def _merged_groups(message) -> dict:
+    return {bits: sorted(ranks) for ranks, bits, _ in map(relays.unpack_group, message.groups)}
+
+
+def _settle(harness, seconds: float = 0.15) -> None:
+    """Run the relay's loop for a while, well past the 10 ms hold time."""
+    deadline = time.monotonic() + seconds
+    harness.pump(lambda: time.monotonic() >= deadline)
+
+
+def test_a_global_name_waits_for_the_whole_subtree_then_goes_up_at_once(global_harness):
+    harness = global_harness
+    harness.children[3].send(Submit(1, 0b1, [], {}, []))
+    _settle(harness)
+    harness.children[4].send(Submit(1, 0b1, [], {}, []))
+    _settle(harness)
+    assert not harness.sent_up(Merged), "sent before the relay's own rank had submitted"
+    harness.relay.hold(1, 2, 0b1, 0.0, time.monotonic())
+    harness.relay.poll(time.monotonic())
+    (merged,) = harness.sent_up(Merged)
+    assert _merged_groups(merged) == {0b1: [2, 3, 4]}
+    assert merged.matched == 0b1
+    held = dict(zip(*(relays.unpack_group(merged.groups[0])[0::2])))
+    assert held[3] >= 0.25 and held[2] < 0.1  # rank 3's straggler record keeps its whole wait
+
+
+def test_masks_split_differently_go_up_as_soon_as_every_rank_has_sent_a_bit(global_harness):
+    harness = global_harness
+    harness.children[3].send(Submit(1, 0b01, [], {}, []))
+    harness.children[4].send(Submit(1, 0b11, [], {}, []))
+    harness.pump(lambda: len(harness.relay._held) == 2)
+    harness.relay.hold(1, 2, 0b01, 0.0, time.monotonic())
+    harness.relay.poll(time.monotonic())
+    assert [_merged_groups(m) for m in harness.sent_up(Merged)] == [{0b01: [2, 3], 0b11: [4]}]
+    harness.children[3].send(Submit(1, 0b10, [], {}, []))  # rank 4 sent bit 1 already
+    _settle(harness)
+    assert len(harness.sent_up(Merged)) == 1
+    harness.relay.hold(1, 2, 0b10, 0.0, time.monotonic())
+    harness.relay.poll(time.monotonic())
+    assert [_merged_groups(m) for m in harness.sent_up(Merged)][1:] == [{0b10: [2, 3]}]
+
+
+def test_a_rank_in_join_is_not_waited_for_until_it_submits_again(global_harness):
+    harness = global_harness
+    harness.children[4].send(Submit(1, 0, [Request("__join__", OpKind.JOIN, 0, cacheable=False)], {}, [None]))
+    harness.pump(lambda: harness.sent_up(Relayed))
+    harness.children[3].send(Submit(1, 0b1, [], {}, []))
+    harness.relay.hold(1, 2, 0b1, 0.0, time.monotonic())
+    harness.pump(lambda: harness.sent_up(Merged), seconds=0.5)  # at once, not after a second
+    assert _merged_groups(harness.sent_up(Merged)[0]) == {0b1: [2, 3]}
+    harness.children[4].send(Submit(1, 0b10, [], {}, []))  # out of join: waited for again
+    harness.children[3].send(Submit(1, 0b100, [], {}, []))
+    harness.relay.hold(1, 2, 0b100, 0.0, time.monotonic())
+    _settle(harness)
+    assert len(harness.sent_up(Merged)) == 1
+
+
+def test_what_the_subtree_has_not_all_sent_goes_up_at_the_latest_after_the_wait():
+    harness = _Harness(hold_s=0.01, global_bits=lambda: 0b1, subtree_wait_s=0.2)
+    try:
+        harness.connect(3)
+        harness.children[3].send(Submit(1, 0b10, [], {}, []))  # not a global name's bit: after the hold time
+        harness.pump(lambda: harness.sent_up(Merged), seconds=0.15)
+        harness.children[3].send(Submit(1, 0b1, [], {}, []))  # a global name's: after the wait
+        started = time.monotonic()
+        harness.pump(lambda: len(harness.sent_up(Merged)) == 2, seconds=1.0)
+        assert time.monotonic() - started >= 0.15
+        assert [_merged_groups(m) for m in harness.sent_up(Merged)] == [{0b10: [3]}, {0b1: [3]}]
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize("above_is_relay", [True, False])
+def test_bits_sent_with_data_count_for_the_subtree_and_a_relay_above_hears_what_it_matched(above_is_relay):
+    harness = _Harness(hold_s=0.01, global_bits=lambda: -1, subtree_wait_s=1.0, above_is_relay=above_is_relay)
+    try:
+        harness.connect(3)
+        harness.connect(4)
+        harness.children[3].send(Submit(1, 0b1, [], {0: b"\0" * 4}, []))  # relayed as sent, never held
+        harness.children[4].send(Submit(1, 0b1, [], {}, []))
+        harness.pump(lambda: harness.sent_up(Relayed) and harness.relay._held)
+        harness.relay.hold(1, 2, 0b1, 0.0, time.monotonic())
+        harness.relay.poll(time.monotonic())
+        (merged,) = harness.sent_up(Merged)
+        assert _merged_groups(merged) == {0b1: [2, 4]} and merged.matched == 0b1
+        for rank in (3, 4):  # nothing held: only a relay above needs to hear it
+            harness.children[rank].send(Submit(1, 0b10, [], {1: b"\0" * 4}, []))
+        harness.pump(lambda: len(harness.sent_up(Relayed)) == 3)
+        harness.relay.note_sent(2, Submit(1, 0b10, [], {1: b"\0" * 4}, []))
+        harness.relay.poll(time.monotonic())
+        expected = [Merged(1, [], 0b10)] if above_is_relay else []
+        assert harness.sent_up(Merged)[1:] == expected
+    finally:
+        harness.close()
 
 
 def test_the_tree_of_relays():

@@ -145,6 +145,21 @@ def test_a_name_moved_to_another_bit_is_not_evicted_with_its_old_bit():
     assert cache.bit_for((0, "a"), a) == 2
 
 
+def test_the_mirror_knows_which_bits_are_global_names_through_moves_and_evictions():
+    cache = RankCache()
+    a, b = requests("a")[0], requests("b")[0]
+    cache.record((0, "a"), 0, a)
+    cache.record((1, "b"), 1, b)  # a name of process set 1
+    assert cache.global_set_bits() == 0b1
+    cache.record((0, "a"), 2, a)  # moved
+    assert cache.global_set_bits() == 0b100
+    cache.record((1, "b"), 2, b)  # bit 2 now names a set-1 name
+    assert cache.global_set_bits() == 0
+    cache.record((0, "a"), 3, a)
+    cache.evict([3])
+    assert cache.global_set_bits() == 0
+
+
 def test_the_mirror_follows_the_coordinator_through_evictions():
     coordinator, mirror = CoordinatorCache(2), RankCache()
     for name in ("a", "b", "c", "a"):

@@ -63,7 +63,7 @@ class Settings:
     straggler_report: str = "auto"
     metrics_port: str = ""
     relay_from_ranks: int = 64
-    relay_fanout: int = 16
+    relay_fanout: int = 4
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -419,10 +419,10 @@ SPECS = (
          _flag("--relay-from-ranks", type=int, group="params",
                help="relay control messages through one rank per host in jobs of at least this many ranks "
                     "(default 64; 0: never)")),
-    Spec("relay_fanout", "RELAY_FANOUT", _int(1, "16"),
+    Spec("relay_fanout", "RELAY_FANOUT", _int(1, "4"),
          "with relays, at most this many hosts' relays report to rank 0, and to each relay (roundel only)",
          _flag("--relay-fanout", type=int, group="params",
-               help="hosts' relays under rank 0 and under each relay (default 16)")),
+               help="hosts' relays under rank 0 and under each relay (default 4)")),
     Spec(None, "MPI_THREADS_DISABLE", _bool,
          "accepted and handed to the workers; no effect in roundel (it drives no MPI threads)",
          _flag("--mpi-threads-disable", off=("--no-mpi-threads-disable",), config="library_options.mpi_threads_disable",

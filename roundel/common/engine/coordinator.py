@@ -302,18 +302,19 @@ class Coordinator:
             except ValueError as exc:
                 log.error("roundel coordinator: rank %d sent %s; ignored", child, exc)
                 continue
-            named = set(ranks)
+            listed = ranks.tolist()  # int objects made once, for the lookups below
+            named = set(listed)
             named.discard(child)  # the relay's own rank is a peer
             if not named <= self._below.get(child, set()):
                 log.warning("roundel coordinator ignored submissions relayed by rank %d for ranks it does not "
                             "relay: %s", child, sorted(rank for rank in named if route.get(rank) != child))
                 continue
-            self._stragglers.arrived_many(ranks, map(now.__sub__, waited))
+            self._stragglers.arrived_many(ranks, now, waited)
             if timeline:
-                for rank in ranks:
+                for rank in listed:
                     self._timeline_cached_arrivals(rank, bits, version)
-            stale = negotiator.submit_bits_of(ranks, bits, version, now)
-            for rank in ranks if stale else ():
+            stale = negotiator.submit_bits_of(listed, bits, version, now)
+            for rank in listed if stale else ():
                 self._resends.setdefault(rank, []).extend((version, bit) for bit in stale)
 
     def _relayed(self, child: int, message: Relayed, now: float) -> None:
@@ -408,6 +409,9 @@ class Coordinator:
     def _check_deadlock(self, now: float, own: tuple) -> None:
         """Fail the waited names once every involved rank has been blocked on them, unchanged, for the grace."""
         if self._engine.broken is not None:
+            return
+        if not own and not any(waits for _, waits in self._rank_waits.values()):  # nobody blocked: the usual
+            self._deadlock_seen = None
             return
         states = dict(self._rank_waits)
         states[0] = own

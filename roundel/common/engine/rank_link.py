@@ -53,7 +53,8 @@ class RankLink:
         if relay_keys:
             self._relay = relays.Relay(engine.rank, engine.size, secret, advertise_host, engine.selector,
                                        self._send_up, engine.wake, engine.tuned.cycle_time_ms / 1000,
-                                       settings.heartbeat_timeout_s, engine.host)
+                                       settings.heartbeat_timeout_s, engine.host, self._cache.global_set_bits,
+                                       above_is_relay=parent_key is not None)
             record = relays.address_record(engine.rank, f"{advertise_host}:{self._relay.listener.port}",
                                            engine.host, self._relay.listener.local_name)
             for key in relay_keys:
@@ -272,6 +273,7 @@ class RankLink:
             if type(message) is Submit and not message.full and not message.bit_data:
                 relay.hold(message.version, self._engine.rank, message.bits, 0.0, time.monotonic())
                 return
+            relay.note_sent(self._engine.rank, message)
             relay.flush()
         self._send_up(message)
 

@@ -11,11 +11,19 @@ child, not per rank.
 
 Upward, a relay holds the steady-state submissions of the ranks below it (a
 mask of cache bits and nothing else) and sends them on as one ``Merged``
-message, grouped by mask, as soon as every rank below it has something held
-or the oldest has waited the cycle time; each rank's time held travels with
-it, for rank 0's straggler record. Anything else a rank sends goes up as
-``Relayed`` after what was held, so each rank's messages keep their order.
-``Joined`` and ``Lost`` tell the ranks above of the ranks below.
+message, grouped by mask, when a name can go no further without the ranks
+above. It keeps its part of the AND rank 0 takes: the bits its own rank and
+each child have sent since they last all had (a child relay's part is what
+its whole subtree has, which it reports in ``Merged.matched``). What is held
+goes up as soon as that AND gains a bit; after the cycle time when a bit
+held is not one of the global process set's (its set may not need the
+others); else after ``SUBTREE_WAIT_S``. Rank 0 thus hears one message per
+child and step however the ranks' submissions are spread in time. A rank in
+``join()`` is left out of the AND until it submits again. Each rank's time
+held travels with it, for rank 0's straggler record. Anything else a rank
+sends goes up as ``Relayed`` after what was held, so each rank's messages
+keep their order. ``Joined`` and ``Lost`` tell the ranks above of the ranks
+below.
 
 Downward, rank 0 sends each child a ``Deliver`` (ranks, encoded message);
 a relay hands its own rank's share to its link, sends the message as it is
@@ -31,8 +39,11 @@ breaks the job. A relay that loses the rank above it tells its children why
 from __future__ import annotations
 
 import array
+import functools
+import itertools
 import json
 import logging
+import operator
 import queue
 import selectors
 import time
@@ -41,10 +52,12 @@ from typing import Callable
 from roundel.common.control import channel as control_channel, codec as control_codec
 from roundel.common.control.messages import Abort, Bye, Deliver, Heartbeat, Joined, Lost, Merged, Relayed, Submit
 from roundel.common.engine.liveness import HEARTBEAT_S, describe_silence
+from roundel.common.engine.requests import OpKind
 
 log = logging.getLogger("roundel")
 
 BYE = control_codec.encode(Bye())  # a goodbye, as every rank encodes it
+SUBTREE_WAIT_S = 0.05  # the default of Relay's subtree_wait_s
 
 
 def host_key(prefix: str, host: str) -> str:
@@ -127,12 +140,17 @@ class Relay:
     Runs on that rank's engine thread, in its ``selector`` (children are
     registered with the data ``("child", rank)``: pass their events to
     :meth:`serve`). ``up(message)`` sends a message to the rank above;
-    ``wake()`` interrupts the thread's select when a child connects.
+    ``wake()`` interrupts the thread's select when a child connects;
+    ``global_bits()`` is the mask of cache bits this rank knows as names of
+    the global process set; ``above_is_relay``: the rank above is a relay,
+    not rank 0; ``subtree_wait_s``: how long a global name's submissions wait
+    for the rest of the subtree at most.
     """
 
     def __init__(self, rank: int, size: int, secret: bytes, advertise_host: str, selector,
                  up: Callable[[object], None], wake: Callable[[], None], hold_s: float,
-                 heartbeat_timeout_s: float, host: str):
+                 heartbeat_timeout_s: float, host: str, global_bits: Callable[[], int] = int,
+                 above_is_relay: bool = False, subtree_wait_s: float = SUBTREE_WAIT_S):
         self.rank = rank
         self._size = size
         self._selector = selector
@@ -146,8 +164,16 @@ class Relay:
         self._hosts: dict[int, str] = {}
         self._route: dict[int, int] = {}  # rank below -> the child it is reached through (a child: itself)
         self._held: dict[int, list] = {}  # rank -> [mask, when held here, seconds held below]
+        self._held_bits = 0  # every bit held
         self._held_version = 0
         self._held_since: float | None = None
+        self._unmatched: dict[int, int] = {}  # own rank or child -> bits sent that not all of them have yet
+        self._unchecked = False  # more sent since the subtree's AND was last taken
+        self._to_report = 0  # bits the whole subtree has sent, for the relay above
+        self._in_join: set[int] = set()
+        self._global_bits = global_bits
+        self._above_is_relay = above_is_relay
+        self._subtree_wait_s = subtree_wait_s
         self._accepted: "queue.SimpleQueue" = queue.SimpleQueue()
         self._last_heartbeat = 0.0
         self._wake = wake
@@ -166,9 +192,7 @@ class Relay:
     # ------------------------------------------------------------------ upward
     def hold(self, version: int, rank: int, bits: int, waited: float, now: float) -> None:
         """Hold ``rank``'s mask of cache ``bits`` (at cache ``version``, already held ``waited`` seconds)."""
-        if self._held and version != self._held_version:
-            self.flush(now)
-        self._held_version = version
+        self._at_version(version, now)
         entry = self._held.get(rank)
         if entry is None:
             self._held[rank] = [bits, now, waited]
@@ -176,10 +200,55 @@ class Relay:
                 self._held_since = now
         else:
             entry[0] |= bits
+        self._held_bits |= bits
+        if rank == self.rank:
+            self._sent(rank, bits)
+
+    def note_sent(self, rank: int, message) -> None:
+        """``message``, of this relay's own rank or a child's, goes up as it is (not held): its cache bits
+        count for the subtree's AND, and a ``join()`` leaves the rank out of it until it submits again."""
+        if type(message) is not Submit:
+            return
+        if any(request.kind == OpKind.JOIN for request in message.full):
+            self._in_join.add(rank)
+            self._unchecked = True
+        else:
+            self._in_join.discard(rank)
+        if message.bits:
+            self._at_version(message.version, time.monotonic())
+            self._sent(rank, message.bits)
+
+    def _sent(self, rank: int, bits: int) -> None:
+        """``rank`` (this relay's or a child's; a child relay: every rank of its subtree) sent ``bits``."""
+        unmatched = self._unmatched
+        unmatched[rank] = unmatched.get(rank, 0) | bits
+        self._unchecked = True
+        if self._in_join:
+            self._in_join.discard(rank)
+
+    def _at_version(self, version: int, now: float) -> None:
+        """Bits of cache ``version`` come: at another version than those held, those go up first."""
+        if version != self._held_version:
+            self.flush(now)
+            self._unmatched.clear()  # the bits name other requests now
+            self._held_version = version
+
+    def _matched(self) -> int:
+        """The bits this relay's rank and each child have sent since they last all had (a child in
+        ``join()`` excepted); from now on they count as not sent."""
+        self._unchecked = False
+        unmatched, in_join = self._unmatched, self._in_join
+        children = self._children.keys() if not in_join else [c for c in self._children if c not in in_join]
+        own = -1 if self.rank in in_join else unmatched.get(self.rank, 0)
+        matched = functools.reduce(operator.and_, map(unmatched.get, children, itertools.repeat(0)), own)
+        if matched:
+            self._unmatched = {rank: bits & ~matched for rank, bits in unmatched.items()}
+        return matched
 
     def flush(self, now: float | None = None) -> None:
-        """Send what is held up as one Merged message."""
-        if not self._held:
+        """Send what is held up as one Merged message, with the bits the subtree has matched."""
+        matched, self._to_report = self._to_report, 0
+        if not self._held and not (matched and self._above_is_relay):
             return
         now = time.monotonic() if now is None else now
         groups: dict[int, tuple] = {}
@@ -190,9 +259,10 @@ class Relay:
             group[0].append(rank)
             group[1].append(waited + now - since)
         self._held.clear()
+        self._held_bits = 0
         self._held_since = None
-        self._up(Merged(self._held_version, [pack_group(ranks, bits, held)
-                                             for bits, (ranks, held) in groups.items()]))
+        self._up(Merged(self._held_version, [pack_group(ranks, bits, held) for bits, (ranks, held) in groups.items()],
+                        matched))
 
     def send_up(self, message) -> None:
         """Send ``message`` up after what is held (each rank's messages keep their order)."""
@@ -201,14 +271,19 @@ class Relay:
 
     def deadline(self) -> float | None:
         """When what is held must go up at the latest (None: nothing held)."""
-        return None if self._held_since is None else self._held_since + self._hold_s
+        if self._held_since is None:
+            return None
+        return self._held_since + (self._hold_s if self._held_bits & ~self._global_bits() else self._subtree_wait_s)
 
     def poll(self, now: float) -> None:
-        """After a round of select: take new children; send what is held once every rank below has
-        something held, or the oldest has waited the hold time."""
+        """After a round of select: take new children; send what is held (and the subtree's AND, to a relay
+        above) once this relay's rank and every child have sent some bit since they last all had, or at the
+        deadline."""
         while not self._accepted.empty():
             self._adopt(self._accepted.get())
-        if self._held and (len(self._held) > len(self._route) or now >= self._held_since + self._hold_s):
+        if self._unchecked:
+            self._to_report |= self._matched()
+        if (self._to_report and (self._held or self._above_is_relay)) or (self._held and now >= self.deadline()):
             self.flush(now)
 
     def _adopt(self, connection: control_channel.Connection) -> None:
@@ -257,6 +332,7 @@ class Relay:
         kind = type(message)
         if kind is Submit and not message.full and not message.bit_data:
             self.hold(message.version, child, message.bits, 0.0, now)
+            self._sent(child, message.bits)
         elif kind is Heartbeat:
             if self._hosts.get(child) != message.host:  # its host, for rank 0's messages (no order to keep)
                 self._hosts[child] = message.host
@@ -271,6 +347,9 @@ class Relay:
                 for rank, seconds in zip(ranks, waited):
                     if self._route.get(rank) == child:
                         self.hold(message.version, rank, bits, seconds, now)
+            if message.matched:
+                self._at_version(message.version, now)
+                self._sent(child, message.matched)
         elif kind is Joined:
             if 0 < message.rank < self._size and message.rank != self.rank and \
                     self._route.get(message.rank, child) == child:
@@ -285,14 +364,18 @@ class Relay:
             self.send_up(Relayed(child, BYE))
             self._drop(child)
         else:
+            self.note_sent(child, message)
             self.send_up(Relayed(child, control_codec.encode(message)))
 
     def _forget(self, rank: int) -> None:
         """``rank`` is gone: so is every rank reached through it."""
-        self._held.pop(rank, None)
         for below in [r for r, via in self._route.items() if via == rank or r == rank]:
             del self._route[below]
             self._held.pop(below, None)
+            self._unmatched.pop(below, None)
+            self._in_join.discard(below)
+        self._held.pop(rank, None)
+        self._unchecked = True  # the ranks left may all have sent some bit now
 
     def _drop(self, child: int) -> None:
         connection = self._children.pop(child, None)

@@ -153,6 +153,7 @@ class RankCache:
         self.version = 0
         self._by_key: dict[Key, tuple[int, tuple]] = {}
         self._keys_by_bit: dict[int, Key] = {}
+        self._global_bits = 0
 
     def bit_for(self, key: Key, request: tuple) -> int:
         """The bit to send for ``request`` under ``key``, or -1 to send it in full."""
@@ -169,8 +170,17 @@ class RankCache:
         previous = self._by_key.get(key)
         if previous is not None and previous[0] != bit:
             self._keys_by_bit.pop(previous[0], None)
+            self._global_bits &= ~(1 << previous[0])
         self._by_key[key] = (bit, request)
         self._keys_by_bit[bit] = key
+        if key[0] == 0:
+            self._global_bits |= 1 << bit
+        else:
+            self._global_bits &= ~(1 << bit)
+
+    def global_set_bits(self) -> int:
+        """The mask of this mirror's bits whose names are in the global process set (id 0)."""
+        return self._global_bits
 
     def expand(self, cached: CachedBatch) -> Batch:
         """The batch a ``CachedBatch`` stands for, from this rank's cached requests.
@@ -192,3 +202,4 @@ class RankCache:
             key = self._keys_by_bit.pop(bit, None)
             if key is not None:
                 self._by_key.pop(key, None)
+            self._global_bits &= ~(1 << bit)

@@ -15,6 +15,8 @@ import collections
 import statistics
 import time
 
+import numpy as np
+
 WINDOW = 200  # recent cycles the live warning looks at
 STRAGGLER_SHARE = 0.5  # last in at least this share of the cycles ...
 STRAGGLER_LAG_S = 0.010  # ... by at least this much (median), to be named
@@ -29,7 +31,7 @@ class StragglerTracker:
         self.size = size
         self.started = time.monotonic()
         self.cycles = 0
-        self._arrived: dict[int, float] = {}
+        self._arrived = np.full(size, np.nan)  # by rank: when its latest submission arrived (NaN: none yet)
         self._recent: collections.deque = collections.deque(maxlen=WINDOW)  # (last rank, lag s)
         self._last_counts = [0] * size
         self._lags = [collections.deque(maxlen=_LAGS_KEPT) for _ in range(size)]
@@ -39,24 +41,29 @@ class StragglerTracker:
         """``rank``'s submission arrived at ``now``."""
         self._arrived[rank] = now
 
-    def arrived_many(self, ranks, times) -> None:
-        """Each of ``ranks``' submissions arrived at the time at the same place in ``times``."""
-        self._arrived.update(zip(ranks, times))
+    def arrived_many(self, ranks, now: float, waited) -> None:
+        """``ranks``' submissions (arrays of uint32, or sequences) arrived at ``now`` less the seconds at the
+        same place in ``waited`` (float32)."""
+        self._arrived[np.asarray(ranks, dtype=np.intp)] = now - np.asarray(waited, dtype=np.float64)
 
     def cycle(self, ranks) -> None:
         """Names of ``ranks`` were dispatched: record who of them submitted last, and by how much."""
-        arrived = self._arrived
-        try:
-            times = list(map(arrived.__getitem__, ranks))
-        except KeyError:  # some have not submitted yet
-            ranks = [rank for rank in ranks if rank in arrived]
-            times = list(map(arrived.__getitem__, ranks))
-        if len(ranks) < 2:
+        if isinstance(ranks, range) and len(ranks) == self.size:
+            ranks, times = None, self._arrived
+        else:
+            ranks = np.asarray(ranks, dtype=np.intp)
+            times = self._arrived[ranks]
+        present = ~np.isnan(times)
+        if not present.all():  # some have not submitted yet
+            ranks = present.nonzero()[0] if ranks is None else ranks[present]
+            times = times[present]
+        if len(times) < 2:
             return
-        last_at = max(times)
-        last = ranks[times.index(last_at)]
-        times.sort()
-        lag = last_at - times[(len(times) - 1) // 2]
+        index = int(times.argmax())
+        last_at = float(times[index])
+        last = index if ranks is None else int(ranks[index])
+        middle = (len(times) - 1) // 2
+        lag = last_at - float(np.partition(times, middle)[middle])
         self.cycles += 1
         self._recent.append((last, lag))
         self._last_counts[last] += 1
