@@ -245,6 +245,37 @@ def test_a_rank_in_join_is_not_waited_for_until_it_submits_again(global_harness)
     assert len(harness.sent_up(Merged)) == 1
 
 
+def test_a_subtree_all_in_join_says_so_and_the_relay_above_does_not_wait_for_it():
+    below = _Harness(hold_s=0.01, global_bits=lambda: 0b111, subtree_wait_s=1.0, above_is_relay=True)
+    above = _Harness(hold_s=0.01, global_bits=lambda: 0b111, subtree_wait_s=1.0)
+    join = Submit(1, 0, [Request("__join__", OpKind.JOIN, 0, cacheable=False)], {}, [None])
+    try:
+        below.connect(3)
+        below.children[3].send(join)
+        below.pump(lambda: below.sent_up(Relayed))
+        below.relay.note_sent(2, join)
+        below.relay.poll(time.monotonic())
+        assert below.sent_up(Merged) == [Merged(0, [], -1)]
+        above.connect(3)
+        above.connect(4)
+        above.children[3].send(Merged(1, [], -1))  # rank 3 as the relay below, all of its subtree in join
+        above.children[4].send(Submit(1, 0b1, [], {}, []))
+        above.relay.hold(1, 2, 0b1, 0.0, time.monotonic())
+        above.pump(lambda: above.sent_up(Merged), seconds=0.5)  # at once, not after a second
+        assert _merged_groups(above.sent_up(Merged)[0]) == {0b1: [2, 4]}
+        above.children[3].send(Merged(1, [relays.pack_group([3], 0b10, [0.0])], 0b10))  # out of join again
+        above.children[4].send(Submit(1, 0b10, [], {}, []))
+        above.relay.hold(1, 2, 0b10, 0.0, time.monotonic())
+        above.pump(lambda: len(above.sent_up(Merged)) == 2, seconds=0.5)
+        above.children[4].send(Submit(1, 0b100, [], {}, []))
+        above.relay.hold(1, 2, 0b100, 0.0, time.monotonic())
+        _settle(above)
+        assert len(above.sent_up(Merged)) == 2, "went up without the subtree below rank 3, out of join()"
+    finally:
+        below.close()
+        above.close()
+
+
 def test_what_the_subtree_has_not_all_sent_goes_up_at_the_latest_after_the_wait():
     harness = _Harness(hold_s=0.01, global_bits=lambda: 0b1, subtree_wait_s=0.2)
     try:

@@ -6,8 +6,9 @@ run is checked with ``check_training`` (epochs completed, identical
 parameters, committed step only forward, every sample covered, every
 restart resumed from committed weights, an unnamed allgather after
 training agreeing on every rank). The last test runs tests/elastic_faults.py
-in short: two runs of each fault on network-namespace hosts (a worker
-SIGKILLed, a worker SIGSTOPped, a host added then one removed).
+in short: one run of each fault on network-namespace hosts (a worker
+SIGKILLed, a worker SIGSTOPped, a host added then one removed), with a
+random victim each time.
 """
 
 from __future__ import annotations
@@ -97,9 +98,9 @@ def test_a_worker_reported_lost_is_killed_and_the_job_goes_on(tmp_path):
     assert len(finals) == 1
 
 
-def test_fault_injection_script_two_runs_of_each_fault():
+def test_fault_injection_script_one_run_of_each_fault():
     require_tools()
-    result = run_command([sys.executable, str(TESTS_DIR / "elastic_faults.py"), "--runs", "2"], timeout=900)
+    result = run_command([sys.executable, str(TESTS_DIR / "elastic_faults.py"), "--runs", "1"], timeout=600)
     assert result.returncode == 0, describe(result)
     for fault in ("kill", "stop", "hosts"):
-        assert f"{fault}: 2/2 passed" in result.stdout, describe(result)
+        assert f"{fault}: 1/1 passed" in result.stdout, describe(result)

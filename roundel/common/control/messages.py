@@ -75,8 +75,8 @@ class Abort(NamedTuple):
 class Merged(NamedTuple):
     """Steady submissions of ranks below a relay, at cache ``version``: ``groups`` of (the ranks, the mask of
     cache bits each sent, how long each rank's mask was held on the way), packed by ``relay.pack_group``;
-    ``matched``: the bits every rank of the sender's subtree has sent since they last all had (for a relay
-    above it; rank 0 takes its own AND)."""
+    ``matched``: the bits every rank of the sender's subtree has sent since they last all had, -1 when all of
+    them are in ``join()`` (for a relay above it; rank 0 takes its own AND)."""
 
     version: int
     groups: list

@@ -235,7 +235,7 @@ class Relay:
 
     def _matched(self) -> int:
         """The bits this relay's rank and each child have sent since they last all had (a child in
-        ``join()`` excepted); from now on they count as not sent."""
+        ``join()`` excepted; -1 when all are in it); from now on they count as not sent."""
         self._unchecked = False
         unmatched, in_join = self._unmatched, self._in_join
         children = self._children.keys() if not in_join else [c for c in self._children if c not in in_join]
@@ -347,9 +347,14 @@ class Relay:
                 for rank, seconds in zip(ranks, waited):
                     if self._route.get(rank) == child:
                         self.hold(message.version, rank, bits, seconds, now)
-            if message.matched:
+            if message.matched == -1:  # the child's whole subtree is in join()
+                self._in_join.add(child)
+                self._unchecked = True
+            elif message.matched:
                 self._at_version(message.version, now)
                 self._sent(child, message.matched)
+            else:
+                self._in_join.discard(child)
         elif kind is Joined:
             if 0 < message.rank < self._size and message.rank != self.rank and \
                     self._route.get(message.rank, child) == child:
