@@ -311,6 +311,9 @@ def test_bits_sent_with_data_count_for_the_subtree_and_a_relay_above_hears_what_
         harness.relay.poll(time.monotonic())
         expected = [Merged(1, [], 0b10)] if above_is_relay else []
         assert harness.sent_up(Merged)[1:] == expected
+        harness.children[3].send(Submit(1, 0b100, [], {}, []))  # the next step waits for rank 4 and the relay's
+        _settle(harness)
+        assert harness.sent_up(Merged)[1:] == expected
     finally:
         harness.close()
 

@@ -283,7 +283,9 @@ class Relay:
             self._adopt(self._accepted.get())
         if self._unchecked:
             self._to_report |= self._matched()
-        if (self._to_report and (self._held or self._above_is_relay)) or (self._held and now >= self.deadline()):
+            if not (self._held or self._above_is_relay):
+                self._to_report = 0  # nothing to send: rank 0 takes its own AND
+        if self._to_report or (self._held and now >= self.deadline()):
             self.flush(now)
 
     def _adopt(self, connection: control_channel.Connection) -> None:
