@@ -169,7 +169,6 @@ class Relay:
         self._held_since: float | None = None
         self._unmatched: dict[int, int] = {}  # own rank or child -> bits sent that not all of them have yet
         self._unchecked = False  # more sent since the subtree's AND was last taken
-        self._to_report = 0  # bits the whole subtree has sent, for the relay above
         self._in_join: set[int] = set()
         self._global_bits = global_bits
         self._above_is_relay = above_is_relay
@@ -245,9 +244,8 @@ class Relay:
             self._unmatched = {rank: bits & ~matched for rank, bits in unmatched.items()}
         return matched
 
-    def flush(self, now: float | None = None) -> None:
-        """Send what is held up as one Merged message, with the bits the subtree has matched."""
-        matched, self._to_report = self._to_report, 0
+    def flush(self, now: float | None = None, matched: int = 0) -> None:
+        """Send what is held up as one Merged message, with ``matched``, the bits the subtree has matched."""
         if not self._held and not (matched and self._above_is_relay):
             return
         now = time.monotonic() if now is None else now
@@ -281,12 +279,9 @@ class Relay:
         deadline."""
         while not self._accepted.empty():
             self._adopt(self._accepted.get())
-        if self._unchecked:
-            self._to_report |= self._matched()
-            if not (self._held or self._above_is_relay):
-                self._to_report = 0  # nothing to send: rank 0 takes its own AND
-        if self._to_report or (self._held and now >= self.deadline()):
-            self.flush(now)
+        matched = self._matched() if self._unchecked else 0
+        if (matched and (self._held or self._above_is_relay)) or (self._held and now >= self.deadline()):
+            self.flush(now, matched)  # with nothing held and rank 0 above, matched bits need not go: it ANDs all
 
     def _adopt(self, connection: control_channel.Connection) -> None:
         rank = connection.rank
