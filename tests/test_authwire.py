@@ -232,7 +232,8 @@ def test_recv_exact_holds_its_deadline_however_slowly_bytes_trickle_in():
     def trickle():
         while not stop.wait(0.1):
             a.sendall(b"x")
-    threading.Thread(target=trickle, daemon=True).start()
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
     started = time.monotonic()
     try:
         with pytest.raises(authwire.TimedOut) as info:
@@ -241,6 +242,7 @@ def test_recv_exact_holds_its_deadline_however_slowly_bytes_trickle_in():
         assert 0 < len(info.value.received) < 100 and isinstance(info.value, TimeoutError)
     finally:
         stop.set()
+        sender.join(5)  # closing its socket under it would fail its next send
         a.close()
         b.close()
 

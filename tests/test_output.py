@@ -9,6 +9,7 @@ one line per rank (the whole traceback with ``--verbose``).
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
 import re
 import select
@@ -22,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from launch_util import LAUNCHER, WORKERS_DIR, clean_env, rank_lines, run_command, run_job
+from roundel.runner import spawn
+from roundel.runner.hosts import SlotInfo
 from roundel.runner.redraw import LineAssembler, LivePrefixer
 
 WORKER = WORKERS_DIR / "output_worker.py"
@@ -217,6 +220,26 @@ def test_verbose_reports_rendezvous_starts_and_joins_in_order():
             (lines[started], lines[joined])
         assert listening < started < joined, lines
     assert where("roundelrun: all 2 rank(s) joined") == len(lines) - 1, lines
+
+
+def test_the_launchers_own_lines_never_land_inside_a_ranks_line(tmp_path, monkeypatch):
+    """They come from other threads than the one relaying a rank's stderr (``--verbose``'s joins: the store's)."""
+    unbuffered = open(tmp_path / "stderr", "wb", buffering=0)  # stderr under PYTHONUNBUFFERED, as in the ranks
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(unbuffered, write_through=True))
+    chatter = "import sys\nfor i in range(20000): sys.stderr.write(f'rank line {i}\\n'); sys.stderr.flush()"
+    worker = spawn.start_local(SlotInfo("localhost", 0, 1, 0, 1, 0, 1), [sys.executable, "-c", chatter], {})
+    said = 0
+    while worker.process.poll() is None or said < 2000:
+        spawn.say(f"roundelrun: launcher line {said}")
+        said += 1
+    assert worker.wait() == 0
+    worker.join_output(10)
+    sys.stderr.flush()
+    lines = (tmp_path / "stderr").read_text().splitlines()
+    mixed = [line for line in lines
+             if not re.fullmatch(r"roundelrun: launcher line \d+|\[0\]<stderr>:rank line \d+", line)]
+    assert not mixed, mixed[:5]
+    assert len(lines) == said + 20000
 
 
 def test_without_verbose_the_launcher_reports_nothing():

@@ -33,7 +33,6 @@ import enum
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 from typing import Callable
@@ -242,7 +241,7 @@ class _Driver:
         self._say(f"started worker {label} (#{serial}, {worker.where})")
 
     def _say(self, message: str) -> None:
-        print(f"roundelrun: {message}", file=sys.stderr, flush=True)
+        spawn.say(f"roundelrun: {message}")
 
     def _on_exit(self, member: _Member) -> None:
         self.members.pop(member.serial, None)

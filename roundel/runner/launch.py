@@ -195,10 +195,9 @@ def _report_joins(server: RendezvousServer, size: int) -> None:
             if rank in joined:
                 return
             joined.add(rank)
-            print(f"roundelrun: rank {rank} joined the rendezvous from {host} (pid {pid})", file=sys.stderr)
+            spawn.say(f"roundelrun: rank {rank} joined the rendezvous from {host} (pid {pid})")
             if len(joined) == size:
-                print(f"roundelrun: all {size} rank(s) joined", file=sys.stderr)
-            sys.stderr.flush()
+                spawn.say(f"roundelrun: all {size} rank(s) joined")
 
     server.on_set = on_set
 
@@ -237,12 +236,11 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
                 else:
                     job.add(spawn.start_local(slot, args.command, env, args.output_filename))
                 if args.verbose:
-                    print(f"roundelrun: started rank {slot.rank} on {slot.hostname} ({job.workers[-1].where})",
-                          file=sys.stderr, flush=True)
+                    spawn.say(f"roundelrun: started rank {slot.rank} on {slot.hostname} ({job.workers[-1].where})")
             except OSError as exc:
                 job.stop()
                 job.drain_output()
-                print(f"roundelrun: cannot start rank {slot.rank}: {exc}", file=sys.stderr)
+                spawn.say(f"roundelrun: cannot start rank {slot.rank}: {exc}")
                 return 127
         remote_workers = [w for w in job.workers if w.remote]
 
@@ -263,17 +261,17 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
         job.drain_output()
         kind, item = outcome
         if kind == "signal":
-            print(f"roundelrun: received {spawn.signal_name(item)}; stopped all ranks", file=sys.stderr)
+            spawn.say(f"roundelrun: received {spawn.signal_name(item)}; stopped all ranks")
             return 128 + item
         if kind == "lost":  # the others handled the error and exited 0; the job still failed
             for record in lost_ranks.lost_ranks(server, [w.rank for w in item]):
-                print(f"roundelrun: {lost_ranks.describe_lost(record)}; it was killed", file=sys.stderr)
+                spawn.say(f"roundelrun: {lost_ranks.describe_lost(record)}; it was killed")
             return 1
         if kind == "timeout":
             hosts = sorted({w.host for w in item})
-            print(f"roundelrun: host(s) {', '.join(hosts)} did not reach the rendezvous server within "
-                  f"{2 * start_timeout + 10:g} s (ranks {', '.join(str(w.rank) for w in item)}); "
-                  "stopped all ranks", file=sys.stderr)
+            spawn.say(f"roundelrun: host(s) {', '.join(hosts)} did not reach the rendezvous server within "
+                      f"{2 * start_timeout + 10:g} s (ranks {', '.join(str(w.rank) for w in item)}); "
+                      "stopped all ranks")
             return 1
         others = "; stopped the other ranks" if len(job.workers) > 1 else ""
         # the first exit may be a rank that failed because another did: if both recorded their exception,
@@ -283,14 +281,13 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
                 lost_ranks.first_failure(server, [item.rank]) is not None:
             item, why = by_rank[first[0]], first[1]
             _show_hidden_tail(item)
-            print(f"roundelrun: rank {item.rank} (host {item.host}) failed first: {why}{others}",
-                  file=sys.stderr)
+            spawn.say(f"roundelrun: rank {item.rank} (host {item.host}) failed first: {why}{others}")
             code = spawn.own_exit_code(item, server)
             return spawn.exit_status(code if code and code > 0 else 1)  # not the signal that stopped it
         _show_hidden_tail(item)
-        print(f"roundelrun: {spawn.describe_exit(item, server)}{others}", file=sys.stderr)
+        spawn.say(f"roundelrun: {spawn.describe_exit(item, server)}{others}")
         for record in lost_ranks.lost_ranks(server, [slot.rank for slot in plan.slots]):
-            print(f"roundelrun: {lost_ranks.describe_lost(record)}", file=sys.stderr)
+            spawn.say(f"roundelrun: {lost_ranks.describe_lost(record)}")
         return spawn.exit_status(spawn.own_exit_code(item, server))
     finally:
         server.stop()
@@ -302,10 +299,9 @@ def _show_hidden_tail(worker: Worker) -> None:
     """The last lines of stderr of the rank blamed for the failure, when --ranks-filter kept them off screen."""
     if spawn.is_shown(worker.rank) or not worker.stderr_tail:
         return
-    print(f"roundelrun: the last lines of rank {worker.rank}'s stderr (hidden by --ranks-filter):",
-          file=sys.stderr)
+    spawn.say(f"roundelrun: the last lines of rank {worker.rank}'s stderr (hidden by --ranks-filter):")
     for line in worker.stderr_tail:
-        print(f"[{worker.rank}]<stderr>:{line.decode(errors='replace').rstrip()}", file=sys.stderr)
+        spawn.say(f"[{worker.rank}]<stderr>:{line.decode(errors='replace').rstrip()}")
 
 
 def _elastic_settings(args: argparse.Namespace) -> elastic_driver.ElasticSettings:

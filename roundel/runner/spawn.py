@@ -37,7 +37,7 @@ from roundel.runner.worker import Worker
 __all__ = ["FORWARDED_NAMES", "FORWARDED_PREFIXES", "FORWARD_VARS", "GRACE_SECONDS", "HOST_SPECIFIC",
            "ProcessWorker", "REMOTE_ENV", "RemoteWorker", "STRICT_HOST_KEY_CHECKING", "TERMINAL", "WorkerGroup",
            "describe_exit", "exit_status", "is_shown", "prefix_output_with_timestamp", "rank_output_dir",
-           "remote_env", "show_ranks", "signal_name", "ssh_command", "start_local", "start_remote",
+           "remote_env", "say", "show_ranks", "signal_name", "ssh_command", "start_local", "start_remote",
            "strict_host_key_args", "worker_env"]
 
 GRACE_SECONDS = 5.0
@@ -112,6 +112,11 @@ def _stamp(prefix: bytes) -> bytes:
     return (time.asctime().encode() + prefix) if _timestamps.is_set() else prefix
 
 
+def say(line: str) -> None:
+    """Write one of the launcher's own lines to stderr whole, never inside a line relayed from a rank."""
+    _emit(sys.stderr, (line + "\n").encode(errors="replace"))
+
+
 def _emit(stream: TextIO, data: bytes) -> None:
     """Write ``data`` to ``stream`` at once, never interleaved with another relay's write; never raises."""
     if not data:
@@ -120,7 +125,13 @@ def _emit(stream: TextIO, data: bytes) -> None:
     try:
         with _write_lock:
             if out is not None:
-                out.write(data)
+                stream.flush()  # text written to the stream before goes first
+                view = memoryview(data)
+                while view:  # an unbuffered stream (PYTHONUNBUFFERED) may take part of it at a time
+                    written = out.write(view)
+                    if not written:
+                        break  # a non-blocking stream that is full: drop the rest, never spin
+                    view = view[written:]
                 out.flush()
             else:
                 stream.write(data.decode(errors="replace"))
