@@ -481,6 +481,8 @@ class Coordinator:
                 for entry in batch.entries:
                     self._engine.timeline.negotiated(entry.name)
         evicted = [bit for bit, _ in negotiator.take_evictions()]
+        if not (batches or evicted or self._resends):
+            return  # nothing to send (most wake-ups: a submission that completed nothing)
         version = negotiator.cache.version
         everyone = negotiator.process_sets[0]
         if batches and all(members is everyone for members, _ in batches):  # the usual case: one message for all
