@@ -12,7 +12,8 @@ A measurements file is JSON of the form ``benchmarks/scaling.py`` writes::
 
 and may also hold ``gloo_allreduce`` (the same records with roundel on Gloo,
 ``ROUNDEL_SHARED_MEMORY=0``), ``control`` (``{"np", "cycle_ms",
-"rank0_cpu_ms_per_step"}`` from ``control_scale.py``), ``hierarchical``
+"rank0_cpu_ms_per_step"}`` from ``control_scale.py`` without relays, and
+``{"np", "relays": true, "coordinator_cpu_ms_per_step"}`` with them), ``hierarchical``
 (``{"hosts", "ranks_per_host", "bytes", "link_bits_per_s", "seconds"}``) and,
 in a training record, ``ceiling_sps`` and ``batch_size`` (default 32, the
 ``--quick`` default of ``torch_training.py``). Other fields (``floor_s``,
@@ -40,7 +41,17 @@ bytes at once:
 * roundel on Gloo: ``t = e + ring(N, S)``: ``e`` is what roundel's engine
   adds per call.
 * control round trip: ``t = c0 + c1 N``, the steady negotiation of 161
-  cached names (``control_scale.py``); rank 0's CPU per step is fitted the same way.
+  cached names (``control_scale.py``, every rank connected to rank 0);
+  rank 0's CPU per step is fitted the same way. From ``relay_from_ranks``
+  ranks (the setting's default) jobs run through relays, and the round trip
+  is ``t = r0 + r1 N + 2 D h``: ``r0 + r1 N`` is rank 0's coordinator thread's
+  CPU per step, fitted to simulations with relays (the serial part: the
+  simulated ranks' own work, which a real job spreads over its cores, is
+  not in it), D the relay tree's depth for N ranks on hosts of
+  ``--ranks-per-host`` (a rank, its host's relay, then the relays above at
+  ``relay_fanout`` to a level), and h the cost of one hop, taken as the
+  hop across hosts below. A machine without relayed records borrows the fit
+  of one that has them.
 * hierarchical (L ranks per host, H hosts): local reduce to the host's leader,
   the leaders' ring across hosts, local broadcast:
   ``t = shm(L, S) + e + 2(H-1) alpha_hop + 2(H-1)/H S / B_link``. Not fitted:
@@ -83,8 +94,11 @@ from pathlib import Path
 
 import numpy as np
 
+from roundel.common.settings import Settings
+
 BENCHMARKS = Path(__file__).resolve().parent
-DEFAULT_MEASUREMENTS = [BENCHMARKS / "measurements" / "2core.json", BENCHMARKS / "measurements" / "16core.json"]
+DEFAULT_MEASUREMENTS = [BENCHMARKS / "measurements" / name
+                        for name in ("2core.json", "2core-relays.json", "16core.json")]
 COORDINATOR_BYTES = 4096  # allreduces this small are reduced by roundel's coordinator, not in shared memory
 RESNET50_PARAMS = 25_557_032
 BACKWARD_SHARE = 2 / 3  # backward's share of a step's compute, the window gradients can reduce in
@@ -92,6 +106,7 @@ TARGET_ERROR = 0.20
 HOROVOD = {"ranks": 512, "efficiency": 0.90,
            "label": "Horovod's README: ResNet-101 and Inception V3, 128 servers x 4 Pascal GPUs, 25 Gbit/s RoCE"}
 ALLREDUCE_SIZES = "4K,256K,1M,4M,16M,64M"  # 64 MiB: beyond many machines' L3 caches
+RELAY_FROM_RANKS, RELAY_FANOUT = Settings().relay_from_ranks, Settings().relay_fanout
 
 
 # ---------------------------------------------------------------- fitting
@@ -129,6 +144,15 @@ def _errors(errors: np.ndarray, records: list) -> dict:
     worst = int(np.argmax(errors))
     return {"error": float(errors[worst]), "worst": _where(records[worst]),
             "within_target": int(np.sum(errors <= TARGET_ERROR)), "points": len(records)}
+
+
+def relay_hops(ranks: int, per_host: int, fanout: int = RELAY_FANOUT) -> int:
+    """Hops from the farthest rank to rank 0 in the relay tree of ``ranks`` on hosts of ``per_host``: to its
+    host's relay, then from host c's relay to host (c - 1) // fanout's until rank 0's (as ``relay.parent_key``)."""
+    host, hops = max(0, math.ceil(ranks / per_host) - 1), 2  # to the host's relay, and from the last relay up
+    while host > 0 and (host - 1) // fanout > 0:
+        host, hops = (host - 1) // fanout, hops + 1
+    return hops
 
 
 def _at_once(ranks, cores) -> np.ndarray:
@@ -170,8 +194,9 @@ class Models:
             (e,), errors = relative_fit([np.ones(len(gloo))], [r["roundel_s"] for r in gloo],
                                         offset=[self.ring(r["np"], r["bytes"]) for r in gloo])
             self.fits["roundel_gloo"] = {"e_s": e, **_errors(errors, gloo)}
-        for key, field in (("control", "cycle_ms"), ("control_cpu", "rank0_cpu_ms_per_step")):
-            rows = [r for r in data["control"] if r.get(field)]
+        for key, field, relays in (("control", "cycle_ms", False), ("control_cpu", "rank0_cpu_ms_per_step", False),
+                                   ("control_relayed", "coordinator_cpu_ms_per_step", True)):
+            rows = [r for r in data["control"] if r.get(field) and bool(r.get("relays")) == relays]
             if len(rows) >= 2:
                 (c0, c1), errors = relative_fit([np.ones(len(rows)), [r["np"] for r in rows]],
                                                 [r[field] / 1e3 for r in rows])
@@ -199,8 +224,13 @@ class Models:
         """Seconds roundel's engine adds to a call on Gloo (0 without ``gloo_allreduce`` measurements)."""
         return self.fits.get("roundel_gloo", {}).get("e_s", 0.0)
 
-    def control(self, ranks: int) -> float:
-        """Seconds of the steady negotiation round trip at ``ranks`` (0 without ``control`` measurements)."""
+    def control(self, ranks: int, hop_s: float = 0.0, per_host: int = 8) -> float:
+        """Seconds of the steady negotiation round trip at ``ranks`` (0 without ``control`` measurements):
+        through relays from ``RELAY_FROM_RANKS`` where there is a relayed fit, each hop costing ``hop_s``."""
+        relayed = self.fits.get("control_relayed")
+        if relayed is not None and ranks >= RELAY_FROM_RANKS:
+            return (relayed["c0_s"] + relayed["c1_s_per_rank"] * ranks
+                    + 2 * relay_hops(ranks, per_host) * hop_s)
         fit = self.fits.get("control")
         return 0.0 if fit is None else fit["c0_s"] + fit["c1_s_per_rank"] * ranks
 
@@ -248,12 +278,13 @@ def mlp_gradient_bytes() -> int:
 
 # ---------------------------------------------------------------- training steps
 def step_time(models: Models, ranks: int, nbytes: float, compute_s: float, overlap: float, bucket_bytes: float,
-              allreduce) -> dict:
-    """The step's parts (seconds): compute, control, comm, hidden, step; ``allreduce(ranks, bytes)`` costs a bucket."""
+              allreduce, hop_s: float = 0.0, per_host: int = 8) -> dict:
+    """The step's parts (seconds): compute, control, comm, hidden, step; ``allreduce(ranks, bytes)`` costs a
+    bucket, ``hop_s`` a hop of the control messages between hosts of ``per_host``."""
     buckets = max(1, math.ceil(nbytes / bucket_bytes))
     comm = buckets * allreduce(ranks, nbytes / buckets)
     hidden = min(overlap * comm, BACKWARD_SHARE * compute_s)
-    control = models.control(ranks)
+    control = models.control(ranks, hop_s, per_host)
     return {"compute": compute_s, "control": control, "comm": comm, "hidden": hidden,
             "step": compute_s + control + comm - hidden}
 
@@ -307,7 +338,8 @@ def predict(models: Models, args, workloads: dict) -> list:
                         return models.shm(ranks, size, per_host)
                     return models.hierarchical(hosts, per_host, size, per_host, gbit * 1e9 / 8, hop)
 
-                parts = step_time(models, n, nbytes, compute, args.overlap, args.bucket_mib * 2 ** 20, allreduce)
+                parts = step_time(models, n, nbytes, compute, args.overlap, args.bucket_mib * 2 ** 20, allreduce,
+                                  hop, per_host)
                 rows.append(dict(parts, model=name, gbit=gbit, ranks=n, efficiency=compute / parts["step"]))
     return rows
 
@@ -345,7 +377,8 @@ def machine_report(models: Models, data: dict, training: list, hierarchical: lis
         lines.append(f"| roundel on Gloo t = e + ring | e = {_us(f['roundel_gloo']['e_s'])} "
                      f"| {f['roundel_gloo']['points']} | {_err(f['roundel_gloo'])} "
                      f"| {_mark(f['roundel_gloo']['error'])} |")
-    for key, label in (("control", "control round trip"), ("control_cpu", "rank 0 CPU per step")):
+    for key, label in (("control", "control round trip"), ("control_cpu", "rank 0 CPU per step"),
+                       ("control_relayed", "rank 0's coordinator per step, relays")):
         if key in f:
             lines.append(f"| {label} t = c0 + c1 N | c0 = {f[key]['c0_s'] * 1e3:.2f} ms, c1 = "
                          f"{_us(f[key]['c1_s_per_rank'])} per rank | {f[key]['points']} "
@@ -362,11 +395,16 @@ def machine_report(models: Models, data: dict, training: list, hierarchical: lis
     return "\n".join(lines)
 
 
-def prediction_report(models: Models, predictions: list, args, mlp_bytes: int) -> str:
-    """The predicted step times and efficiencies as a Markdown table, with Horovod's published figure."""
+def prediction_report(models: Models, predictions: list, args, mlp_bytes: int, relayed_from: int | None) -> str:
+    """The predicted step times and efficiencies as a Markdown table, with Horovod's published figure;
+    ``relayed_from``: the machine whose relayed control fit was used (None: none)."""
+    control = ("control round trip without relays throughout" if relayed_from is None else
+               f"control round trip through relays from {RELAY_FROM_RANKS} ranks (fanout {RELAY_FANOUT}), rank 0's "
+               f"part fitted on the {relayed_from}-core machine, each hop as one across hosts")
     lines = [f"Predicted from the {models.cores}-core machine's fits: {args.ranks_per_host} ranks per host, a core "
              f"each; overlap {args.overlap:g}; {args.bucket_mib:g} MiB buckets; per hop across hosts "
-             f"{_us(models.fits['ring']['alpha_s'])} (fitted Gloo alpha) + {args.hop_latency_us:g} µs; ResNet-50 "
+             f"{_us(models.fits['ring']['alpha_s'])} (fitted Gloo alpha) + {args.hop_latency_us:g} µs; {control}; "
+             f"ResNet-50 "
              f"{RESNET50_PARAMS * 4 / 2 ** 20:.1f} MiB of gradients, {args.resnet_step_ms:g} ms compute; mlp "
              f"{mlp_bytes / 2 ** 20:.1f} MiB, compute as measured single-rank.", "",
              "| model | network | ranks | compute ms | control ms | allreduce ms | hidden ms | step ms | efficiency |",
@@ -408,18 +446,20 @@ def _training_run(n: int, tmp: str) -> dict:
     return {"batch_size": result["batch_size"], **{kind: run["samples_per_s"] for kind, run in result["runs"].items()}}
 
 
-def _control_run(control_ranks: str, tmp: str) -> dict:
-    """One ``control_scale.py`` run without relays (the form fitted): {ranks: (steady cycle ms, rank 0 CPU ms
-    per step)}."""
+def _control_run(control_ranks: str, tmp: str, relays: bool) -> dict:
+    """One ``control_scale.py`` run, with relays from the default size or without: {ranks: (steady cycle ms,
+    rank 0 CPU ms per step, its coordinator thread's)}."""
     path = Path(tmp) / "control.json"
-    _run([sys.executable, BENCHMARKS / "control_scale.py", "--ranks", control_ranks, "--steps", 5, "--relay-from-ranks", 0,
-          "--json", path, "--plot", Path(tmp) / "c.png"])
-    return {r["ranks"]: (r["cycle_ms"], r["rank0_cpu_ms_per_step"]) for r in json.loads(path.read_text())["results"]}
+    _run([sys.executable, BENCHMARKS / "control_scale.py", "--ranks", control_ranks, "--steps", 20 if relays else 5,
+          "--relay-from-ranks", RELAY_FROM_RANKS if relays else 0, "--json", path, "--plot", Path(tmp) / "c.png"])
+    return {r["ranks"]: (r["cycle_ms"], r["rank0_cpu_ms_per_step"], r["coordinator_cpu_ms_per_step"])
+            for r in json.loads(path.read_text())["results"]}
 
 
-def collect(out: str, nps: list, training_nps: list, control_ranks: str, repeat: int) -> None:
+def collect(out: str, nps: list, training_nps: list, control_ranks: str, relayed_ranks: str, repeat: int) -> None:
     """Measure this machine into ``out``: allreduce (shared memory on and off) at ``nps``, mlp training at
-    ``training_nps`` ranks and single, ``control_scale.py`` at ``control_ranks``; each ``repeat`` times, in
+    ``training_nps`` ranks and single, ``control_scale.py`` at ``control_ranks`` without relays and at
+    ``relayed_ranks`` with them; each ``repeat`` times, in
     rounds, keeping the fastest figure of each (the run least disturbed by other work on the machine)."""
     from scaling import copy_bandwidth  # benchmarks/scaling.py, beside this script (it loads torch)
     cores = os.cpu_count()
@@ -437,7 +477,7 @@ def collect(out: str, nps: list, training_nps: list, control_ranks: str, repeat:
               "copy_bandwidth_bytes_per_s": {}}
     for k in sorted(set(nps)):
         record["copy_bandwidth_bytes_per_s"][str(k)] = copy_bandwidth(k, 64 * 2 ** 20, 0.5)
-    allreduce, training, control = {}, {}, []
+    allreduce, training, control, relayed = {}, {}, [], []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(repeat):
             print(f"round {round_ + 1}/{repeat}: allreduce at {nps} ranks, mlp training at {training_nps}, "
@@ -447,7 +487,8 @@ def collect(out: str, nps: list, training_nps: list, control_ranks: str, repeat:
                     allreduce.setdefault((key, n), []).append(_allreduce_run(n, shm, tmp))
             for n in training_nps:
                 training.setdefault(n, []).append(_training_run(n, tmp))
-            control.append(_control_run(control_ranks, tmp))
+            control.append(_control_run(control_ranks, tmp, relays=False))
+            relayed.append(_control_run(relayed_ranks, tmp, relays=True))
     for key in ("allreduce", "gloo_allreduce"):
         record[key] = [{"np": n, "bytes": size, "roundel_s": min(run[size][0] for run in runs),
                         "raw_s": min(run[size][1] for run in runs)}
@@ -457,6 +498,9 @@ def collect(out: str, nps: list, training_nps: list, control_ranks: str, repeat:
                           for n, runs in training.items()]
     record["control"] = [{"np": n, "cycle_ms": min(run[n][0] for run in control),
                           "rank0_cpu_ms_per_step": min(run[n][1] for run in control)} for n in control[0]]
+    record["control"] += [{"np": n, "relays": True, "cycle_ms": min(run[n][0] for run in relayed),
+                           "rank0_cpu_ms_per_step": min(run[n][1] for run in relayed),
+                           "coordinator_cpu_ms_per_step": min(run[n][2] for run in relayed)} for n in relayed[0]]
     record["load_average_after"] = os.getloadavg()[0]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(record, indent=1) + "\n")
@@ -472,7 +516,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--collect", metavar="OUT", help="measure this machine into OUT (JSON) instead of fitting")
     p.add_argument("--np", default="2,3,4", help="with --collect: ranks of the allreduce runs")
     p.add_argument("--training-np", default="2", help="with --collect: ranks of the mlp training runs")
-    p.add_argument("--control-ranks", default="16,64,256", help="with --collect: control_scale.py's --ranks")
+    p.add_argument("--control-ranks", default="16,64,256",
+                   help="with --collect: control_scale.py's --ranks without relays")
+    p.add_argument("--relayed-control-ranks", default="64,256,1024",
+                   help="with --collect: control_scale.py's --ranks with relays (from the default size)")
     p.add_argument("--repeat", type=int, default=3, help="with --collect: runs of each, the fastest kept")
     p.add_argument("--ranks", default="8,64,512,1024", help="rank counts to predict")
     p.add_argument("--ranks-per-host", type=int, default=8)
@@ -499,26 +546,32 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.collect:
-        collect(args.collect, args.np, args.training_np, args.control_ranks, args.repeat)
+        collect(args.collect, args.np, args.training_np, args.control_ranks, args.relayed_control_ranks,
+                args.repeat)
         return 0
     from plots import scaling_model_plot  # benchmarks/plots.py, beside this script
 
     machines = load(args.measurements)
     mlp_bytes = mlp_gradient_bytes()
-    output = {"machines": {}}
+    output, fitted = {"machines": {}}, {}
     for cores in sorted(machines):
         data, models = machines[cores], Models(machines[cores])
+        fitted[cores] = models
         training, hierarchical = check_training(models, data, args, mlp_bytes), check_hierarchical(models, data)
         print(machine_report(models, data, training, hierarchical) + "\n")
         output["machines"][cores] = {"fits": models.fits, "training": training, "hierarchical": hierarchical}
     cores = max(machines)  # the machine with the most cores stands for a host with a core per rank
     data, models = machines[cores], Models(machines[cores])
+    relayed_from = next((c for c in sorted(fitted, key=lambda c: (c != cores, -c))
+                         if "control_relayed" in fitted[c].fits), None)
+    if relayed_from is not None:  # the serial part at rank 0, from the machine that measured it
+        models.fits["control_relayed"] = fitted[relayed_from].fits["control_relayed"]
     workloads = {"ResNet-50": (RESNET50_PARAMS * 4, args.resnet_step_ms / 1e3)}
     single = [r for r in data["training"] if r.get("model") == "mlp" and r.get("single_sps")]
     if single:
         workloads["mlp"] = (mlp_bytes, single[0].get("batch_size", 32) / single[0]["single_sps"])
     predictions = predict(models, args, workloads)
-    print(prediction_report(models, predictions, args, mlp_bytes))
+    print(prediction_report(models, predictions, args, mlp_bytes, relayed_from))
     lines = {f"{name}, {gbit:g} Gbit/s": [r["efficiency"] for r in predictions
                                           if r["model"] == name and r["gbit"] == gbit]
              for name in workloads for gbit in args.networks}
@@ -527,7 +580,7 @@ def main(argv=None) -> int:
                               f"(alpha-beta model fitted on the {cores}-core machine)")
     print(f"\nplot: {path}")
     if args.json:
-        output.update(predicted_from=cores, predictions=predictions)
+        output.update(predicted_from=cores, control_relayed_from=relayed_from, predictions=predictions)
         Path(args.json).write_text(json.dumps(output, indent=1))
     return 0
 

@@ -136,12 +136,14 @@ def _synthetic_measurements(path: Path, law: dict) -> None:
         "training": [{"np": 2, "model": "mlp", "batch_size": 32, "roundel_sps": 500.0, "ddp_sps": 400.0,
                       "single_sps": 800.0}],
         "control": [{"np": n, "cycle_ms": 1e3 * (law["c0"] + law["c1"] * n), "rank0_cpu_ms_per_step": 1.0 + n / 100}
-                    for n in (16, 64, 256)]}))
+                    for n in (16, 64, 256)]
+                   + [{"np": n, "relays": True, "cycle_ms": 50.0, "rank0_cpu_ms_per_step": 9.0,
+                       "coordinator_cpu_ms_per_step": 1e3 * (law["r0"] + law["r1"] * n)} for n in (64, 256, 1024)]}))
 
 
 def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measurements(tmp_path):
     law = {"a0": 200e-6, "a1": 50e-6, "b0": 1 / 3e9, "b1": 40e-12, "alpha": 80e-6, "beta0": 1 / 1.5e9,
-           "beta1": 20e-12, "e": 50e-6, "c0": 2e-3, "c1": 30e-6}
+           "beta1": 20e-12, "e": 50e-6, "c0": 2e-3, "c1": 30e-6, "r0": 0.8e-3, "r1": 1.5e-6}
     measurements, png, figures = tmp_path / "synthetic.json", tmp_path / "model.png", tmp_path / "model.json"
     _synthetic_measurements(measurements, law)
     result = run_command([sys.executable, BENCHMARKS / "scaling_model.py", "--measurements", measurements,
@@ -155,11 +157,12 @@ def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measureme
                          (fits["ring"]["alpha_s"], law["alpha"]), (fits["ring"]["beta0_s_per_byte"], law["beta0"]),
                          (fits["ring"]["beta1_s_per_byte_per_rank"], law["beta1"]),
                          (fits["roundel_gloo"]["e_s"], law["e"]), (fits["control"]["c0_s"], law["c0"]),
-                         (fits["control"]["c1_s_per_rank"], law["c1"])):
+                         (fits["control"]["c1_s_per_rank"], law["c1"]), (fits["control_relayed"]["c0_s"], law["r0"]),
+                         (fits["control_relayed"]["c1_s_per_rank"], law["r1"])):
         assert math.isclose(fitted, true, rel_tol=0.01), (fitted, true, fits)
     assert all(fit["error"] < 1e-6 for fit in fits.values()), fits
     fit_rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "t = " in line]
-    assert len(fit_rows) == 5 and all("| 0.0% at N = " in row and "| within 20 % |" in row for row in fit_rows), describe(result)
+    assert len(fit_rows) == 6 and all("| 0.0% at N = " in row and "| within 20 % |" in row for row in fit_rows), describe(result)
 
     # ResNet-50 at 8 ranks is one host: 4 buckets of a quarter of its gradients in shared memory, half hidden
     nbytes = 25_557_032 * 4
@@ -168,6 +171,13 @@ def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measureme
     predictions = output["predictions"]
     [resnet8] = [p for p in predictions if p["model"] == "ResNet-50" and p["ranks"] == 8 and p["gbit"] == 25]
     assert math.isclose(resnet8["step"], step, rel_tol=1e-6) and math.isclose(resnet8["efficiency"], 0.250 / step)
+    # from 64 ranks through relays: rank 0's part, and a hop each way per level (1,024 on hosts of 8: 5 hops)
+    hop = law["alpha"] + 5e-6
+    for ranks, hops in ((64, 3), (512, 4), (1024, 5)):
+        [row] = [p for p in predictions if p["model"] == "ResNet-50" and p["ranks"] == ranks and p["gbit"] == 25]
+        relayed = law["r0"] + law["r1"] * ranks + 2 * hops * hop
+        assert math.isclose(row["control"], relayed, rel_tol=1e-6), row
+    assert output["control_relayed_from"] == 16 and "through relays from 64 ranks" in result.stdout
     assert sorted((p["model"], p["gbit"], p["ranks"]) for p in predictions) == sorted(
         (model, gbit, n) for model in ("ResNet-50", "mlp") for gbit in (25.0, 100.0) for n in (8, 64, 512, 1024))
     for model in ("ResNet-50", "mlp"):
@@ -186,4 +196,5 @@ def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measureme
     for machine in output["machines"].values():
         assert {"shm", "ring", "roundel_gloo", "control"} <= set(machine["fits"]), machine["fits"]
         assert machine["fits"]["shm"]["b0_s_per_byte"] > 0 and machine["training"], machine
-    assert "measurements/2core.json" in committed.stdout and "measurements/16core.json" in committed.stdout
+    assert "control_relayed" in output["machines"]["2"]["fits"] and output["control_relayed_from"] == 2
+    assert all(f"measurements/{name}.json" in committed.stdout for name in ("2core", "2core-relays", "16core"))
