@@ -165,12 +165,12 @@ class _SimulatedHosts:
                 above = relays.parent_key(prefix, _host_name(h), relays.relay_local_rank(h), h, fanout)
                 relay = relays.Relay(leader, size, secret, "127.0.0.1", self.selector,
                                      functools.partial(self._up, leader), self._wake, HOLD_S, 600.0, _host_name(h),
-                                     global_bits=lambda: -1, above_is_relay=above is not None)  # every name global
+                                     global_bits=lambda: -1,  # every name global
+                                     above_is_relay=above is not None and ((h - 1) // fanout > 0 or per_host > 1))
                 record = relays.address_record(leader, f"127.0.0.1:{relay.listener.port}", _host_name(h),
                                                relay.listener.local_name)
                 client.set(relays.host_key(prefix, _host_name(h)), record)
-                if h:
-                    client.set(relays.leader_key(prefix, h), record)
+                client.set(relays.leader_key(prefix, h), record)
                 self.relays[leader] = relay
                 for rank in ranks:
                     if rank not in (0, leader):
@@ -184,7 +184,7 @@ class _SimulatedHosts:
             connection = self._connect(address, None, leader, ("parent", leader))
             self.parents[leader] = connection
             connection.send(Heartbeat(_host_name(h)))
-            for child_host in range(h * fanout + 1, h * fanout + fanout + 1) if h else ():  # relays reporting here
+            for child_host in range(h * fanout + 1, h * fanout + fanout + 1):  # relays reporting here
                 if child_host * per_host < size:
                     self.relay_of[child_host * per_host] = self.relays[leader]
         for h, ranks in hosts:
@@ -406,7 +406,7 @@ def measure(size: int, workers: int, steps: int, per_host: int = 8, relay_from_r
     engine_box: dict = {}
     starter = threading.Thread(target=lambda: engine_box.update(engine=Engine(
         0, size, settings, secret, store, PREFIX, "127.0.0.1", {0: (tuple(range(size)), backend)},
-        placement=(0, 0, _host_name(0)))))
+        placement=(0, 0, _host_name(0), min(per_host, size)))))
     starter.start()
     for share in shares:
         parent, child = context.Pipe()

@@ -48,8 +48,8 @@ bytes at once:
   CPU per step, fitted to simulations with relays (the serial part: the
   simulated ranks' own work, which a real job spreads over its cores, is
   not in it), D the relay tree's depth for N ranks on hosts of
-  ``--ranks-per-host`` (a rank, its host's relay, then the relays above at
-  ``relay_fanout`` to a level), and h the cost of one hop, taken as the
+  ``--ranks-per-host`` (a rank, its host's relay, the relays above at
+  ``relay_fanout`` to a level, rank 0's host's relay, rank 0), and h the cost of one hop, taken as the
   hop across hosts below. A machine without relayed records borrows the fit
   of one that has them.
 * hierarchical (L ranks per host, H hosts): local reduce to the host's leader,
@@ -148,9 +148,10 @@ def _errors(errors: np.ndarray, records: list) -> dict:
 
 def relay_hops(ranks: int, per_host: int, fanout: int = RELAY_FANOUT) -> int:
     """Hops from the farthest rank to rank 0 in the relay tree of ``ranks`` on hosts of ``per_host``: to its
-    host's relay, then from host c's relay to host (c - 1) // fanout's until rank 0's (as ``relay.parent_key``)."""
-    host, hops = max(0, math.ceil(ranks / per_host) - 1), 2  # to the host's relay, and from the last relay up
-    while host > 0 and (host - 1) // fanout > 0:
+    host's relay, from host c's relay to host (c - 1) // fanout's until rank 0's host's, then to rank 0
+    (as ``relay.parent_key``)."""
+    host, hops = max(0, math.ceil(ranks / per_host) - 1), 2  # to the host's relay, and from rank 0's host's up
+    while host > 0:
         host, hops = (host - 1) // fanout, hops + 1
     return hops
 

@@ -326,8 +326,10 @@ def test_the_tree_of_relays():
     assert relays.parent_key(prefix, "h", 1, 0, 16) is None
     assert relays.parent_key(prefix, "h", 2, 0, 16) == relays.parent_key(prefix, "h", 7, 0, 16) == \
         relays.host_key(prefix, "h")
+    # the relay on rank 0's host is the top of the tree: the first hosts' relays connect to it, not to rank 0
     assert [relays.parent_key(prefix, "h", 0, c, 2) for c in (1, 2, 3, 4, 5)] == [
-        None, None, relays.leader_key(prefix, 1), relays.leader_key(prefix, 1), relays.leader_key(prefix, 2)]
+        relays.leader_key(prefix, 0), relays.leader_key(prefix, 0), relays.leader_key(prefix, 1),
+        relays.leader_key(prefix, 1), relays.leader_key(prefix, 2)]
     assert relays.fan_out([5, 6, 7, 9], {5: 1, 6: 2, 7: 1}) == {1: [5, 7], 2: [6]}
     assert relays.addressed(3, [3], b"x") == b"x"
     assert control_codec.decode(relays.addressed(3, [3, 8], b"x")) == Deliver((3, 8), b"x")

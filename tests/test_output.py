@@ -224,7 +224,7 @@ def test_verbose_reports_rendezvous_starts_and_joins_in_order():
 
 def test_the_launchers_own_lines_never_land_inside_a_ranks_line(tmp_path, monkeypatch):
     """They come from other threads than the one relaying a rank's stderr (``--verbose``'s joins: the store's)."""
-    unbuffered = open(tmp_path / "stderr", "wb", buffering=0)  # stderr under PYTHONUNBUFFERED, as in the ranks
+    unbuffered = open(tmp_path / "stderr", "wb", buffering=0)  # the launcher's stderr under PYTHONUNBUFFERED
     monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(unbuffered, write_through=True))
     chatter = "import sys\nfor i in range(20000): sys.stderr.write(f'rank line {i}\\n'); sys.stderr.flush()"
     worker = spawn.start_local(SlotInfo("localhost", 0, 1, 0, 1, 0, 1), [sys.executable, "-c", chatter], {})
@@ -234,7 +234,8 @@ def test_the_launchers_own_lines_never_land_inside_a_ranks_line(tmp_path, monkey
         said += 1
     assert worker.wait() == 0
     worker.join_output(10)
-    sys.stderr.flush()
+    monkeypatch.undo()  # the real stderr back before its stand-in's file closes
+    unbuffered.close()
     lines = (tmp_path / "stderr").read_text().splitlines()
     mixed = [line for line in lines
              if not re.fullmatch(r"roundelrun: launcher line \d+|\[0\]<stderr>:rank line \d+", line)]

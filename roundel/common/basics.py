@@ -181,7 +181,7 @@ def init(comm=None, process_sets=None) -> None:
                 log.error("roundel: %s; the job goes on without a timeline", exc)
         try:
             engine = Engine(ident.rank, ident.size, settings, secret, client, prefix, advertise, table, timeline,
-                            placement=(ident.local_rank, ident.cross_rank, ident.hostname))
+                            placement=(ident.local_rank, ident.cross_rank, ident.hostname, ident.local_size))
         except BaseException:
             timeline.stop()
             factory.close(backend)

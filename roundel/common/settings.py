@@ -420,9 +420,10 @@ SPECS = (
                help="relay control messages through one rank per host in jobs of at least this many ranks "
                     "(default 64; 0: never)")),
     Spec("relay_fanout", "RELAY_FANOUT", _int(1, "4"),
-         "with relays, at most this many hosts' relays report to rank 0, and to each relay (roundel only)",
+         "with relays, at most this many hosts' relays report to each relay; rank 0's host's relay is the top "
+         "(roundel only)",
          _flag("--relay-fanout", type=int, group="params",
-               help="hosts' relays under rank 0 and under each relay (default 4)")),
+               help="hosts' relays under each relay; rank 0's host's relay is the top (default 4)")),
     Spec(None, "MPI_THREADS_DISABLE", _bool,
          "accepted and handed to the workers; no effect in roundel (it drives no MPI threads)",
          _flag("--mpi-threads-disable", off=("--no-mpi-threads-disable",), config="library_options.mpi_threads_disable",

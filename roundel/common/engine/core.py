@@ -82,7 +82,7 @@ class Engine:
     def __init__(self, rank: int, size: int, settings: Settings, secret: bytes,
                  rendezvous, key_prefix: str, advertise_host: str, process_sets: dict,
                  timeline: Timeline | None = None, placement: tuple | None = None):
-        """``placement``: this rank's (local rank, cross rank, host), for relays (None: no relays)."""
+        """``placement``: this rank's (local rank, cross rank, host, local size), for relays (None: no relays)."""
         self.rank = rank
         self.size = size
         self.settings = settings
@@ -119,13 +119,15 @@ class Engine:
                 rendezvous.set(key + "/local", json.dumps(
                     {"host": self.host, "name": self._coordinator.local_name}).encode())
             rendezvous.set(key, f"{advertise_host}:{self._coordinator.port}".encode())
+            if relayed and placement[3] == 1:  # no relay on its host: the top of the relays' tree comes here
+                rendezvous.set(relay.leader_key(key_prefix, 0), relay.address_record(
+                    0, f"{advertise_host}:{self._coordinator.port}", self.host, self._coordinator.local_name))
             target = self._coordinator.run
         elif relayed:
-            local_rank, cross_rank, _ = placement
+            local_rank, cross_rank = placement[:2]
             keys = ()
-            if local_rank == relay.relay_local_rank(cross_rank):  # rank 0's host's relay leads no other hosts
-                keys = (relay.host_key(key_prefix, self.host),) + (
-                    (relay.leader_key(key_prefix, cross_rank),) if cross_rank else ())
+            if local_rank == relay.relay_local_rank(cross_rank):
+                keys = (relay.host_key(key_prefix, self.host), relay.leader_key(key_prefix, cross_rank))
             self._link = RankLink(self, secret, key_prefix, relay.parent_key(
                 key_prefix, self.host, local_rank, cross_rank, settings.relay_fanout), keys, advertise_host)
             target = self._link.run

@@ -65,6 +65,8 @@ class RankLink:
             if self._relay is not None:
                 self._relay.close(time.monotonic())
             raise
+        if self._relay is not None:  # the top of the tree finds rank 0 itself there when it is alone on its host
+            self._relay.above_is_relay = self._above_rank != 0
         self._reader = control_channel.FrameReader(self._connection)
         self._heard = time.monotonic()
         self._lost = False

@@ -4,10 +4,11 @@ Without relays rank 0 reads, checks and answers one frame per rank per
 cycle, about 30 µs each in Python: 30 ms per cycle at 1,024 ranks. In a job
 of at least ``relay_from_ranks`` ranks, each host's first rank (local rank 0)
 is a relay instead: the other ranks of its host connect to it, and the
-hosts' relays form a tree under rank 0 with at most ``relay_fanout`` of them
-under rank 0 and under each relay (:func:`parent_key`). On rank 0's own host
-the second rank relays for the others. Rank 0 then hears one frame per
-child, not per rank.
+hosts' relays form a tree with at most ``relay_fanout`` of them under each
+relay (:func:`parent_key`). On rank 0's own host the second rank relays, for
+the others there and for the top of the tree, and is rank 0's only child:
+rank 0 hears one frame per step, not one per rank or per host. Where rank 0
+is alone on its host, the top of the tree connects to rank 0 itself.
 
 Upward, a relay holds the steady-state submissions of the ranks below it (a
 mask of cache bits and nothing else) and sends them on as one ``Merged``
@@ -79,14 +80,14 @@ def relay_local_rank(cross_rank: int) -> int:
 def parent_key(prefix: str, host: str, local_rank: int, cross_rank: int, fanout: int) -> str | None:
     """The key of the address a rank other than 0 connects to when relays are on; None: rank 0's own.
 
-    A rank that does not relay connects to its host's relay. A relay connects to rank 0 when it is on
-    rank 0's host or its host is among the first ``fanout`` hosts after rank 0's, else to the relay of
-    host ``(cross_rank - 1) // fanout``: the relays form a tree of ``fanout`` under each.
+    A rank that does not relay connects to its host's relay. The relay on rank 0's host connects to
+    rank 0; any other connects to the relay of host ``(cross_rank - 1) // fanout``: the relays form a
+    tree of ``fanout`` under each, with rank 0's host's relay at the top (or rank 0, alone on its host,
+    which then publishes its own address under that key).
     """
     if local_rank != relay_local_rank(cross_rank):
         return host_key(prefix, host)
-    above = (cross_rank - 1) // fanout
-    return None if cross_rank == 0 or above == 0 else leader_key(prefix, above)
+    return None if cross_rank == 0 else leader_key(prefix, (cross_rank - 1) // fanout)
 
 
 def address_record(rank: int, address: str, host: str, local_name: str | None) -> bytes:
@@ -143,7 +144,7 @@ class Relay:
     ``wake()`` interrupts the thread's select when a child connects;
     ``global_bits()`` is the mask of cache bits this rank knows as names of
     the global process set; ``above_is_relay``: the rank above is a relay,
-    not rank 0; ``subtree_wait_s``: how long a global name's submissions wait
+    not rank 0 (the link corrects it once it has connected); ``subtree_wait_s``: how long a global name's submissions wait
     for the rest of the subtree at most.
     """
 
@@ -171,7 +172,7 @@ class Relay:
         self._unchecked = False  # more sent since the subtree's AND was last taken
         self._in_join: set[int] = set()
         self._global_bits = global_bits
-        self._above_is_relay = above_is_relay
+        self.above_is_relay = above_is_relay
         self._subtree_wait_s = subtree_wait_s
         self._accepted: "queue.SimpleQueue" = queue.SimpleQueue()
         self._last_heartbeat = 0.0
@@ -246,7 +247,7 @@ class Relay:
 
     def flush(self, now: float | None = None, matched: int = 0) -> None:
         """Send what is held up as one Merged message, with ``matched``, the bits the subtree has matched."""
-        if not self._held and not (matched and self._above_is_relay):
+        if not self._held and not (matched and self.above_is_relay):
             return
         now = time.monotonic() if now is None else now
         groups: dict[int, tuple] = {}
@@ -280,7 +281,7 @@ class Relay:
         while not self._accepted.empty():
             self._adopt(self._accepted.get())
         matched = self._matched() if self._unchecked else 0
-        if (matched and (self._held or self._above_is_relay)) or (self._held and now >= self.deadline()):
+        if (matched and (self._held or self.above_is_relay)) or (self._held and now >= self.deadline()):
             self.flush(now, matched)  # with nothing held and rank 0 above, matched bits need not go: it ANDs all
 
     def _adopt(self, connection: control_channel.Connection) -> None:
