@@ -49,8 +49,8 @@ bytes at once:
   simulated ranks' own work, which a real job spreads over its cores, is
   not in it), D the relay tree's depth for N ranks on hosts of
   ``--ranks-per-host`` (a rank, its host's relay, the relays above at
-  ``relay_fanout`` to a level, rank 0's host's relay, rank 0), and h the cost of one hop, taken as the
-  hop across hosts below. A machine without relayed records borrows the fit
+  ``relay_fanout`` to a level, rank 0's host's relay, rank 0), and h the
+  cost of one hop, taken as the hop across hosts below. A machine without relayed records borrows the fit
   of one that has them.
 * hierarchical (L ranks per host, H hosts): local reduce to the host's leader,
   the leaders' ring across hosts, local broadcast:

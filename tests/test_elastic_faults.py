@@ -82,6 +82,18 @@ def test_unnamed_allgather_after_a_kill_and_a_join(tmp_path):
     assert len(finals) == 3 and all(r["gathered"] == [0, 1, 2] for r in finals), finals
 
 
+def test_a_worker_reported_lost_that_exits_by_itself_reports_its_own_status(tmp_path):
+    # as test_a_worker_reported_lost_is_killed_and_the_job_goes_on, but the last rank exits with status 1
+    # 0.3 s after rank 0 reported it lost: within the grace, so it is not killed and its own status is named
+    job = _job(tmp_path, "127.0.0.2:1\n127.0.0.3:1\n", "-np", "2", "--min-np", "1", "--elastic-timeout", "60",
+               LOST_AT_STEP=4, LOST_EXITS=1)
+    job.wait_count("generation 1: 1 worker(s)", 1, timeout=60)
+    assert job.finish(timeout=120) == 0, job.describe()
+    text = job.text()
+    assert "EXITING 1" in text and "killing it" not in text, job.describe()
+    assert "worker 127.0.0.3:0 exited with code 1; host 127.0.0.3 blacklisted" in text, job.describe()
+
+
 def test_a_worker_reported_lost_is_killed_and_the_job_goes_on(tmp_path):
     # the last rank SIGSTOPs itself and rank 0 writes gen0/lost/<rank>, as a heartbeat check does;
     # the driver must SIGKILL it (a stopped process ignores SIGTERM), blacklist its host and go on

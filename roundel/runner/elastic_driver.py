@@ -50,6 +50,9 @@ __all__ = ["ElasticSettings", "IllegalTransition", "MemberEvent", "MemberState",
 
 _TICK_S = 0.1
 DISCOVERY_INTERVAL_S = 1.0
+LOST_GRACE_S = 1.0
+"""How long a worker reported lost may take to exit by itself before it is killed: one that fails and exits
+closes its connections first, and its own exit status is the one to report."""
 
 
 @dataclasses.dataclass
@@ -202,6 +205,7 @@ class _Driver:
         self.address_for = address_for
         self.group = spawn.WorkerGroup()  # every worker started; its events queue drives the loop
         self.members: dict[int, _Member] = {}  # live workers by serial
+        self._reported_lost: dict[int, float] = {}  # serial -> when a peer's record of it was first seen
         self.member_of: dict[Worker, _Member] = {}
         self.serial = 0
         self.hosts: dict[str, int] = {}
@@ -245,6 +249,7 @@ class _Driver:
 
     def _on_exit(self, member: _Member) -> None:
         self.members.pop(member.serial, None)
+        self._reported_lost.pop(member.serial, None)
         code = spawn.own_exit_code(member.worker, self.server)
         if member.state.evicted or (member.state.leaving and code == 0):
             return
@@ -288,14 +293,16 @@ class _Driver:
         return evicted
 
     def _kill_lost(self) -> None:
-        """SIGKILL every worker of the current generation that a peer reported lost (it stopped answering).
+        """SIGKILL every worker of the current generation that a peer reported lost (it stopped answering)
+        and that has not exited by itself within ``LOST_GRACE_S`` of the report.
 
         Its exit then counts as a failure like any other (blacklist, replacement, reset).
         """
         live = {m.last_rank: m for m in self.current if not m.state.lost and m.serial in self.members}
+        now = time.monotonic()
         for record in lost_ranks(self.server, list(live), protocol.key_prefix(self.generation)):
             member = live.get(record.get("rank"))
-            if member is None:
+            if member is None or now - self._reported_lost.setdefault(member.serial, now) < LOST_GRACE_S:
                 continue
             member.on(MemberEvent.LOSE)
             self._say(f"worker {member.label}: {describe_lost(record)}; killing it")

@@ -15,7 +15,8 @@ decides, all ranks follow). ``SHARDED=1``: the optimizer shards its state
 (``shard_optimizer_state=True``). ``POWERSGD=1``: PowerSGD(rank=1,
 start_iter=3) compression. ``LOST_AT_STEP``: in the first generation, at
 that step the last rank stops itself (SIGSTOP) and rank 0 reports it lost in
-the rendezvous store, as a rank's heartbeat check does. ``EXIT_SCHEDULE``:
+the rendezvous store, as a rank's heartbeat check does; with ``LOST_EXITS=1``
+the last rank does not stop but exits with status 1, 0.3 s after the report. ``EXIT_SCHEDULE``:
 JSON ``{"<generation>": [ranks]}``: those ranks of that generation exit with
 status 1 after ``EXIT_AFTER`` (default 3) steps in it, as Horovod's elastic
 integration tests schedule failures.
@@ -38,6 +39,7 @@ COMMIT_EVERY = int(os.environ.get("COMMIT_EVERY", "1"))
 STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0.05"))
 STOP_FILE = os.environ.get("STOP_FILE")
 LOST_AT_STEP = int(os.environ.get("LOST_AT_STEP", "0"))
+LOST_EXITS = os.environ.get("LOST_EXITS") == "1"
 EXIT_SCHEDULE = json.loads(os.environ.get("EXIT_SCHEDULE", "{}"))
 EXIT_AFTER = int(os.environ.get("EXIT_AFTER", "3"))
 IDENTITY_VARS = [prefix + name for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
@@ -80,7 +82,12 @@ def fake_a_lost_rank() -> None:
     """The last rank stops; rank 0 reports it under the agreed key ``<prefix>lost/<rank>``."""
     runtime = basics.runtime()
     victim = hvd.size() - 1
-    if hvd.rank() == victim:
+    if hvd.rank() == victim and LOST_EXITS:  # as a rank that fails: its connections close before it has exited
+        runtime.client.get(f"{runtime.prefix}lost/{victim}", timeout=60)
+        print(f"EXITING {victim}", flush=True)
+        time.sleep(0.3)
+        os._exit(1)
+    elif hvd.rank() == victim:
         print(f"STOPPING {victim}", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
     elif hvd.rank() == 0:

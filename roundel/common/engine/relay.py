@@ -144,8 +144,9 @@ class Relay:
     ``wake()`` interrupts the thread's select when a child connects;
     ``global_bits()`` is the mask of cache bits this rank knows as names of
     the global process set; ``above_is_relay``: the rank above is a relay,
-    not rank 0 (the link corrects it once it has connected); ``subtree_wait_s``: how long a global name's submissions wait
-    for the rest of the subtree at most.
+    not rank 0 (the link corrects it once it has connected);
+    ``subtree_wait_s``: how long a global name's submissions wait for the
+    rest of the subtree at most.
     """
 
     def __init__(self, rank: int, size: int, secret: bytes, advertise_host: str, selector,
