@@ -53,8 +53,7 @@ class RankLink:
         if relay_keys:
             self._relay = relays.Relay(engine.rank, engine.size, secret, advertise_host, engine.selector,
                                        self._send_up, engine.wake, engine.tuned.cycle_time_ms / 1000,
-                                       settings.heartbeat_timeout_s, engine.host, self._cache.global_set_bits,
-                                       above_is_relay=parent_key is not None)
+                                       settings.heartbeat_timeout_s, engine.host, self._cache.global_set_bits)
             record = relays.address_record(engine.rank, f"{advertise_host}:{self._relay.listener.port}",
                                            engine.host, self._relay.listener.local_name)
             for key in relay_keys:
@@ -65,7 +64,7 @@ class RankLink:
             if self._relay is not None:
                 self._relay.close(time.monotonic())
             raise
-        if self._relay is not None:  # the top of the tree finds rank 0 itself there when it is alone on its host
+        if self._relay is not None:  # known once connected: under the tree's key may be rank 0, alone on its host
             self._relay.above_is_relay = self._above_rank != 0
         self._reader = control_channel.FrameReader(self._connection)
         self._heard = time.monotonic()

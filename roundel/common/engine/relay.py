@@ -144,7 +144,7 @@ class Relay:
     ``wake()`` interrupts the thread's select when a child connects;
     ``global_bits()`` is the mask of cache bits this rank knows as names of
     the global process set; ``above_is_relay``: the rank above is a relay,
-    not rank 0 (the link corrects it once it has connected);
+    not rank 0 (a rank's link sets it once it has connected);
     ``subtree_wait_s``: how long a global name's submissions wait for the
     rest of the subtree at most.
     """
