@@ -122,14 +122,16 @@ def test_what_is_held_goes_up_after_the_hold_time_and_before_a_ranks_next_messag
     assert relayed.rank == 4 and control_codec.decode(relayed.payload) == Waits(1, ((0, "x", "allreduce"),))
 
 
-def test_a_submission_that_carries_requests_or_data_is_relayed_as_it_was_sent(harness):
+def test_a_submission_that_carries_requests_or_data_or_answers_a_resend_is_relayed_as_it_was_sent(harness):
     harness.connect(3)
     request = Request("full", OpKind.ALLREDUCE, 0, "float32", (2,))
     harness.children[3].send(Submit(0, 0, [request], {}, [None]))
     harness.children[3].send(Submit(0, 0b1, [], {0: b"\0" * 8}, []))
-    harness.pump(lambda: len(harness.sent_up(Relayed)) == 2)
-    first, second = (control_codec.decode(m.payload) for m in harness.sent_up(Relayed))
+    harness.children[3].send(Submit(0, 0, [], {}, [], resent=True))  # nothing left to resend: still an answer
+    harness.pump(lambda: len(harness.sent_up(Relayed)) == 3)
+    first, second, third = (control_codec.decode(m.payload) for m in harness.sent_up(Relayed))
     assert first.full == [request] and second.bit_data == {0: b"\0" * 8}
+    assert third == Submit(0, 0, [], {}, [], resent=True)
     assert not harness.sent_up(Merged)
 
 

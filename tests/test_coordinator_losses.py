@@ -9,67 +9,15 @@ survivor one Abort per rank lost: N^2 messages at N ranks.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import selectors
-import threading
 import time
 
+from rank0_harness import start_rank0
+
 from roundel.common.control import channel as control_channel
-from roundel.common.control.messages import Abort, Heartbeat
-from roundel.common.engine.core import Engine
-from roundel.common.settings import Settings
-from roundel.transport.backend import Backend
+from roundel.common.control.messages import Abort
 
 SIZE = 6
-
-
-class _Store:
-    """The engine's view of the rendezvous store, in this process."""
-
-    def __init__(self):
-        self._values: dict = {}
-        self._changed = threading.Condition()
-
-    def set(self, key: str, value: bytes) -> None:
-        with self._changed:
-            self._values[key] = value
-            self._changed.notify_all()
-
-    def get(self, key: str, timeout: float = 60.0) -> bytes:
-        with self._changed:
-            assert self._changed.wait_for(lambda: key in self._values, timeout), key
-            return self._values[key]
-
-    def check(self, keys) -> bool:
-        return all(key in self._values for key in keys)
-
-
-class _NoData(Backend):
-    """A transport that completes every collective at once: only the control plane is under test."""
-
-    name = "none"
-
-    def allreduce(self, tensor, op):
-        pass
-
-    def allgather(self, output, tensor):
-        pass
-
-    def broadcast(self, tensor, root):
-        pass
-
-    def alltoall(self, output, tensor, output_splits, input_splits):
-        pass
-
-    def reducescatter(self, output, tensor, op):
-        pass
-
-    def barrier(self):
-        pass
-
-    def close(self):
-        pass
 
 
 def _aborts_heard(connections: dict, seconds: float) -> dict:
@@ -92,19 +40,7 @@ def _aborts_heard(connections: dict, seconds: float) -> dict:
 
 
 def test_survivors_hear_one_abort_when_several_ranks_vanish_at_once():
-    secret, store = os.urandom(32), _Store()
-    settings = dataclasses.replace(Settings.from_env({}), start_timeout_s=60.0, heartbeat_timeout_s=60.0)
-    started: dict = {}
-    starter = threading.Thread(target=lambda: started.update(engine=Engine(
-        0, SIZE, settings, secret, store, "", "127.0.0.1", {0: (tuple(range(SIZE)), _NoData(0, SIZE))})))
-    starter.start()
-    host, port = store.get("coordinator").decode().rsplit(":", 1)
-    peers = {rank: control_channel.connect(host, int(port), secret, rank, 60.0, send_timeout_s=60.0)
-             for rank in range(1, SIZE)}
-    for connection in peers.values():
-        connection.send(Heartbeat("test"))
-    starter.join(60)
-    engine = started["engine"]
+    engine, peers = start_rank0(SIZE)
     try:
         for rank in (1, 2, 3):  # gone without a goodbye, at once
             peers.pop(rank).close()

@@ -22,6 +22,8 @@ class Submit(NamedTuple):
 
     Small allreduces carry their tensor's bytes (:mod:`roundel.common.engine.small_allreduce`): ``bit_data``
     maps a cache bit to them, ``full_data`` holds them (or None) for each of ``full`` in turn.
+    ``resent`` marks the answer to a ``Dispatch`` that asked for a resend (sent even when nothing is left
+    to resend): until it arrives, rank 0 knows the rank may still owe it submissions.
     """
 
     version: int
@@ -29,6 +31,7 @@ class Submit(NamedTuple):
     full: list
     bit_data: dict
     full_data: list
+    resent: bool = False
 
 
 class Waits(NamedTuple):

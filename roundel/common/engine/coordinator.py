@@ -73,6 +73,7 @@ class Coordinator:
         self._readers: dict[int, control_channel.FrameReader] = {}
         self._outbox: dict[int, list] = {}
         self._resends: dict[int, list] = {}
+        self._unanswered: dict[int, int] = {}  # rank -> resend requests sent to it and not yet answered
         self._finishing_since: float | None = None
         self._accepted: "queue.SimpleQueue" = queue.SimpleQueue()
         self._last_dispatch = 0.0
@@ -275,6 +276,8 @@ class Coordinator:
         elif kind is Waits:
             self._rank_waits[rank] = (message.sequence, message.waits)
         elif kind is Submit:
+            if message.resent:
+                self._resend_answered(rank)
             self._stragglers.arrived(rank, now)
             version = message.version
             if self._engine.timeline.active:
@@ -368,10 +371,12 @@ class Coordinator:
         else:
             return
         self._rank_waits.pop(rank, None)
+        self._unanswered.pop(rank, None)
         self._negotiator.rank_left(rank, reason)
         for below in sorted(self._below.pop(rank, ())):
             del self._route[below]
             self._rank_waits.pop(below, None)
+            self._unanswered.pop(below, None)
             self._negotiator.rank_left(below, f"rank {below} lost its relay: {reason}")
 
     def _tick(self, now: float) -> None:
@@ -415,6 +420,8 @@ class Coordinator:
             return
         states = dict(self._rank_waits)
         states[0] = own
+        for rank in self._unanswered:  # it may still owe the resend of a name it waits for: not blocked
+            states.pop(rank, None)
         negotiator = self._negotiator
         live = [r for r in negotiator.live_ranks() if r == 0 or r in self._peers or r in self._route]
         stuck = deadlock.deadlocked_ranks({r: w for r, (_, w) in states.items()}, live,
@@ -516,7 +523,7 @@ class Coordinator:
             for payload in payloads:
                 self._send_peer_encoded(peer, relay.addressed(peer, ranks, payload))
         self._outbox.clear()
-        self._resends.clear()
+        self._resends_sent()
         self._accept_own(mine, batches)
 
     def _accept_own(self, mine: list, batches: list) -> None:
@@ -545,7 +552,21 @@ class Coordinator:
         for rank, resends in list(owed.items()):
             for message in _dispatches(version, outbox, evicted, resends):
                 self._send_peer(rank, message)
-        owed.clear()
+        self._resends_sent()
+
+    def _resends_sent(self) -> None:
+        """The resend requests just sent are owed an answer each (see ``Submit.resent``)."""
+        unanswered = self._unanswered
+        for rank in self._resends:
+            unanswered[rank] = unanswered.get(rank, 0) + 1
+        self._resends.clear()
+
+    def _resend_answered(self, rank: int) -> None:
+        left = self._unanswered.get(rank, 0) - 1
+        if left > 0:
+            self._unanswered[rank] = left
+        else:
+            self._unanswered.pop(rank, None)
 
     def _autotune(self, batches) -> None:
         """Score the dispatched batches; apply and announce new settings when a sample ends."""

@@ -271,7 +271,7 @@ class RankLink:
         """Send one of this rank's messages up; on a relay, steady submissions join the ones held."""
         relay = self._relay
         if relay is not None:
-            if type(message) is Submit and not message.full and not message.bit_data:
+            if relays.mergeable(message):
                 relay.hold(message.version, self._engine.rank, message.bits, 0.0, time.monotonic())
                 return
             relay.note_sent(self._engine.rank, message)
@@ -363,7 +363,8 @@ class RankLink:
             self._engine.execute(batch, works)
 
     def _resend(self, stale) -> None:
-        """Send in full the requests whose (cache version, bit) the coordinator found stale."""
+        """Send in full the requests whose (cache version, bit) the coordinator found stale; the answer goes
+        even when none of them is still in flight, so the coordinator knows nothing more is owed."""
         full, full_data = [], []
         for sent in stale:
             key = self._sent_bits.pop(sent, None)
@@ -372,5 +373,4 @@ class RankLink:
                 work.sent_bit = None
                 full.append(work.request)
                 full_data.append(work.data)
-        if full:
-            self._send(Submit(self._cache.version, 0, full, {}, full_data))
+        self._send(Submit(self._cache.version, 0, full, {}, full_data, resent=True))

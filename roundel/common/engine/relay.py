@@ -112,6 +112,12 @@ def addressed(child: int, targets: list, payload: bytes) -> bytes:
     return control_codec.encode(Deliver(tuple(targets), payload))
 
 
+def mergeable(message) -> bool:
+    """True for a steady submission, cache bits and nothing else, which a relay holds and merges; anything
+    else goes up as it is."""
+    return type(message) is Submit and not message.full and not message.bit_data and not message.resent
+
+
 def pack_group(ranks, bits: int, held) -> tuple:
     """One group of a ``Merged`` message: the ranks (uint32) and the seconds each was held (float32) as
     bytes, which decode at C speed however many ranks there are."""
@@ -329,7 +335,7 @@ class Relay:
 
     def _from_child(self, child: int, message, now: float) -> None:
         kind = type(message)
-        if kind is Submit and not message.full and not message.bit_data:
+        if mergeable(message):
             self.hold(message.version, child, message.bits, 0.0, now)
             self._sent(child, message.bits)
         elif kind is Heartbeat:
