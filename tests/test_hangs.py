@@ -127,6 +127,18 @@ def test_stopped_rank_is_killed_when_the_others_handle_the_error_and_exit_0():
     _assert_nothing_left(result)
 
 
+def test_a_rank_reported_lost_that_exits_by_itself_is_named_by_its_own_status():
+    # the launcher polls the store's lost records every 0.25 s: before the grace it killed the rank at
+    # once and reported "it was killed", hiding the status 4 it exited with 0.6 s after the report
+    result = _run(2, "reported_lost_then_exits", timeout=60)
+    assert result.returncode == 4, describe(result)
+    assert "EXITING" in rank_lines(result.stdout, 1, "stdout"), describe(result)
+    assert "it was killed" not in result.stderr, describe(result)
+    assert any(line.startswith("roundelrun: rank 1 (host ") and "exited with code 4" in line
+               for line in result.stderr.splitlines()), describe(result)
+    _assert_nothing_left(result)
+
+
 @pytest.mark.parametrize("np", [2, 3, 5])
 def test_rank_stopped_inside_a_large_transfer_releases_the_others(np):
     # the survivors are inside 32 MiB allreduces (shared memory, whose wait at 5 ranks reads from only

@@ -42,7 +42,7 @@ from roundel.rendezvous import elastic_join as protocol
 from roundel.runner import spawn
 from roundel.runner.discovery import Blacklist, FixedHosts, HostDiscovery
 from roundel.runner.hosts import SlotInfo, is_local_host
-from roundel.runner.lost_ranks import describe_lost, lost_ranks
+from roundel.runner.lost_ranks import EXIT_GRACE_S, describe_lost, lost_ranks
 from roundel.runner.worker import Worker
 from roundel.rendezvous.store import RendezvousServer
 
@@ -50,9 +50,6 @@ __all__ = ["ElasticSettings", "IllegalTransition", "MemberEvent", "MemberState",
 
 _TICK_S = 0.1
 DISCOVERY_INTERVAL_S = 1.0
-LOST_GRACE_S = 1.0
-"""How long a worker reported lost may take to exit by itself before it is killed: one that fails and exits
-closes its connections first, and its own exit status is the one to report."""
 
 
 @dataclasses.dataclass
@@ -294,7 +291,7 @@ class _Driver:
 
     def _kill_lost(self) -> None:
         """SIGKILL every worker of the current generation that a peer reported lost (it stopped answering)
-        and that has not exited by itself within ``LOST_GRACE_S`` of the report.
+        and that has not exited by itself within ``EXIT_GRACE_S`` of the report.
 
         Its exit then counts as a failure like any other (blacklist, replacement, reset).
         """
@@ -302,7 +299,7 @@ class _Driver:
         now = time.monotonic()
         for record in lost_ranks(self.server, list(live), protocol.key_prefix(self.generation)):
             member = live.get(record.get("rank"))
-            if member is None or now - self._reported_lost.setdefault(member.serial, now) < LOST_GRACE_S:
+            if member is None or now - self._reported_lost.setdefault(member.serial, now) < EXIT_GRACE_S:
                 continue
             member.on(MemberEvent.LOSE)
             self._say(f"worker {member.label}: {describe_lost(record)}; killing it")

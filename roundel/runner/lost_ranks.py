@@ -13,6 +13,11 @@ import json
 
 from roundel.common import failures
 
+EXIT_GRACE_S = 1.0
+"""How long a worker reported lost may take to exit by itself before the launcher kills it: a rank that
+fails closes its connections before it has exited (a relay then reports it lost at once), and its own exit
+status is the one to report."""
+
 
 def lost_ranks(server, ranks, prefix: str = "init0/") -> list[dict]:
     """The records under ``<prefix>lost/<rank>`` for each of ``ranks`` that has one, by rank."""

@@ -31,6 +31,7 @@ from typing import BinaryIO, Mapping, TextIO
 
 from roundel.rendezvous.identity import rendezvous_env
 from roundel.runner.hosts import SlotInfo, validate_hostname
+from roundel.runner.lost_ranks import EXIT_GRACE_S
 from roundel.runner.redraw import LineAssembler, LivePrefixer
 from roundel.runner.worker import Worker
 
@@ -465,7 +466,7 @@ def exit_status(code: int) -> int:
     return code if 1 <= code <= 255 else 1
 
 
-LOST_POLL_SECONDS = 1.0
+LOST_POLL_SECONDS = 0.25
 
 
 class WorkerGroup:
@@ -494,11 +495,13 @@ class WorkerGroup:
         that have not checked in ("timeout", [workers]).
 
         ``lost()``, asked every LOST_POLL_SECONDS, names workers the others declared lost (stopped,
-        hung or cut off: they would never exit). Those are killed at once and the others may finish
-        handling the error; if the others then all exit 0, the result is ("lost", [workers]).
+        hung or cut off: they would never exit). Those that have not exited ``EXIT_GRACE_S`` after they
+        were first named are killed, and the others may finish handling the error; if the others then
+        all exit 0, the result is ("lost", [workers]).
         """
         running = set(self.workers)
         killed: list[Worker] = []
+        named: dict[Worker, float] = {}  # a worker lost() named -> when it was first named
         deadline = time.monotonic() + start_timeout if started is not None else None
         while running - set(killed):
             waits = [] if deadline is None else [max(0.0, deadline - time.monotonic())]
@@ -512,8 +515,10 @@ class WorkerGroup:
                     if late:
                         return "timeout", late
                     deadline = None
+                now = time.monotonic()
                 for worker in lost() if lost is not None else ():
-                    if worker in running and worker not in killed:
+                    if worker in running and worker not in killed and \
+                            now - named.setdefault(worker, now) >= EXIT_GRACE_S:
                         worker.signal_group(signal.SIGKILL)
                         killed.append(worker)
                 continue

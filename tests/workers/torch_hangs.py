@@ -11,6 +11,7 @@ cannot exit by itself).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import time
 import torch
 
 import roundel.torch as hvd
+from roundel.common import basics
 from roundel.errors import CollectiveDeadlockError
 from _checks import check, expect_raises, make, to_np
 
@@ -129,6 +131,23 @@ def scenario_stopped_caught():
     took = _expect_lost(1, lambda: hvd.allreduce(torch.ones(4), name="stopped.ar"))
     time.sleep(2.0)  # e.g. a checkpoint written in the except block: the launcher lets it finish
     passed("stopped_caught", took)
+
+
+def scenario_reported_lost_then_exits():
+    """Rank 0 reports the last rank lost in the store, as a rank's heartbeat check or a relay does; the last
+    rank, failing at that moment, exits by itself with status 4 0.6 s later; the others wait to be ended."""
+    runtime = basics.runtime()
+    victim = hvd.size() - 1
+    allreduce_works("warm")
+    if hvd.rank() == 0:
+        report = {"rank": victim, "host": "test", "reason": "reported by the test"}
+        runtime.client.set(f"{runtime.prefix}lost/{victim}", json.dumps(report).encode())
+    if hvd.rank() == victim:
+        runtime.client.get(f"{runtime.prefix}lost/{victim}", timeout=60)
+        print("EXITING", flush=True)
+        time.sleep(0.6)
+        os._exit(4)
+    time.sleep(10)  # the launcher ends this rank once the last one exits
 
 
 def scenario_stopped_in_transfer():
@@ -263,6 +282,7 @@ SCENARIOS = {
     "mismatch_then_works": scenario_mismatch_then_works,
     "join_gather": scenario_join_gather,
     "many_small_at_once": scenario_many_small_at_once,
+    "reported_lost_then_exits": scenario_reported_lost_then_exits,
 }
 
 
