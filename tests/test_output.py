@@ -222,6 +222,18 @@ def test_verbose_reports_rendezvous_starts_and_joins_in_order():
     assert where("roundelrun: all 2 rank(s) joined") == len(lines) - 1, lines
 
 
+def test_verbose_shows_the_rendezvous_servers_own_log():
+    # a connection that does not speak the store's protocol is dropped, which the server logs at debug
+    # level; --verbose used to attach its handler to a logger the server does not log to
+    code = ("import os, socket, time; s = socket.create_connection((os.environ['ROUNDEL_RENDEZVOUS_ADDR'], "
+            "int(os.environ['ROUNDEL_RENDEZVOUS_PORT']))); s.sendall(b'not the protocol' * 64); s.close(); "
+            "time.sleep(1)")
+    result = run_command([*LAUNCHER, "--verbose", "-np", "1", sys.executable, "-c", code], timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert any(line.startswith("roundelrun: rendezvous: dropped 127.0.0.1:") for line in _launcher_lines(
+        result.stderr)), result.stderr
+
+
 def test_the_launchers_own_lines_never_land_inside_a_ranks_line(tmp_path, monkeypatch):
     """They come from other threads than the one relaying a rank's stderr (``--verbose``'s joins: the store's)."""
     unbuffered = open(tmp_path / "stderr", "wb", buffering=0)  # the launcher's stderr under PYTHONUNBUFFERED

@@ -8,16 +8,14 @@ or prints a malformed line is reported, and the last good answer is kept.
 
 from __future__ import annotations
 
-import logging
 import random
 import subprocess
 import time
 
+from roundel.runner import spawn
 from roundel.runner.hosts import parse_hosts
 
 __all__ = ["Blacklist", "DiscoveryError", "FixedHosts", "HostDiscovery", "parse_discovery_output"]
-
-log = logging.getLogger("roundel")
 
 
 class DiscoveryError(Exception):
@@ -64,7 +62,7 @@ class HostDiscovery:
         except (OSError, subprocess.TimeoutExpired, DiscoveryError) as exc:
             problem = f"roundelrun: host discovery script {self.script} failed ({exc}); keeping the last host list"
             if problem != self._last_problem:  # say it once, not at every poll
-                log.warning(problem)
+                spawn.say(problem)
                 self._last_problem = problem
         return dict(self.hosts)
 

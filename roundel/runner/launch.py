@@ -549,9 +549,9 @@ examples:
 
 def _show_launcher_debug_log() -> None:
     """The launcher's own debug log (the rendezvous server's) on stderr, for ``--verbose``."""
-    logger = logging.getLogger("roundel.runner")
+    logger = logging.getLogger("roundel.rendezvous")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = spawn.LauncherLog()
         handler.setFormatter(logging.Formatter("roundelrun: %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)

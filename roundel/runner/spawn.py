@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import queue
 import shlex
@@ -116,6 +117,16 @@ def _stamp(prefix: bytes) -> bytes:
 def say(line: str) -> None:
     """Write one of the launcher's own lines to stderr whole, never inside a line relayed from a rank."""
     _emit(sys.stderr, (line + "\n").encode(errors="replace"))
+
+
+class LauncherLog(logging.Handler):
+    """A log handler that writes each record as one of the launcher's own lines (``say``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            say(self.format(record))
+        except Exception:  # as logging's own handlers: report, never raise into the caller
+            self.handleError(record)
 
 
 def _emit(stream: TextIO, data: bytes) -> None:
