@@ -50,8 +50,11 @@ bytes at once:
   not in it), D the relay tree's depth for N ranks on hosts of
   ``--ranks-per-host`` (a rank, its host's relay, the relays above at
   ``relay_fanout`` to a level, rank 0's host's relay, rank 0), and h the
-  cost of one hop, taken as the hop across hosts below. A machine without relayed records borrows the fit
-  of one that has them.
+  cost of one hop: a relay's handling of the message, fitted as
+  ``t = c + 2 D h`` to real jobs whose relays form a chain
+  (``relay_hops.py``), plus, for the D - 2 hops between hosts, the hop
+  across hosts below. A machine without relayed or chain records borrows
+  the fits of one that has them.
 * hierarchical (L ranks per host, H hosts): local reduce to the host's leader,
   the leaders' ring across hosts, local broadcast:
   ``t = shm(L, S) + e + 2(H-1) alpha_hop + 2(H-1)/H S / B_link``. Not fitted:
@@ -202,6 +205,11 @@ class Models:
                 (c0, c1), errors = relative_fit([np.ones(len(rows)), [r["np"] for r in rows]],
                                                 [r[field] / 1e3 for r in rows])
                 self.fits[key] = {"c0_s": c0, "c1_s_per_rank": c1, **_errors(errors, rows)}
+        chains = data.get("relay_chain", [])
+        if len(chains) >= 2:
+            (c, h), errors = relative_fit([np.ones(len(chains)), [2 * r["depth"] for r in chains]],
+                                          [r["chain_ms"] / 1e3 for r in chains])
+            self.fits["relay_hop"] = {"c_s": c, "hop_s": h, **_errors(errors, chains)}
 
     def shm(self, ranks: int, nbytes: float, cores: float | None = None) -> float:
         """Seconds of a shared-memory allreduce of ``nbytes`` per rank among ``ranks`` on ``cores`` cores
@@ -227,11 +235,14 @@ class Models:
 
     def control(self, ranks: int, hop_s: float = 0.0, per_host: int = 8) -> float:
         """Seconds of the steady negotiation round trip at ``ranks`` (0 without ``control`` measurements):
-        through relays from ``RELAY_FROM_RANKS`` where there is a relayed fit, each hop costing ``hop_s``."""
+        through relays from ``RELAY_FROM_RANKS`` where there is a relayed fit, each hop costing a relay's
+        handling (the ``relay_hop`` fit, if any) and, between hosts, ``hop_s``."""
         relayed = self.fits.get("control_relayed")
         if relayed is not None and ranks >= RELAY_FROM_RANKS:
+            hops = relay_hops(ranks, per_host)
+            handling = self.fits.get("relay_hop", {}).get("hop_s", 0.0)
             return (relayed["c0_s"] + relayed["c1_s_per_rank"] * ranks
-                    + 2 * relay_hops(ranks, per_host) * hop_s)
+                    + 2 * (hops * handling + (hops - 2) * hop_s))
         fit = self.fits.get("control")
         return 0.0 if fit is None else fit["c0_s"] + fit["c1_s_per_rank"] * ranks
 
@@ -258,10 +269,10 @@ def load(paths: list) -> dict:
         record = json.loads(Path(path).read_text())
         cores = int(record["cores"])
         data = machines.setdefault(cores, {"cores": cores, "allreduce": [], "gloo_allreduce": [], "training": [],
-                                           "control": [], "hierarchical": [], "sources": []})
+                                           "control": [], "hierarchical": [], "relay_chain": [], "sources": []})
         data["sources"].append(f"{path} ({record.get('machine', 'machine not stated')}; "
                                f"{record.get('date', 'date not stated')})")
-        for key in ("allreduce", "gloo_allreduce", "training", "control", "hierarchical"):
+        for key in ("allreduce", "gloo_allreduce", "training", "control", "hierarchical", "relay_chain"):
             data[key] += record.get(key, [])
     for cores, data in machines.items():
         if not data["allreduce"]:
@@ -384,6 +395,10 @@ def machine_report(models: Models, data: dict, training: list, hierarchical: lis
             lines.append(f"| {label} t = c0 + c1 N | c0 = {f[key]['c0_s'] * 1e3:.2f} ms, c1 = "
                          f"{_us(f[key]['c1_s_per_rank'])} per rank | {f[key]['points']} "
                          f"| {_err(f[key])} | {_mark(f[key]['error'])} |")
+    if "relay_hop" in f:
+        hop = f["relay_hop"]
+        lines.append(f"| relay chain of depth D t = c + 2 D h | c = {hop['c_s'] * 1e3:.2f} ms, h = {_us(hop['hop_s'])} "
+                     f"per hop | {hop['points']} | {_err(hop)} | {_mark(hop['error'])} |")
     if training or hierarchical:
         lines += ["", "| measured | ranks | measured | predicted | error | target |",
                   "| --- | ---: | ---: | ---: | ---: | --- |"]
@@ -396,12 +411,17 @@ def machine_report(models: Models, data: dict, training: list, hierarchical: lis
     return "\n".join(lines)
 
 
-def prediction_report(models: Models, predictions: list, args, mlp_bytes: int, relayed_from: int | None) -> str:
+def prediction_report(models: Models, predictions: list, args, mlp_bytes: int, relayed_from: int | None,
+                      hop_from: int | None) -> str:
     """The predicted step times and efficiencies as a Markdown table, with Horovod's published figure;
-    ``relayed_from``: the machine whose relayed control fit was used (None: none)."""
+    ``relayed_from``, ``hop_from``: the machines whose relayed control and relay hop fits were used (None: none)."""
+    handling = ("a relay's handling not measured" if hop_from is None else
+                f"a relay's handling {_us(models.fits['relay_hop']['hop_s'])} (relay chains on the {hop_from}-core "
+                "machine)")
     control = ("control round trip without relays throughout" if relayed_from is None else
                f"control round trip through relays from {RELAY_FROM_RANKS} ranks (fanout {RELAY_FANOUT}), rank 0's "
-               f"part fitted on the {relayed_from}-core machine, each hop as one across hosts")
+               f"part fitted on the {relayed_from}-core machine; each hop {handling}, plus the hop across hosts "
+               "between hosts")
     lines = [f"Predicted from the {models.cores}-core machine's fits: {args.ranks_per_host} ranks per host, a core "
              f"each; overlap {args.overlap:g}; {args.bucket_mib:g} MiB buckets; per hop across hosts "
              f"{_us(models.fits['ring']['alpha_s'])} (fitted Gloo alpha) + {args.hop_latency_us:g} µs; {control}; "
@@ -457,10 +477,18 @@ def _control_run(control_ranks: str, tmp: str, relays: bool) -> dict:
             for r in json.loads(path.read_text())["results"]}
 
 
-def collect(out: str, nps: list, training_nps: list, control_ranks: str, relayed_ranks: str, repeat: int) -> None:
+def _relay_chain_run(chain_np: str, tmp: str) -> dict:
+    """One ``relay_hops.py`` run: {ranks: (chained ms per step, direct ms per step)}."""
+    path = Path(tmp) / "hops.json"
+    _run([sys.executable, BENCHMARKS / "relay_hops.py", "--np", chain_np, "--json", path])
+    return {r["np"]: (r["chain_ms"], r["direct_ms"]) for r in json.loads(path.read_text())["rows"]}
+
+
+def collect(out: str, nps: list, training_nps: list, control_ranks: str, relayed_ranks: str, chain_np: str,
+            repeat: int) -> None:
     """Measure this machine into ``out``: allreduce (shared memory on and off) at ``nps``, mlp training at
     ``training_nps`` ranks and single, ``control_scale.py`` at ``control_ranks`` without relays and at
-    ``relayed_ranks`` with them; each ``repeat`` times, in
+    ``relayed_ranks`` with them, ``relay_hops.py`` at ``chain_np``; each ``repeat`` times, in
     rounds, keeping the fastest figure of each (the run least disturbed by other work on the machine)."""
     from scaling import copy_bandwidth  # benchmarks/scaling.py, beside this script (it loads torch)
     cores = os.cpu_count()
@@ -478,7 +506,7 @@ def collect(out: str, nps: list, training_nps: list, control_ranks: str, relayed
               "copy_bandwidth_bytes_per_s": {}}
     for k in sorted(set(nps)):
         record["copy_bandwidth_bytes_per_s"][str(k)] = copy_bandwidth(k, 64 * 2 ** 20, 0.5)
-    allreduce, training, control, relayed = {}, {}, [], []
+    allreduce, training, control, relayed, chains = {}, {}, [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(repeat):
             print(f"round {round_ + 1}/{repeat}: allreduce at {nps} ranks, mlp training at {training_nps}, "
@@ -490,6 +518,7 @@ def collect(out: str, nps: list, training_nps: list, control_ranks: str, relayed
                 training.setdefault(n, []).append(_training_run(n, tmp))
             control.append(_control_run(control_ranks, tmp, relays=False))
             relayed.append(_control_run(relayed_ranks, tmp, relays=True))
+            chains.append(_relay_chain_run(chain_np, tmp))
     for key in ("allreduce", "gloo_allreduce"):
         record[key] = [{"np": n, "bytes": size, "roundel_s": min(run[size][0] for run in runs),
                         "raw_s": min(run[size][1] for run in runs)}
@@ -502,6 +531,8 @@ def collect(out: str, nps: list, training_nps: list, control_ranks: str, relayed
     record["control"] += [{"np": n, "relays": True, "cycle_ms": min(run[n][0] for run in relayed),
                            "rank0_cpu_ms_per_step": min(run[n][1] for run in relayed),
                            "coordinator_cpu_ms_per_step": min(run[n][2] for run in relayed)} for n in relayed[0]]
+    record["relay_chain"] = [{"np": n, "depth": n - 1, "chain_ms": min(run[n][0] for run in chains),
+                              "direct_ms": min(run[n][1] for run in chains)} for n in chains[0]]
     record["load_average_after"] = os.getloadavg()[0]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(record, indent=1) + "\n")
@@ -521,6 +552,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --collect: control_scale.py's --ranks without relays")
     p.add_argument("--relayed-control-ranks", default="64,256,1024",
                    help="with --collect: control_scale.py's --ranks with relays (from the default size)")
+    p.add_argument("--relay-chain-np", default="2,3,4,5,6",
+                   help="with --collect: relay_hops.py's --np (relay chains of depth N - 1)")
     p.add_argument("--repeat", type=int, default=3, help="with --collect: runs of each, the fastest kept")
     p.add_argument("--ranks", default="8,64,512,1024", help="rank counts to predict")
     p.add_argument("--ranks-per-host", type=int, default=8)
@@ -548,7 +581,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.collect:
         collect(args.collect, args.np, args.training_np, args.control_ranks, args.relayed_control_ranks,
-                args.repeat)
+                args.relay_chain_np, args.repeat)
         return 0
     from plots import scaling_model_plot  # benchmarks/plots.py, beside this script
 
@@ -567,12 +600,16 @@ def main(argv=None) -> int:
                          if "control_relayed" in fitted[c].fits), None)
     if relayed_from is not None:  # the serial part at rank 0, from the machine that measured it
         models.fits["control_relayed"] = fitted[relayed_from].fits["control_relayed"]
+    hop_from = next((c for c in sorted(fitted, key=lambda c: (c != cores, -c)) if "relay_hop" in fitted[c].fits),
+                    None)
+    if hop_from is not None:
+        models.fits["relay_hop"] = fitted[hop_from].fits["relay_hop"]
     workloads = {"ResNet-50": (RESNET50_PARAMS * 4, args.resnet_step_ms / 1e3)}
     single = [r for r in data["training"] if r.get("model") == "mlp" and r.get("single_sps")]
     if single:
         workloads["mlp"] = (mlp_bytes, single[0].get("batch_size", 32) / single[0]["single_sps"])
     predictions = predict(models, args, workloads)
-    print(prediction_report(models, predictions, args, mlp_bytes, relayed_from))
+    print(prediction_report(models, predictions, args, mlp_bytes, relayed_from, hop_from))
     lines = {f"{name}, {gbit:g} Gbit/s": [r["efficiency"] for r in predictions
                                           if r["model"] == name and r["gbit"] == gbit]
              for name in workloads for gbit in args.networks}
@@ -581,7 +618,8 @@ def main(argv=None) -> int:
                               f"(alpha-beta model fitted on the {cores}-core machine)")
     print(f"\nplot: {path}")
     if args.json:
-        output.update(predicted_from=cores, control_relayed_from=relayed_from, predictions=predictions)
+        output.update(predicted_from=cores, control_relayed_from=relayed_from, relay_hop_from=hop_from,
+                      predictions=predictions)
         Path(args.json).write_text(json.dumps(output, indent=1))
     return 0
 

@@ -7,7 +7,8 @@ step per span; ``benchmarks/control_scale.py`` simulates jobs of 4 and 9
 ranks (the second through relays). The figures themselves are not checked, only that each run succeeds,
 names its plot, and the plot is a PNG matplotlib reads back.
 ``benchmarks/elastic_reset.py`` kills a rank of a 3-rank elastic job and must
-time the survivors' reset. ``benchmarks/scaling.py`` runs its copy, allreduce
+time the survivors' reset; ``benchmarks/relay_hops.py`` times a 2- and a 3-rank
+job with their relays chained and without. ``benchmarks/scaling.py`` runs its copy, allreduce
 and training comparisons at 2 ranks, and skips a rank count above the cores.
 ``benchmarks/scaling_model.py`` fits the committed measurements, and recovers
 the parameters of synthetic ones made by its laws.
@@ -80,6 +81,19 @@ def test_control_scale_simulation_runs_rank_zero_against_simulated_ranks(tmp_pat
                                               "steady_latency_ms=")), summary
 
 
+def test_relay_hops_benchmark_times_chains_of_relays_beside_direct_jobs(tmp_path):
+    figures = tmp_path / "hops.json"
+    result = run_command([sys.executable, BENCHMARKS / "relay_hops.py", "--np", "2,3", "--steps", "50",
+                          "--json", figures], timeout=180)
+    assert result.returncode == 0, describe(result)
+    output = json.loads(figures.read_text())
+    assert [(r["np"], r["depth"]) for r in output["rows"]] == [(2, 1), (3, 2)], output
+    assert all(r["chain_ms"] > 0 and r["direct_ms"] > 0 for r in output["rows"]), output
+    assert output["fit"] is not None and "per hop" in result.stdout, describe(result)
+    bad = run_command([sys.executable, BENCHMARKS / "relay_hops.py", "--np", "1"], timeout=60)
+    assert bad.returncode == 2 and "at least 2" in bad.stderr, describe(bad)
+
+
 def test_elastic_reset_benchmark_times_a_reset_after_a_kill(tmp_path):
     figures = tmp_path / "reset.json"
     result = run_command([sys.executable, BENCHMARKS / "elastic_reset.py", "--np", "3", "--kill-at-step", "5",
@@ -138,12 +152,15 @@ def _synthetic_measurements(path: Path, law: dict) -> None:
         "control": [{"np": n, "cycle_ms": 1e3 * (law["c0"] + law["c1"] * n), "rank0_cpu_ms_per_step": 1.0 + n / 100}
                     for n in (16, 64, 256)]
                    + [{"np": n, "relays": True, "cycle_ms": 50.0, "rank0_cpu_ms_per_step": 9.0,
-                       "coordinator_cpu_ms_per_step": 1e3 * (law["r0"] + law["r1"] * n)} for n in (64, 256, 1024)]}))
+                       "coordinator_cpu_ms_per_step": 1e3 * (law["r0"] + law["r1"] * n)} for n in (64, 256, 1024)],
+        "relay_chain": [{"np": d + 1, "depth": d, "chain_ms": 1e3 * (law["k"] + 2 * d * law["h"]), "direct_ms": 1.0}
+                        for d in (1, 2, 3, 4)]}))
 
 
 def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measurements(tmp_path):
     law = {"a0": 200e-6, "a1": 50e-6, "b0": 1 / 3e9, "b1": 40e-12, "alpha": 80e-6, "beta0": 1 / 1.5e9,
-           "beta1": 20e-12, "e": 50e-6, "c0": 2e-3, "c1": 30e-6, "r0": 0.8e-3, "r1": 1.5e-6}
+           "beta1": 20e-12, "e": 50e-6, "c0": 2e-3, "c1": 30e-6, "r0": 0.8e-3, "r1": 1.5e-6, "k": 0.1e-3,
+           "h": 150e-6}
     measurements, png, figures = tmp_path / "synthetic.json", tmp_path / "model.png", tmp_path / "model.json"
     _synthetic_measurements(measurements, law)
     result = run_command([sys.executable, BENCHMARKS / "scaling_model.py", "--measurements", measurements,
@@ -158,11 +175,12 @@ def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measureme
                          (fits["ring"]["beta1_s_per_byte_per_rank"], law["beta1"]),
                          (fits["roundel_gloo"]["e_s"], law["e"]), (fits["control"]["c0_s"], law["c0"]),
                          (fits["control"]["c1_s_per_rank"], law["c1"]), (fits["control_relayed"]["c0_s"], law["r0"]),
-                         (fits["control_relayed"]["c1_s_per_rank"], law["r1"])):
+                         (fits["control_relayed"]["c1_s_per_rank"], law["r1"]), (fits["relay_hop"]["c_s"], law["k"]),
+                         (fits["relay_hop"]["hop_s"], law["h"])):
         assert math.isclose(fitted, true, rel_tol=0.01), (fitted, true, fits)
     assert all(fit["error"] < 1e-6 for fit in fits.values()), fits
     fit_rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "t = " in line]
-    assert len(fit_rows) == 6 and all("| 0.0% at N = " in row and "| within 20 % |" in row for row in fit_rows), describe(result)
+    assert len(fit_rows) == 7 and all("| 0.0% at N = " in row and "| within 20 % |" in row for row in fit_rows), describe(result)
 
     # ResNet-50 at 8 ranks is one host: 4 buckets of a quarter of its gradients in shared memory, half hidden
     nbytes = 25_557_032 * 4
@@ -171,13 +189,15 @@ def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measureme
     predictions = output["predictions"]
     [resnet8] = [p for p in predictions if p["model"] == "ResNet-50" and p["ranks"] == 8 and p["gbit"] == 25]
     assert math.isclose(resnet8["step"], step, rel_tol=1e-6) and math.isclose(resnet8["efficiency"], 0.250 / step)
-    # from 64 ranks through relays: rank 0's part, and a hop each way per level (1,024 on hosts of 8: 6 hops)
-    hop = law["alpha"] + 5e-6
+    # from 64 ranks through relays: rank 0's part, and a hop each way per level (1,024 on hosts of 8: 6 hops),
+    # each a relay's handling, those between hosts (all but the first and the last) the wire's too
+    wire = law["alpha"] + 5e-6
     for ranks, hops in ((64, 4), (512, 5), (1024, 6)):
         [row] = [p for p in predictions if p["model"] == "ResNet-50" and p["ranks"] == ranks and p["gbit"] == 25]
-        relayed = law["r0"] + law["r1"] * ranks + 2 * hops * hop
+        relayed = law["r0"] + law["r1"] * ranks + 2 * (hops * law["h"] + (hops - 2) * wire)
         assert math.isclose(row["control"], relayed, rel_tol=1e-6), row
-    assert output["control_relayed_from"] == 16 and "through relays from 64 ranks" in result.stdout
+    assert output["control_relayed_from"] == 16 and output["relay_hop_from"] == 16
+    assert "through relays from 64 ranks" in result.stdout
     assert sorted((p["model"], p["gbit"], p["ranks"]) for p in predictions) == sorted(
         (model, gbit, n) for model in ("ResNet-50", "mlp") for gbit in (25.0, 100.0) for n in (8, 64, 512, 1024))
     for model in ("ResNet-50", "mlp"):
@@ -197,4 +217,5 @@ def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measureme
         assert {"shm", "ring", "roundel_gloo", "control"} <= set(machine["fits"]), machine["fits"]
         assert machine["fits"]["shm"]["b0_s_per_byte"] > 0 and machine["training"], machine
     assert "control_relayed" in output["machines"]["2"]["fits"] and output["control_relayed_from"] == 2
+    assert "relay_hop" in output["machines"]["2"]["fits"] and output["relay_hop_from"] == 2
     assert all(f"measurements/{name}.json" in committed.stdout for name in ("2core", "2core-relays", "16core"))
