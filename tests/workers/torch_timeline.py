@@ -2,7 +2,7 @@
 
 * ``steps``: the timeline comes from HOROVOD_TIMELINE / --timeline-filename;
   run STEPS of named and unnamed collectives of every kind, rank 1 late to
-  submit 'grad.late' in every step.
+  submit 'grad.c' and 'grad.late' in every step.
 * ``dynamic``: no file at start; ``start_timeline(DIR/dynamic.json)`` after a
   first step, ``stop_timeline()`` after the next, one more step (not in the
   file); ``start_timeline`` before ``init()`` raises ValueError.
@@ -42,6 +42,12 @@ def step(n: int) -> None:
     out_a, out_b = (hvd.synchronize(h) for h in handles)
     assert torch.allclose(out_a, torch.full((2000,), (size - 1) / 2)), out_a[:4]
     assert torch.equal(out_b, b)
+    if rank == 1:
+        time.sleep(LATE_S)
+    # cached from the second step on: a bit of the cache and nothing after it, which a relay holds until the
+    # ranks below it have all sent theirs (rank 1's, here)
+    c = hvd.allreduce(torch.ones(2000), name="grad.c", op=hvd.Sum)
+    assert torch.equal(c, torch.full((2000,), float(size))), c[:4]
     hvd.allreduce(torch.ones(3))  # unnamed
     gathered = hvd.allgather(torch.full((rank + 1, 2), rank), name="gather")
     assert gathered.shape == (size * (size + 1) // 2, 2)

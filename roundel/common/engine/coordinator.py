@@ -298,7 +298,7 @@ class Coordinator:
     def _merged(self, child: int, message: Merged, now: float) -> None:
         """Steady submissions of ranks below the relay ``child``, grouped by mask."""
         version, route, negotiator = message.version, self._route, self._negotiator
-        timeline = self._engine.timeline.active
+        timeline = [] if self._engine.timeline.active else None  # (seconds held, rank, mask) of each rank
         for group in message.groups:
             try:
                 ranks, bits, waited = relay.unpack_group(group)
@@ -313,12 +313,13 @@ class Coordinator:
                             "relay: %s", child, sorted(rank for rank in named if route.get(rank) != child))
                 continue
             self._stragglers.arrived_many(ranks, now, waited)
-            if timeline:
-                for rank in listed:
-                    self._timeline_cached_arrivals(rank, bits, version)
+            if timeline is not None:
+                timeline += [(held, rank, bits) for held, rank in zip(waited.tolist(), listed)]
             stale = negotiator.submit_bits_of(listed, bits, version, now)
             for rank in listed if stale else ():
                 self._resends.setdefault(rank, []).extend((version, bit) for bit in stale)
+        for held, rank, bits in sorted(timeline or (), reverse=True):  # the earliest first: it opens the name
+            self._timeline_cached_arrivals(rank, bits, version, held)
 
     def _relayed(self, child: int, message: Relayed, now: float) -> None:
         """A message of a rank below the relay ``child``, as that rank sent it."""
@@ -351,12 +352,13 @@ class Coordinator:
         if self._abort_sent:
             self._send_peer(rank, Abort(str(self._engine.broken)))
 
-    def _timeline_cached_arrivals(self, rank: int, bits: int, version: int) -> None:
+    def _timeline_cached_arrivals(self, rank: int, bits: int, version: int, held_s: float = 0.0) -> None:
+        """The timeline's marks for ``rank``'s cached submissions, which a relay held for ``held_s``."""
         for bit in range(bits.bit_length()):
             cached = self._negotiator.cache.lookup(bit, version) if bits >> bit & 1 else None
             if cached is not None and rank in cached[1]:
                 request = cached[1][rank]
-                self._engine.timeline.rank_ready(request.name, request.kind.label, rank)
+                self._engine.timeline.rank_ready(request.name, request.kind.label, rank, held_s)
 
     def _drop_peer(self, rank: int, reason: str) -> None:
         """``rank`` is gone (its connection or its relay says so), and so is every rank reached through it."""

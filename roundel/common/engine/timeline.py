@@ -169,7 +169,7 @@ class Timeline:
         self.mark_cycles = False
         self._writer: _Writer | None = None
         self._lock = threading.Lock()
-        self._negotiating: dict[str, str] = {}  # tensor name -> its row, while negotiated
+        self._negotiating: dict[str, tuple[str, int]] = {}  # name -> (its row, µs it opened), while negotiated
         self._executing: dict[str, tuple[int, str]] = {}  # tensor name -> (_TOP_LEVEL or _ACTIVITY, its row)
 
     @property
@@ -200,25 +200,30 @@ class Timeline:
         if writer is not None:
             writer.close()
 
-    def _record(self, row, tid: int, phase: str, label: str = "", args=None) -> None:
-        self._writer.put((row, tid, phase, label, (time.perf_counter_ns() - _T0_NS) // 1000, args))
+    def _record(self, row, tid: int, phase: str, label: str = "", args=None, ts: int | None = None) -> None:
+        if ts is None:
+            ts = (time.perf_counter_ns() - _T0_NS) // 1000
+        self._writer.put((row, tid, phase, label, ts, args))
 
     # ----------------------------------------------------- negotiation (coordinator)
-    def rank_ready(self, name: str, op_label: str, rank: int) -> None:
-        """``rank``'s request for ``name`` arrived; the first one opens ``NEGOTIATE_<OP>``."""
+    def rank_ready(self, name: str, op_label: str, rank: int, ago_s: float = 0.0) -> None:
+        """``rank``'s request for ``name`` arrived, sent ``ago_s`` seconds ago (the time a relay held it);
+        the first one opens ``NEGOTIATE_<OP>``, and no mark goes before that opening."""
         with self._lock:
             if not self.active:
                 return
-            row = self._negotiating.get(name)
+            ts = (time.perf_counter_ns() - _T0_NS) // 1000 - int(ago_s * 1e6)
+            row, opened = self._negotiating.get(name, (None, ts))
             if row is None:
-                row = self._negotiating[name] = row_name(name, op_label)
-                self._record(row, NEGOTIATION_TID, "B", "NEGOTIATE_" + op_label.upper())
-            self._record(row, NEGOTIATION_TID, "X", str(rank))
+                row = row_name(name, op_label)
+                self._negotiating[name] = (row, ts)
+                self._record(row, NEGOTIATION_TID, "B", "NEGOTIATE_" + op_label.upper(), ts=ts)
+            self._record(row, NEGOTIATION_TID, "X", str(rank), ts=max(ts, opened))
 
     def negotiated(self, name: str) -> None:
         """Every rank agreed on ``name``: close its negotiation."""
         with self._lock:
-            row = self._negotiating.pop(name, None) if self.active else None
+            row, _ = self._negotiating.pop(name, (None, 0)) if self.active else (None, 0)
             if row is not None:
                 self._record(row, NEGOTIATION_TID, "E")
 
