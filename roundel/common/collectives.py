@@ -102,8 +102,15 @@ def set_id(process_set) -> int:
     return number
 
 
+_DTYPE_NAMES: dict = {}  # torch.dtype -> its name without "torch.": asked for on every submission
+
+
 def _dtype_name(buffer: torch.Tensor) -> str:
-    return str(buffer.dtype).split(".", 1)[1]
+    dtype = buffer.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).split(".", 1)[1]
+    return name
 
 
 def _request(what: str, kind: OpKind, buffer: torch.Tensor, name, process_set, cacheable: bool | None = None,

@@ -25,7 +25,11 @@ class OpKind(enum.IntEnum):
 
     @property
     def label(self) -> str:
-        return self.name.lower()
+        """The kind in lower case ("allreduce"), as the timeline and error messages name it."""
+        return _LABELS[self]
+
+
+_LABELS = {kind: kind.name.lower() for kind in OpKind}  # asked for on every submission: looked up, not built
 
 
 class Request(NamedTuple):

@@ -36,15 +36,21 @@ _NUMPY_COMBINE = {ReduceOp.Sum: np.add, ReduceOp.Average: np.add, ReduceOp.Min: 
                   ReduceOp.Max: np.maximum, ReduceOp.Product: np.multiply}
 
 
+_ITEMSIZES = {name: getattr(torch, name).itemsize for name in DTYPES}
+
+
 def nbytes(request: Request) -> int:
     """The size of ``request``'s tensor in bytes."""
-    return math.prod(request.shape) * getattr(torch, request.dtype).itemsize
+    itemsize = _ITEMSIZES.get(request.dtype)
+    return math.prod(request.shape) * (itemsize if itemsize is not None else getattr(torch, request.dtype).itemsize)
 
 
 def eligible(request: Request, limit: int) -> bool:
     """Whether ``request`` may be reduced at the coordinator when it is at most ``limit`` bytes."""
-    return (request.kind == OpKind.ALLREDUCE and request.device == "cpu" and request.dtype in DTYPES
-            and request.reduce_op in _OPS and request.error is None and 0 < nbytes(request) <= limit)
+    itemsize = _ITEMSIZES.get(request.dtype)  # None: not an arithmetic type
+    return (itemsize is not None and request.kind == OpKind.ALLREDUCE and request.device == "cpu"
+            and request.reduce_op in _OPS and request.error is None
+            and 0 < math.prod(request.shape) * itemsize <= limit)
 
 
 def snapshot(tensor: torch.Tensor) -> bytes:
