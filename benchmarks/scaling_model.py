@@ -22,24 +22,35 @@ used. Files of the same core count are one machine; each machine is fitted
 on its own.
 
 The models, for N ranks, S bytes per rank, on a machine of C cores, with
-``q = max(1, N / C)`` ranks per core and ``m = min(N, C)`` ranks moving
-bytes at once:
+``q = max(1, N / C)`` ranks per core, ``p = max(1, 2 N / C)`` Gloo threads per
+core and ``m = min(N, C)`` ranks moving bytes at once:
 
-* shared memory: ``t = q (a0 + a1 N + S (b0 + b1 m))``. Each rank copies its
-  S bytes into the segment, reduces its 1/N share over the N slots (S bytes
-  read) and copies the S-byte result out: about 3 S bytes per rank whatever
-  N, so the cost per byte grows with N only as the m ranks copying at once
-  share the memory system (b1). ``a0 + a1 N``: the engine's cycle and the
-  waits, with rank 0 hearing from every rank once per cycle. With q ranks per
-  core each core does q ranks' work and a rank waits for the others to be
-  scheduled, so the whole scales by q. b1 is fitted only where m varies (not
-  on a 2-core machine measured at 2-4 ranks). Sizes at or below 4 KiB are
-  reduced by the coordinator, not in shared memory, and are left out.
-* Gloo's ring (raw ``torch.distributed``):
-  ``t = q 2(N-1) (alpha + S/N (beta0 + beta1 m))``: 2(N-1) steps, each a
-  latency and a chunk of S/N bytes, the cost per byte shared as above.
-* roundel on Gloo: ``t = e + ring(N, S)``: ``e`` is what roundel's engine
-  adds per call.
+* coordinator-reduced allreduces (S up to ``coordinator_reduce_bytes``, 4 KiB
+  by default, in both the shared-memory and the Gloo records):
+  ``t = q (k0 + k1 N)``. The data go with the control message: one round trip
+  (k0), and rank 0's coordinator takes a request from each rank and sends each
+  a reply (k1 N). No transport call.
+* shared memory, larger sizes: ``t = q (a0 + w W log2 N + M (b0 + b1 m))``. a0:
+  the call's negotiation round trip and hand-off. W waits, each ``log2 N``
+  messages per member (``HostBarrier``), w a message. M the bytes a rank reads
+  and writes, by the algorithm's two regimes (``shared_memory.py``): up to
+  1 MiB every member combines the whole tensor after one wait (W = 1; copy in
+  2 S, read the N slots N S, write the result S: M = (N + 3) S); above, a
+  reduce-scatter and allgather in pieces of 4 MiB (P pieces, W = P + 1; copy
+  in 2 S, reduce its share S + S/N, copy out 2 S: M = (5 + 1/N) S). The cost
+  per byte grows as the m ranks moving bytes at once share the memory system
+  (b1), fitted only where m varies (not on a 2-core machine measured at 2-4
+  ranks). With q ranks per core everything is done q times over.
+* Gloo's ring (raw ``torch.distributed``, the same algorithm at every size):
+  ``t = p 2(N-1) (alpha + S/N beta)``: 2(N-1) steps, each a latency and a chunk
+  of S/N bytes. A Gloo collective keeps two threads of each rank busy (the
+  process group's worker runs the algorithm and the reductions, Gloo's event
+  loop reads the sockets), so from N = C/2 ranks they wait for cores: p.
+* roundel on Gloo, larger sizes: ``t = e + gloo(N, S)``: ``e`` is what roundel
+  adds to a call (its negotiation and hand-off), ``gloo`` roundel's Gloo
+  transport with the ring's alpha and beta: one allgather, ``p (N-1) (alpha +
+  S beta)``, while each member receives at most 256 KiB ((N-1) S <= 256 KiB,
+  N <= elements), else the ring.
 * control round trip: ``t = c0 + c1 N``, the steady negotiation of 161
   cached names (``control_scale.py``, every rank connected to rank 0);
   rank 0's CPU per step is fitted the same way. From ``relay_from_ranks``
@@ -62,14 +73,20 @@ bytes at once:
   one shared-memory allreduce of S, which moves the same bytes); checked
   against the file's ``hierarchical`` records, if any, where the cross-host
   cost per byte is the slower of the link and the fitted Gloo.
-* training step: ``t = compute + control(N) + comm - hidden``, ``comm`` the
-  allreduce of the gradients in ``--bucket-mib`` buckets (shared memory for
-  roundel, the ring for DDP), ``hidden = min(f comm, backward)``: a fraction
-  f (``--overlap``) of it runs during backward, taken as 2/3 of the compute.
-  Measured compute: the ``ceiling`` run (N processes training at once, no
-  communication) where there is one, else the single process. On a measured
-  machine f is 0 once N >= C: no core is idle to reduce on while the others
-  compute. Scaling efficiency is compute / step (each rank keeps its batch).
+* training step: ``t = compute + control(N) + comm + copy - hidden``, ``comm``
+  the allreduce of the gradients in ``--bucket-mib`` buckets (shared memory
+  for roundel, the ring for DDP), ``copy`` the step's copies of its G bytes
+  of gradients in memory, 2 G bytes each at the shared-memory fit's cost per
+  byte: roundel one (``zero_grad()`` sets ``.grad`` to None, so the
+  ``DistributedOptimizer`` copies each new gradient into its bucket), DDP two
+  (by default it copies into its buckets and back). ``hidden = min(f comm,
+  backward)``: a fraction f (``--overlap``) of it runs during backward, taken
+  as 2/3 of the compute. Scaling efficiency is compute / step (each rank
+  keeps its batch). Checked against the measured steps with the compute of
+  the ``ceiling`` run (N processes training at once, no communication) where
+  there is one, else the single process's; with f = 0 (on a CPU the
+  reductions share the cores and memory of backward); and without the control
+  term (a bucket's negotiation is in a0; DDP negotiates nothing).
 
 The fits are least squares on relative residuals; each prints its
 parameters and its largest relative error over the measured points (and
@@ -102,7 +119,11 @@ from roundel.common.settings import Settings
 BENCHMARKS = Path(__file__).resolve().parent
 DEFAULT_MEASUREMENTS = [BENCHMARKS / "measurements" / name
                         for name in ("2core.json", "2core-relays.json", "16core.json")]
-COORDINATOR_BYTES = 4096  # allreduces this small are reduced by roundel's coordinator, not in shared memory
+COORDINATOR_BYTES = Settings().coordinator_reduce_bytes  # reduced by rank 0's coordinator, no transport call
+DIRECT_BYTES = 1 << 20  # shared memory: combined whole after one wait up to this (shared_memory.DIRECT_BYTES)
+PIECE_BYTES = 4 << 20  # shared memory: larger ones go in pieces of a slot (shared_memory.SLOT_BYTES)
+GATHER_BYTES = 256 << 10  # Gloo: one allgather while each member receives at most this (gloo._GATHER_BYTES)
+GRADIENT_COPIES = {"roundel": 1, "ddp": 2}  # copies of all the gradients a training step makes in memory
 RESNET50_PARAMS = 25_557_032
 BACKWARD_SHARE = 2 / 3  # backward's share of a step's compute, the window gradients can reduce in
 TARGET_ERROR = 0.20
@@ -131,6 +152,37 @@ def relative_fit(columns: list, measured, offset=None) -> tuple[np.ndarray, np.n
 def per_core(ranks, cores) -> np.ndarray:
     """q = max(1, N / C): ranks sharing each core."""
     return np.maximum(1.0, np.asarray(ranks, dtype=float) / np.asarray(cores, dtype=float))
+
+
+def gloo_per_core(ranks, cores) -> np.ndarray:
+    """p = max(1, 2 N / C): Gloo's busy threads per core, two per rank (the process group's worker, which runs
+    the algorithm and the reductions, and Gloo's event loop, which reads the sockets)."""
+    return per_core(2 * np.asarray(ranks, dtype=float), cores)
+
+
+def shm_waits(nbytes) -> np.ndarray:
+    """W: waits of a shared-memory allreduce of ``nbytes``: 1 up to ``DIRECT_BYTES``, else one per piece and one
+    more (``_reduce_pieces``)."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    return np.where(nbytes <= DIRECT_BYTES, 1.0, np.ceil(nbytes / PIECE_BYTES) + 1)
+
+
+def shm_moved(ranks, nbytes) -> np.ndarray:
+    """M: bytes one rank reads and writes in a shared-memory allreduce of ``nbytes``.
+
+    Combined whole (up to ``DIRECT_BYTES``): S read and S written copying in, N S read combining the N slots,
+    S written (the result): (N + 3) S. In pieces: 2 S copying in, S read and S / N written reducing its share,
+    2 S copying out: (5 + 1/N) S.
+    """
+    n, nbytes = np.asarray(ranks, dtype=float), np.asarray(nbytes, dtype=float)
+    return np.where(nbytes <= DIRECT_BYTES, (n + 3) * nbytes, (5 + 1 / n) * nbytes)
+
+
+def gathered(ranks, nbytes) -> np.ndarray:
+    """Whether roundel's Gloo transport runs an allreduce of ``nbytes`` (float32) among ``ranks`` as one
+    allgather: (N - 1) S <= ``GATHER_BYTES`` and N <= its elements."""
+    n, nbytes = np.asarray(ranks, dtype=float), np.asarray(nbytes, dtype=float)
+    return ((n - 1) * nbytes <= GATHER_BYTES) & (n <= nbytes / 4)
 
 
 def _where(record: dict) -> str:
@@ -174,29 +226,31 @@ class Models:
         """
         self.cores = data["cores"]
         self.fits = {}
+        calls = data["allreduce"] + data["gloo_allreduce"]
+        small = [r for r in calls if r["bytes"] <= COORDINATOR_BYTES and r.get("roundel_s")]
+        if len(small) >= 2:
+            n = np.array([r["np"] for r in small], dtype=float)
+            q = per_core(n, self.cores)
+            (k0, k1), errors = relative_fit([q, q * n], [r["roundel_s"] for r in small])
+            self.fits["coordinator"] = {"k0_s": k0, "k1_s_per_rank": k1, **_errors(errors, small)}
         shm = [r for r in data["allreduce"] if r["bytes"] > COORDINATOR_BYTES and r.get("roundel_s")]
         n, size = np.array([r["np"] for r in shm], dtype=float), np.array([r["bytes"] for r in shm], dtype=float)
-        q, m = per_core(n, self.cores), _at_once(n, self.cores)
+        q, m, moved = per_core(n, self.cores), _at_once(n, self.cores), shm_moved(n, size)
         contention = len(set(m)) > 1  # b1 is only told apart from b0 when m varies
-        columns = [q, q * n, q * size] + ([q * size * m] if contention else [])
+        columns = [q, q * shm_waits(size) * np.log2(n), q * moved] + ([q * moved * m] if contention else [])
         values, errors = relative_fit(columns, [r["roundel_s"] for r in shm])
-        self.fits["shm"] = {"a0_s": values[0], "a1_s_per_rank": values[1], "b0_s_per_byte": values[2],
+        self.fits["shm"] = {"a0_s": values[0], "wait_s": values[1], "b0_s_per_byte": values[2],
                             "b1_s_per_byte_per_rank": values[3] if contention else 0.0,
                             "contention_fitted": contention, **_errors(errors, shm)}
-        raw = [r for r in data["allreduce"] + data["gloo_allreduce"] if r.get("raw_s")]
+        raw = [r for r in calls if r.get("raw_s")]
         n, size = np.array([r["np"] for r in raw], dtype=float), np.array([r["bytes"] for r in raw], dtype=float)
-        q, m = per_core(n, self.cores), _at_once(n, self.cores)
-        contention = len(set(m)) > 1
-        steps, moved = q * 2 * (n - 1), q * 2 * (n - 1) / n * size
-        values, errors = relative_fit([steps, moved] + ([moved * m] if contention else []),
-                                      [r["raw_s"] for r in raw])
-        self.fits["ring"] = {"alpha_s": values[0], "beta0_s_per_byte": values[1],
-                             "beta1_s_per_byte_per_rank": values[2] if contention else 0.0,
-                             "contention_fitted": contention, **_errors(errors, raw)}
-        gloo = data["gloo_allreduce"]
+        p = gloo_per_core(n, self.cores)
+        (alpha, beta), errors = relative_fit([p * 2 * (n - 1), p * 2 * (n - 1) / n * size], [r["raw_s"] for r in raw])
+        self.fits["ring"] = {"alpha_s": alpha, "beta_s_per_byte": beta, **_errors(errors, raw)}
+        gloo = [r for r in data["gloo_allreduce"] if r["bytes"] > COORDINATOR_BYTES and r.get("roundel_s")]
         if gloo:
             (e,), errors = relative_fit([np.ones(len(gloo))], [r["roundel_s"] for r in gloo],
-                                        offset=[self.ring(r["np"], r["bytes"]) for r in gloo])
+                                        offset=[self.gloo(r["np"], r["bytes"]) for r in gloo])
             self.fits["roundel_gloo"] = {"e_s": e, **_errors(errors, gloo)}
         for key, field, relays in (("control", "cycle_ms", False), ("control_cpu", "rank0_cpu_ms_per_step", False),
                                    ("control_relayed", "coordinator_cpu_ms_per_step", True)):
@@ -211,23 +265,43 @@ class Models:
                                           [r["chain_ms"] / 1e3 for r in chains])
             self.fits["relay_hop"] = {"c_s": c, "hop_s": h, **_errors(errors, chains)}
 
+    def per_byte(self, ranks: int, cores: float | None = None) -> float:
+        """Seconds per byte a rank reads or writes in memory (the shared-memory fit's b0 + b1 m), with
+        ``min(ranks, cores)`` ranks doing so at once."""
+        f = self.fits["shm"]
+        return f["b0_s_per_byte"] + f["b1_s_per_byte_per_rank"] * float(_at_once(ranks, cores or self.cores))
+
     def shm(self, ranks: int, nbytes: float, cores: float | None = None) -> float:
         """Seconds of a shared-memory allreduce of ``nbytes`` per rank among ``ranks`` on ``cores`` cores
         (default: the measured machine's)."""
         f, cores = self.fits["shm"], cores or self.cores
-        per_byte = f["b0_s_per_byte"] + f["b1_s_per_byte_per_rank"] * float(_at_once(ranks, cores))
-        return float(per_core(ranks, cores)) * (f["a0_s"] + f["a1_s_per_rank"] * ranks + per_byte * nbytes)
+        waits = float(shm_waits(nbytes)) * math.log2(ranks)
+        return float(per_core(ranks, cores)) * (f["a0_s"] + f["wait_s"] * waits
+                                                + float(shm_moved(ranks, nbytes)) * self.per_byte(ranks, cores))
+
+    def copy(self, ranks: int, nbytes: float, cores: float | None = None) -> float:
+        """Seconds for each of ``ranks`` ranks on ``cores`` cores to copy ``nbytes`` in memory at once (read
+        and write them, at ``per_byte``)."""
+        cores = cores or self.cores
+        return float(per_core(ranks, cores)) * 2 * nbytes * self.per_byte(ranks, cores)
 
     def ring_per_byte(self, ranks: int, cores: float | None = None) -> float:
-        """Gloo's fitted seconds per byte moved, with ``min(ranks, cores)`` ranks moving bytes at once."""
-        f = self.fits["ring"]
-        return f["beta0_s_per_byte"] + f["beta1_s_per_byte_per_rank"] * float(_at_once(ranks, cores or self.cores))
+        """Gloo's fitted seconds per byte moved, with ``gloo_per_core(ranks, cores)`` of its threads per core."""
+        return float(gloo_per_core(ranks, cores or self.cores)) * self.fits["ring"]["beta_s_per_byte"]
 
     def ring(self, ranks: int, nbytes: float, cores: float | None = None) -> float:
         """Seconds of Gloo's ring allreduce on one machine of ``cores`` cores (default: the measured one's)."""
         cores = cores or self.cores
-        return float(per_core(ranks, cores)) * 2 * (ranks - 1) * (
-            self.fits["ring"]["alpha_s"] + nbytes / ranks * self.ring_per_byte(ranks, cores))
+        return float(gloo_per_core(ranks, cores)) * 2 * (ranks - 1) * (
+            self.fits["ring"]["alpha_s"] + nbytes / ranks * self.fits["ring"]["beta_s_per_byte"])
+
+    def gloo(self, ranks: int, nbytes: float, cores: float | None = None) -> float:
+        """Seconds of roundel's Gloo transport's allreduce: one allgather (N - 1 steps of S bytes) where
+        ``gathered``, else Gloo's ring."""
+        if not gathered(ranks, nbytes):
+            return self.ring(ranks, nbytes, cores)
+        return float(gloo_per_core(ranks, cores or self.cores)) * (ranks - 1) * (
+            self.fits["ring"]["alpha_s"] + nbytes * self.fits["ring"]["beta_s_per_byte"])
 
     def engine(self) -> float:
         """Seconds roundel's engine adds to a call on Gloo (0 without ``gloo_allreduce`` measurements)."""
@@ -289,23 +363,25 @@ def mlp_gradient_bytes() -> int:
 
 
 # ---------------------------------------------------------------- training steps
-def step_time(models: Models, ranks: int, nbytes: float, compute_s: float, overlap: float, bucket_bytes: float,
-              allreduce, hop_s: float = 0.0, per_host: int = 8) -> dict:
-    """The step's parts (seconds): compute, control, comm, hidden, step; ``allreduce(ranks, bytes)`` costs a
-    bucket, ``hop_s`` a hop of the control messages between hosts of ``per_host``."""
+def step_time(ranks: int, nbytes: float, compute_s: float, overlap: float, bucket_bytes: float, allreduce,
+              control_s: float, copy_s: float) -> dict:
+    """The step's parts (seconds): compute, control, comm, copy, hidden, step; ``allreduce(ranks, bytes)`` costs
+    a bucket, ``control_s`` is the step's negotiation beyond the buckets' own, ``copy_s`` its gradient copies."""
     buckets = max(1, math.ceil(nbytes / bucket_bytes))
     comm = buckets * allreduce(ranks, nbytes / buckets)
     hidden = min(overlap * comm, BACKWARD_SHARE * compute_s)
-    control = models.control(ranks, hop_s, per_host)
-    return {"compute": compute_s, "control": control, "comm": comm, "hidden": hidden,
-            "step": compute_s + control + comm - hidden}
+    return {"compute": compute_s, "control": control_s, "comm": comm, "copy": copy_s, "hidden": hidden,
+            "step": compute_s + control_s + comm + copy_s - hidden}
 
 
 def check_training(models: Models, data: dict, args, mlp_bytes: int) -> list:
     """Predicted against measured step time of each mlp training record (roundel on shm, DDP on the ring).
 
     The compute per step is the ``ceiling`` run's (N processes training at once, no communication) where
-    the record has one, else the single process's.
+    the record has one, else the single process's. Nothing is hidden: on these CPUs the reductions share the
+    cores and the memory of the backward pass. No control term: each bucket's negotiation round trip is in the
+    shared-memory fit's a0 (every measured call negotiates too), and DDP negotiates nothing. The step copies
+    the gradients ``GRADIENT_COPIES`` times.
     """
     rows = []
     for record in data["training"]:
@@ -313,11 +389,11 @@ def check_training(models: Models, data: dict, args, mlp_bytes: int) -> list:
             continue
         n, batch = record["np"], record.get("batch_size", 32)
         compute = n * batch / record["ceiling_sps"] if record.get("ceiling_sps") else batch / record["single_sps"]
-        overlap = 0.0 if n >= models.cores else args.overlap
         for kind, cost in (("roundel", models.shm), ("ddp", models.ring)):
             if record.get(f"{kind}_sps"):
                 measured = n * batch / record[f"{kind}_sps"]
-                predicted = step_time(models, n, mlp_bytes, compute, overlap, args.bucket_mib * 2 ** 20, cost)
+                predicted = step_time(n, mlp_bytes, compute, 0.0, args.bucket_mib * 2 ** 20, cost, 0.0,
+                                      GRADIENT_COPIES[kind] * models.copy(n, mlp_bytes))
                 rows.append({"np": n, "kind": kind, "measured_s": measured, "predicted_s": predicted["step"],
                              "error": abs(predicted["step"] - measured) / measured})
     return rows
@@ -350,8 +426,9 @@ def predict(models: Models, args, workloads: dict) -> list:
                         return models.shm(ranks, size, per_host)
                     return models.hierarchical(hosts, per_host, size, per_host, gbit * 1e9 / 8, hop)
 
-                parts = step_time(models, n, nbytes, compute, args.overlap, args.bucket_mib * 2 ** 20, allreduce,
-                                  hop, per_host)
+                parts = step_time(n, nbytes, compute, args.overlap, args.bucket_mib * 2 ** 20, allreduce,
+                                  models.control(n, hop, per_host),
+                                  GRADIENT_COPIES["roundel"] * models.copy(min(n, per_host), nbytes, per_host))
                 rows.append(dict(parts, model=name, gbit=gbit, ranks=n, efficiency=compute / parts["step"]))
     return rows
 
@@ -375,18 +452,21 @@ def machine_report(models: Models, data: dict, training: list, hierarchical: lis
     shm, ring = f["shm"], f["ring"]
     lines = [f"{models.cores}-core machine: " + "; ".join(data["sources"]), "",
              "| model | fitted parameters | points | largest error | target |", "| --- | --- | ---: | --- | --- |",
-             f"| shared memory t = q (a0 + a1 N + S (b0 + b1 m)) | a0 = {_us(shm['a0_s'])}, a1 = "
-             f"{_us(shm['a1_s_per_rank'])} per rank, 1/b0 = {1 / shm['b0_s_per_byte'] / 1e9:.3f} GB/s, b1 = "
+             f"| shared memory t = q (a0 + w W log2 N + M (b0 + b1 m)) | a0 = {_us(shm['a0_s'])}, w = "
+             f"{_us(shm['wait_s'])} per message of a wait, 1/b0 = {1 / shm['b0_s_per_byte'] / 1e9:.1f} GB/s, b1 = "
              + (f"{shm['b1_s_per_byte_per_rank'] * 1e12:.1f} ps per byte per rank" if shm["contention_fitted"]
                 else "not fitted (every run had m = C)")
              + f" | {shm['points']} | {_err(shm)} | {_mark(shm['error'])} |",
-             f"| Gloo ring t = q 2(N-1) (alpha + S/N (beta0 + beta1 m)) | alpha = {_us(ring['alpha_s'])}, 1/beta0 = "
-             f"{1 / ring['beta0_s_per_byte'] / 1e9:.3f} GB/s, beta1 = "
-             + (f"{ring['beta1_s_per_byte_per_rank'] * 1e12:.1f} ps per byte per rank" if ring["contention_fitted"]
-                else "not fitted (every run had m = C)")
-             + f" | {ring['points']} | {_err(ring)} | {_mark(ring['error'])} |"]
+             f"| Gloo ring t = p 2(N-1) (alpha + S/N beta) | alpha = {_us(ring['alpha_s'])}, 1/beta = "
+             f"{1 / ring['beta_s_per_byte'] / 1e9:.3f} GB/s | {ring['points']} | {_err(ring)} "
+             f"| {_mark(ring['error'])} |"]
+    if "coordinator" in f:
+        small = f["coordinator"]
+        lines.append(f"| coordinator-reduced, S <= {COORDINATOR_BYTES / 1024:g} KiB t = q (k0 + k1 N) "
+                     f"| k0 = {_us(small['k0_s'])}, k1 = {_us(small['k1_s_per_rank'])} per rank | {small['points']} "
+                     f"| {_err(small)} | {_mark(small['error'])} |")
     if "roundel_gloo" in f:
-        lines.append(f"| roundel on Gloo t = e + ring | e = {_us(f['roundel_gloo']['e_s'])} "
+        lines.append(f"| roundel on Gloo t = e + gloo(N, S) | e = {_us(f['roundel_gloo']['e_s'])} "
                      f"| {f['roundel_gloo']['points']} | {_err(f['roundel_gloo'])} "
                      f"| {_mark(f['roundel_gloo']['error'])} |")
     for key, label in (("control", "control round trip"), ("control_cpu", "rank 0 CPU per step"),
@@ -427,12 +507,14 @@ def prediction_report(models: Models, predictions: list, args, mlp_bytes: int, r
              f"{_us(models.fits['ring']['alpha_s'])} (fitted Gloo alpha) + {args.hop_latency_us:g} µs; {control}; "
              f"ResNet-50 "
              f"{RESNET50_PARAMS * 4 / 2 ** 20:.1f} MiB of gradients, {args.resnet_step_ms:g} ms compute; mlp "
-             f"{mlp_bytes / 2 ** 20:.1f} MiB, compute as measured single-rank.", "",
-             "| model | network | ranks | compute ms | control ms | allreduce ms | hidden ms | step ms | efficiency |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"{mlp_bytes / 2 ** 20:.1f} MiB, compute as measured single-rank; each step copies its gradients "
+             "into their buckets once.", "",
+             "| model | network | ranks | compute ms | control ms | allreduce ms | copy ms | hidden ms | step ms "
+             "| efficiency |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['model']} | {r['gbit']:g} Gbit/s | {r['ranks']:,} | {r['compute'] * 1e3:.1f} | "
-              f"{r['control'] * 1e3:.1f} | {r['comm'] * 1e3:.1f} | {r['hidden'] * 1e3:.1f} | {r['step'] * 1e3:.1f} | "
-              f"{r['efficiency']:.1%} |" for r in predictions]
+              f"{r['control'] * 1e3:.1f} | {r['comm'] * 1e3:.1f} | {r['copy'] * 1e3:.1f} | {r['hidden'] * 1e3:.1f} | "
+              f"{r['step'] * 1e3:.1f} | {r['efficiency']:.1%} |" for r in predictions]
     lines += ["", f"For comparison, {HOROVOD['label']}: {HOROVOD['efficiency']:.0%} at {HOROVOD['ranks']} ranks "
               "(a published figure, not modelled here)."]
     return "\n".join(lines)

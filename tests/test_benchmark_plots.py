@@ -16,6 +16,7 @@ the parameters of synthetic ones made by its laws.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -134,19 +135,31 @@ def test_scaling_benchmark_skips_more_ranks_than_cores():
     alone = run_command([sys.executable, BENCHMARKS / "scaling.py", "--np", "4096", "--skip-training"], timeout=60)
     assert alone.returncode == 2, describe(alone)
     assert "4096 ranks: skipped" in alone.stdout and "nothing ran" in alone.stdout, describe(alone)
+def _shm(law: dict, n: int, size: int) -> float:
+    """The shared-memory law on 16 cores (no rank waits for a core): whole up to 1 MiB, in 4 MiB pieces above."""
+    waits, moved = (1, (n + 3) * size) if size <= 1 << 20 else (math.ceil(size / (4 << 20)) + 1, (5 + 1 / n) * size)
+    return law["a0"] + law["w"] * waits * math.log2(n) + moved * (law["b0"] + law["b1"] * n)
+
+
 def _synthetic_measurements(path: Path, law: dict) -> None:
     """Measurements of a 16-core machine made exactly by the model's laws with the parameters ``law``."""
     sizes = [4096, 256 * 1024, 1 << 20, 4 << 20, 16 << 20]
 
-    def ring(n, size):
-        return 2 * (n - 1) * (law["alpha"] + size / n * (law["beta0"] + law["beta1"] * n))
+    def gloo(n, size, steps, chunk):  # two Gloo threads per rank: from 8 ranks on 16 cores they wait for cores
+        return max(1, 2 * n / 16) * steps * (law["alpha"] + chunk * law["beta"])
 
-    records = [{"np": n, "bytes": size, "roundel_s": law["a0"] + law["a1"] * n + size * (law["b0"] + law["b1"] * n),
-                "raw_s": ring(n, size)} for n in (2, 4, 8, 16) for size in sizes]
+    def coordinator(n):
+        return law["k0"] + law["k1"] * n
+
+    def roundel_gloo(n, size):  # one allgather while each member receives at most 256 KiB, else the ring
+        call = gloo(n, size, n - 1, size) if (n - 1) * size <= 256 * 1024 else gloo(n, size, 2 * (n - 1), size / n)
+        return coordinator(n) if size <= 4096 else law["e"] + call
+
+    records = [{"np": n, "bytes": size, "roundel_s": coordinator(n) if size <= 4096 else _shm(law, n, size),
+                "raw_s": gloo(n, size, 2 * (n - 1), size / n)} for n in (2, 4, 8, 16) for size in sizes]
     path.write_text(json.dumps({
         "cores": 16, "machine": "synthetic", "date": "none", "allreduce": records,
-        "gloo_allreduce": [{"np": r["np"], "bytes": r["bytes"], "roundel_s": law["e"] + r["raw_s"],
-                            "raw_s": r["raw_s"]} for r in records],
+        "gloo_allreduce": [dict(r, roundel_s=roundel_gloo(r["np"], r["bytes"])) for r in records],
         "training": [{"np": 2, "model": "mlp", "batch_size": 32, "roundel_sps": 500.0, "ddp_sps": 400.0,
                       "single_sps": 800.0}],
         "control": [{"np": n, "cycle_ms": 1e3 * (law["c0"] + law["c1"] * n), "rank0_cpu_ms_per_step": 1.0 + n / 100}
@@ -158,9 +171,9 @@ def _synthetic_measurements(path: Path, law: dict) -> None:
 
 
 def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measurements(tmp_path):
-    law = {"a0": 200e-6, "a1": 50e-6, "b0": 1 / 3e9, "b1": 40e-12, "alpha": 80e-6, "beta0": 1 / 1.5e9,
-           "beta1": 20e-12, "e": 50e-6, "c0": 2e-3, "c1": 30e-6, "r0": 0.8e-3, "r1": 1.5e-6, "k": 0.1e-3,
-           "h": 150e-6}
+    law = {"a0": 200e-6, "w": 50e-6, "b0": 1 / 30e9, "b1": 8e-12, "alpha": 80e-6, "beta": 1 / 2.5e9,
+           "e": 500e-6, "k0": 150e-6, "k1": 60e-6, "c0": 2e-3, "c1": 30e-6, "r0": 0.8e-3, "r1": 1.5e-6,
+           "k": 0.1e-3, "h": 150e-6}
     measurements, png, figures = tmp_path / "synthetic.json", tmp_path / "model.png", tmp_path / "model.json"
     _synthetic_measurements(measurements, law)
     result = run_command([sys.executable, BENCHMARKS / "scaling_model.py", "--measurements", measurements,
@@ -169,23 +182,25 @@ def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measureme
     assert_valid_png(png, result)
     output = json.loads(figures.read_text())
     fits = output["machines"]["16"]["fits"]
-    for fitted, true in ((fits["shm"]["a0_s"], law["a0"]), (fits["shm"]["a1_s_per_rank"], law["a1"]),
+    for fitted, true in ((fits["shm"]["a0_s"], law["a0"]), (fits["shm"]["wait_s"], law["w"]),
                          (fits["shm"]["b0_s_per_byte"], law["b0"]), (fits["shm"]["b1_s_per_byte_per_rank"], law["b1"]),
-                         (fits["ring"]["alpha_s"], law["alpha"]), (fits["ring"]["beta0_s_per_byte"], law["beta0"]),
-                         (fits["ring"]["beta1_s_per_byte_per_rank"], law["beta1"]),
-                         (fits["roundel_gloo"]["e_s"], law["e"]), (fits["control"]["c0_s"], law["c0"]),
+                         (fits["ring"]["alpha_s"], law["alpha"]), (fits["ring"]["beta_s_per_byte"], law["beta"]),
+                         (fits["roundel_gloo"]["e_s"], law["e"]), (fits["coordinator"]["k0_s"], law["k0"]),
+                         (fits["coordinator"]["k1_s_per_rank"], law["k1"]), (fits["control"]["c0_s"], law["c0"]),
                          (fits["control"]["c1_s_per_rank"], law["c1"]), (fits["control_relayed"]["c0_s"], law["r0"]),
                          (fits["control_relayed"]["c1_s_per_rank"], law["r1"]), (fits["relay_hop"]["c_s"], law["k"]),
                          (fits["relay_hop"]["hop_s"], law["h"])):
         assert math.isclose(fitted, true, rel_tol=0.01), (fitted, true, fits)
     assert all(fit["error"] < 1e-6 for fit in fits.values()), fits
     fit_rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "t = " in line]
-    assert len(fit_rows) == 7 and all("| 0.0% at N = " in row and "| within 20 % |" in row for row in fit_rows), describe(result)
+    assert len(fit_rows) == 8 and all("| 0.0% at N = " in row and "| within 20 % |" in row for row in fit_rows), describe(result)
 
-    # ResNet-50 at 8 ranks is one host: 4 buckets of a quarter of its gradients in shared memory, half hidden
+    # ResNet-50 at 8 ranks is one host: 4 buckets of a quarter of its gradients in shared memory, half hidden,
+    # and one copy of the gradients into their buckets (read and written)
     nbytes = 25_557_032 * 4
-    comm = 4 * (law["a0"] + 8 * law["a1"] + nbytes / 4 * (law["b0"] + 8 * law["b1"]))
-    step = 0.250 + law["c0"] + 8 * law["c1"] + comm - min(0.5 * comm, 2 / 3 * 0.250)
+    comm = 4 * _shm(law, 8, nbytes / 4)
+    copy = 2 * nbytes * (law["b0"] + 8 * law["b1"])
+    step = 0.250 + law["c0"] + 8 * law["c1"] + comm + copy - min(0.5 * comm, 2 / 3 * 0.250)
     predictions = output["predictions"]
     [resnet8] = [p for p in predictions if p["model"] == "ResNet-50" and p["ranks"] == 8 and p["gbit"] == 25]
     assert math.isclose(resnet8["step"], step, rel_tol=1e-6) and math.isclose(resnet8["efficiency"], 0.250 / step)
@@ -214,8 +229,16 @@ def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measureme
     output = json.loads((tmp_path / "committed.json").read_text())
     assert set(output["machines"]) == {"2", "16"} and output["predicted_from"] == 16, output["machines"].keys()
     for machine in output["machines"].values():
-        assert {"shm", "ring", "roundel_gloo", "control"} <= set(machine["fits"]), machine["fits"]
+        assert {"shm", "ring", "roundel_gloo", "coordinator", "control"} <= set(machine["fits"]), machine["fits"]
         assert machine["fits"]["shm"]["b0_s_per_byte"] > 0 and machine["training"], machine
     assert "control_relayed" in output["machines"]["2"]["fits"] and output["control_relayed_from"] == 2
     assert "relay_hop" in output["machines"]["2"]["fits"] and output["relay_hop_from"] == 2
     assert all(f"measurements/{name}.json" in committed.stdout for name in ("2core", "2core-relays", "16core"))
+
+    # the forms switch where the transports do
+    from roundel.transport import gloo, shared_memory
+    spec = importlib.util.spec_from_file_location("scaling_model", BENCHMARKS / "scaling_model.py")
+    scaling_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scaling_model)
+    assert (scaling_model.DIRECT_BYTES, scaling_model.PIECE_BYTES, scaling_model.GATHER_BYTES) == (
+        shared_memory.DIRECT_BYTES, shared_memory.SLOT_BYTES, gloo._GATHER_BYTES)
