@@ -115,14 +115,13 @@ from pathlib import Path
 import numpy as np
 
 from roundel.common.settings import Settings
+from roundel.transport.gloo import GATHER_BYTES  # one allgather while each member receives at most this
+from roundel.transport.shared_memory import DIRECT_BYTES, SLOT_BYTES as PIECE_BYTES  # whole, then in pieces
 
 BENCHMARKS = Path(__file__).resolve().parent
 DEFAULT_MEASUREMENTS = [BENCHMARKS / "measurements" / name
                         for name in ("2core.json", "2core-relays.json", "16core.json")]
 COORDINATOR_BYTES = Settings().coordinator_reduce_bytes  # reduced by rank 0's coordinator, no transport call
-DIRECT_BYTES = 1 << 20  # shared memory: combined whole after one wait up to this (shared_memory.DIRECT_BYTES)
-PIECE_BYTES = 4 << 20  # shared memory: larger ones go in pieces of a slot (shared_memory.SLOT_BYTES)
-GATHER_BYTES = 256 << 10  # Gloo: one allgather while each member receives at most this (gloo._GATHER_BYTES)
 GRADIENT_COPIES = {"roundel": 1, "ddp": 2}  # copies of all the gradients a training step makes in memory
 RESNET50_PARAMS = 25_557_032
 BACKWARD_SHARE = 2 / 3  # backward's share of a step's compute, the window gradients can reduce in
@@ -289,19 +288,21 @@ class Models:
         """Gloo's fitted seconds per byte moved, with ``gloo_per_core(ranks, cores)`` of its threads per core."""
         return float(gloo_per_core(ranks, cores or self.cores)) * self.fits["ring"]["beta_s_per_byte"]
 
+    def _gloo_steps(self, ranks: int, steps: int, chunk: float, cores: float | None) -> float:
+        """Seconds of ``steps`` Gloo steps of ``chunk`` bytes each among ``ranks`` on ``cores`` cores."""
+        f = self.fits["ring"]
+        return float(gloo_per_core(ranks, cores or self.cores)) * steps * (f["alpha_s"] + chunk * f["beta_s_per_byte"])
+
     def ring(self, ranks: int, nbytes: float, cores: float | None = None) -> float:
         """Seconds of Gloo's ring allreduce on one machine of ``cores`` cores (default: the measured one's)."""
-        cores = cores or self.cores
-        return float(gloo_per_core(ranks, cores)) * 2 * (ranks - 1) * (
-            self.fits["ring"]["alpha_s"] + nbytes / ranks * self.fits["ring"]["beta_s_per_byte"])
+        return self._gloo_steps(ranks, 2 * (ranks - 1), nbytes / ranks, cores)
 
     def gloo(self, ranks: int, nbytes: float, cores: float | None = None) -> float:
         """Seconds of roundel's Gloo transport's allreduce: one allgather (N - 1 steps of S bytes) where
         ``gathered``, else Gloo's ring."""
         if not gathered(ranks, nbytes):
             return self.ring(ranks, nbytes, cores)
-        return float(gloo_per_core(ranks, cores or self.cores)) * (ranks - 1) * (
-            self.fits["ring"]["alpha_s"] + nbytes * self.fits["ring"]["beta_s_per_byte"])
+        return self._gloo_steps(ranks, ranks - 1, nbytes, cores)
 
     def engine(self) -> float:
         """Seconds roundel's engine adds to a call on Gloo (0 without ``gloo_allreduce`` measurements)."""

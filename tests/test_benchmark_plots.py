@@ -16,7 +16,6 @@ the parameters of synthetic ones made by its laws.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -135,6 +134,8 @@ def test_scaling_benchmark_skips_more_ranks_than_cores():
     alone = run_command([sys.executable, BENCHMARKS / "scaling.py", "--np", "4096", "--skip-training"], timeout=60)
     assert alone.returncode == 2, describe(alone)
     assert "4096 ranks: skipped" in alone.stdout and "nothing ran" in alone.stdout, describe(alone)
+
+
 def _shm(law: dict, n: int, size: int) -> float:
     """The shared-memory law on 16 cores (no rank waits for a core): whole up to 1 MiB, in 4 MiB pieces above."""
     waits, moved = (1, (n + 3) * size) if size <= 1 << 20 else (math.ceil(size / (4 << 20)) + 1, (5 + 1 / n) * size)
@@ -234,11 +235,3 @@ def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measureme
     assert "control_relayed" in output["machines"]["2"]["fits"] and output["control_relayed_from"] == 2
     assert "relay_hop" in output["machines"]["2"]["fits"] and output["relay_hop_from"] == 2
     assert all(f"measurements/{name}.json" in committed.stdout for name in ("2core", "2core-relays", "16core"))
-
-    # the forms switch where the transports do
-    from roundel.transport import gloo, shared_memory
-    spec = importlib.util.spec_from_file_location("scaling_model", BENCHMARKS / "scaling_model.py")
-    scaling_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(scaling_model)
-    assert (scaling_model.DIRECT_BYTES, scaling_model.PIECE_BYTES, scaling_model.GATHER_BYTES) == (
-        shared_memory.DIRECT_BYTES, shared_memory.SLOT_BYTES, gloo._GATHER_BYTES)

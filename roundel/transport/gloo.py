@@ -28,10 +28,10 @@ log = logging.getLogger("roundel")
 # and receives 2 (n - 1) / n of the tensor per member; the allgather takes n - 1 steps and receives n - 1
 # tensors. So with 2 ranks the allgather moves the same bytes in half the steps (on loopback allreduces of
 # 16 B to 256 KiB ran up to twice as fast); with more, it is used while what each member receives stays
-# small, at most _GATHER_BYTES. A tensor with fewer elements than members (ring chunks left empty) is as
+# small, at most GATHER_BYTES. A tensor with fewer elements than members (ring chunks left empty) is as
 # fast on the ring. The local reduction goes in slices of half torch's intra-op parallel grain (32,768
 # elements), so it stays on the calling thread: pool threads would contend with the transport's.
-_GATHER_BYTES = 256 * 1024
+GATHER_BYTES = 256 * 1024
 _SERIAL_ELEMENTS = 16384
 
 
@@ -78,7 +78,7 @@ class GlooBackend(Backend):
 
     def allreduce(self, tensor, op):
         sent = widened(tensor)
-        if self.size <= sent.numel() and (self.size - 1) * sent.numel() * sent.element_size() <= _GATHER_BYTES:
+        if self.size <= sent.numel() and (self.size - 1) * sent.numel() * sent.element_size() <= GATHER_BYTES:
             self._allreduce_by_allgather(sent, op)
         else:
             self._allreduce_work(sent, op).wait()
