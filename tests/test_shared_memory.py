@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from roundel.ops import ReduceOp
-from roundel.transport.shared_memory import _scaling
+from roundel.transport.shared_memory import _outside, _pieces, _scaling
 from launch_util import assert_checks_passed, describe, rank_lines, run_job
 
 WORKER = "torch_shared_memory.py"
@@ -77,3 +77,16 @@ def test_when_shared_memory_cannot_be_set_up_every_rank_stays_on_gloo(tmp_path):
     for rank in range(2):
         assert any("no shared memory" in line and "cannot listen" in line
                    for line in rank_lines(result.stderr, rank, "stderr")), describe(result)
+
+
+@pytest.mark.parametrize("sizes, per_slot", [([10], 10), ([3, 4, 5], 7), ([1] * 9, 4), ([25, 2], 8)])
+def test_a_piece_less_a_members_share_keeps_every_other_element_where_it_was(sizes, per_slot):
+    # a member whose share lies in one input combines it from there and copies in only the rest
+    for count, spans in _pieces(sizes, per_slot):
+        where = {at + i: (which, start + i) for at, which, start, take in spans for i in range(take)}
+        for low in range(count):
+            for high in range(low + 1, count + 1):
+                kept = _outside(spans, low, high)
+                elements = [(at + i, (which, start + i)) for at, which, start, take in kept for i in range(take)]
+                assert dict(elements) == {k: v for k, v in where.items() if not low <= k < high}
+                assert len(elements) == count - (high - low) and all(take > 0 for *_, take in kept)

@@ -17,8 +17,11 @@ collectives off the network:
   allgather inside the segment: member ``m`` combines the ``m``-th share of
   each piece over every slot, in member order (so every member gets the same
   bits), into the result area, and every member copies the result out after
-  the next wait, which is also the wait after the next piece's copy in. Each
-  member reads about twice the data whatever the member count. Smaller ones
+  the next wait, which is also the wait after the next piece's copy in. A
+  member's own share of its slot is read by no one else, so it is combined
+  straight from the member's input and not copied in (when the copy would
+  not scale it). Each member reads about twice the data whatever the member
+  count. Smaller ones
   are combined whole by every member after a single wait.
 * Calls alternate between the two banks: a member that runs ahead into the
   next piece writes the other bank, and it can only come back to this one
@@ -115,6 +118,16 @@ def _copy_in(sources: list, spans: list, slot, on_copy: float, prescale: float) 
     if prescale != 1.0:
         at, _, _, take = spans[-1]
         scale(slot[:at + take], prescale)
+
+
+def _outside(spans: list, low: int, high: int) -> list:
+    """``spans`` less the elements ``[low, high)`` of their piece."""
+    kept = []
+    for at, which, where, take in spans:
+        for start, end in ((at, min(at + take, low)), (max(at, high), at + take)):
+            if start < end:
+                kept.append((start, which, where + start - at, end - start))
+    return kept
 
 
 def _copy_out(targets: list, spans: list, result) -> None:
@@ -269,6 +282,23 @@ class SharedMemoryBackend(Backend):
         low = min(count, self.rank * per_member)
         return low, min(count, low + per_member)
 
+    def _plan(self, count: int, spans: list, sources: list, unscaled: bool) -> tuple:
+        """For a piece reduce-scattered in the segment: this member's share ``[low, high)``, the spans it
+        copies into its slot, and the row it combines for itself (None: its slot's).
+
+        No other member reads this member's share of its slot, so when the
+        share lies within one input and the copy would not scale it
+        (``unscaled``), the share is combined straight from that input and
+        not copied in: each member moves 1/N of the piece less.
+        """
+        low, high = self._share(count)
+        if unscaled and low < high:
+            for at, which, where, take in spans:
+                if at <= low and high <= at + take:
+                    start = where + low - at
+                    return low, high, _outside(spans, low, high), sources[which][start:start + high - low]
+        return low, high, spans, None
+
     # ------------------------------------------------------------ collectives
     def carrier(self, op_label: str) -> str:
         return self.name if op_label in _OWN else self.inner.carrier(op_label)
@@ -337,20 +367,23 @@ class SharedMemoryBackend(Backend):
                     scale(out, postscale)
             return
         banks = [self._bank(dtype) for _ in pieces]
+        plans = [self._plan(count, spans, sources, on_copy == prescale == 1.0) for count, spans in pieces]
         if pieces:
-            _copy_in(sources, pieces[0][1], banks[0][0][self.rank], on_copy, prescale)
-        for k, (count, _) in enumerate(pieces):
+            _copy_in(sources, plans[0][2], banks[0][0][self.rank], on_copy, prescale)
+        for k in range(len(pieces)):
             self._barrier.wait()
             if k and targets is not None:
                 _copy_out(targets, pieces[k - 1][1], banks[k - 1][1])
             slots, result = banks[k]
-            low, high = self._share(count)
+            low, high, _, own = plans[k]
             if low < high:
-                out = result[low:high]
-                _combine(out, [slot[low:high] for slot in slots], op)
+                out, rows = result[low:high], [slot[low:high] for slot in slots]
+                if own is not None:
+                    rows[self.rank] = own
+                _combine(out, rows, op)
                 scale(out, postscale)
             if k + 1 < len(pieces):
-                _copy_in(sources, pieces[k + 1][1], banks[k + 1][0][self.rank], on_copy, prescale)
+                _copy_in(sources, plans[k + 1][2], banks[k + 1][0][self.rank], on_copy, prescale)
         if pieces:
             self._barrier.wait()
             if targets is not None:
