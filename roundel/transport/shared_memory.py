@@ -21,8 +21,7 @@ collectives off the network:
   member's own share of its slot is read by no one else, so it is combined
   straight from the member's input and not copied in (when the copy would
   not scale it). Each member reads about twice the data whatever the member
-  count. Smaller ones
-  are combined whole by every member after a single wait.
+  count. Smaller ones are combined whole by every member after a single wait.
 * Calls alternate between the two banks: a member that runs ahead into the
   next piece writes the other bank, and it can only come back to this one
   after every member has passed the next wait, so no slot or result is
