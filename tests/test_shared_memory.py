@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from roundel.ops import ReduceOp
-from roundel.transport.shared_memory import _outside, _pieces, _scaling
+from roundel.transport.shared_memory import _outside, _pieces, _scaling, _within_one
 from launch_util import assert_checks_passed, describe, rank_lines, run_job
 
 WORKER = "torch_shared_memory.py"
@@ -90,3 +90,17 @@ def test_a_piece_less_a_members_share_keeps_every_other_element_where_it_was(siz
                 elements = [(at + i, (which, start + i)) for at, which, start, take in kept for i in range(take)]
                 assert dict(elements) == {k: v for k, v in where.items() if not low <= k < high}
                 assert len(elements) == count - (high - low) and all(take > 0 for *_, take in kept)
+
+
+def test_a_share_within_one_input_is_read_from_that_input_and_one_across_two_is_not():
+    sources = [torch.arange(5), torch.arange(10, 14)]
+    (count, spans), = _pieces([5, 4], 9)
+    concatenation = torch.cat(sources)
+    for low in range(count):
+        for high in range(low + 1, count + 1):
+            view = _within_one(sources, spans, low, high)
+            if high <= 5 or low >= 5:
+                assert view is not None and torch.equal(view, concatenation[low:high])
+                assert view.data_ptr() == sources[low >= 5][low - 5 * (low >= 5)].data_ptr()
+            else:
+                assert view is None

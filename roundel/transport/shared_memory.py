@@ -129,6 +129,15 @@ def _outside(spans: list, low: int, high: int) -> list:
     return kept
 
 
+def _within_one(sources: list, spans: list, low: int, high: int):
+    """The elements ``[low, high)`` of a piece as a view of the one source they lie in, or None when they
+    run across sources."""
+    for at, which, where, take in spans:
+        if at <= low and high <= at + take:
+            return sources[which][where + low - at:where + high - at]
+    return None
+
+
 def _copy_out(targets: list, spans: list, result) -> None:
     """Copy a piece's reduced ``result`` into its ``spans`` of ``targets``."""
     for at, which, where, take in spans:
@@ -291,12 +300,8 @@ class SharedMemoryBackend(Backend):
         not copied in: each member moves 1/N of the piece less.
         """
         low, high = self._share(count)
-        if unscaled and low < high:
-            for at, which, where, take in spans:
-                if at <= low and high <= at + take:
-                    start = where + low - at
-                    return low, high, _outside(spans, low, high), sources[which][start:start + high - low]
-        return low, high, spans, None
+        own = _within_one(sources, spans, low, high) if unscaled and low < high else None
+        return low, high, (spans if own is None else _outside(spans, low, high)), own
 
     # ------------------------------------------------------------ collectives
     def carrier(self, op_label: str) -> str:
