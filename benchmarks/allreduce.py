@@ -284,9 +284,11 @@ def resnet50_shapes() -> list[tuple]:
 
 def bench_many(opts) -> dict:
     shapes = resnet50_shapes()
-    total = sum(math.prod(s) for s in shapes)
     assert len(shapes) == 161, len(shapes)
-    assert abs(total - RESNET50_PARAMS) <= RESNET50_PARAMS * 1e-3, total
+    if opts.many_numel:
+        shapes = [(opts.many_numel,)] * len(shapes)
+    total = sum(math.prod(s) for s in shapes)
+    assert opts.many_numel or abs(total - RESNET50_PARAMS) <= RESNET50_PARAMS * 1e-3, total
     grads = {label: [torch.zeros(s, dtype=torch.float32) for s in shapes]
              for label in ("roundel", "raw_sync", "raw_async")}
 
@@ -306,7 +308,9 @@ def bench_many(opts) -> dict:
     steps = {"roundel": roundel_step, "raw_sync": raw_sync_step, "raw_async": raw_async_step}
     times, iters = compare(steps, opts.rounds, opts.target_s * 2, opts.min_iters, opts.max_iters,
                            opts.warmup_many)
-    return {"times": times, "iters": iters, "count": len(shapes), "numel": total}
+    return {"times": times, "iters": iters, "count": len(shapes), "numel": total,
+            "what": f"{len(shapes)} tensors of {opts.many_numel:,} float32" if opts.many_numel
+            else f"ResNet-50's {len(shapes)} parameter tensors"}
 
 
 # ------------------------------------------------------------ idle CPU
@@ -351,7 +355,7 @@ def print_report(header: str, rows, many, idle, world: int) -> None:
     print()
     if many is not None:
         times = many["times"]
-        print(f"Many small tensors: ResNet-50's {many['count']} parameter tensors "
+        print(f"Many small tensors: {many['what']} "
               f"({many['numel']:,} float32, {many['numel'] * 4 / MIB:.1f} MiB) per step, "
               f"{many['iters']} steps per round:")
         print()
@@ -411,6 +415,9 @@ def parse_args(argv=None):
     p.add_argument("--min-iters", type=int, default=3, help="fewest iterations per measurement")
     p.add_argument("--max-iters", type=int, default=5000, help="most iterations per measurement")
     p.add_argument("--skip-many", action="store_true", help="skip the ResNet-50 many-tensors case")
+    p.add_argument("--many-numel", type=int, default=0, metavar="N",
+                   help="give the many-tensors case's 161 tensors N float32 elements each, not ResNet-50's "
+                        "shapes (1500: a model's small layers, 0.9 MiB in all)")
     p.add_argument("--backend", choices=("gloo", "mpi"), default="gloo",
                    help="roundel's CPU transport and the raw baseline: gloo (default) or mpi (under mpirun)")
     p.add_argument("--threads", type=int,

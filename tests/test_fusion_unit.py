@@ -16,7 +16,7 @@ from roundel.common.engine.executor import OWN_CALL_BYTES, Executor, Work
 from roundel.common.engine.handles import Handle
 from roundel.ops import ReduceOp
 from roundel.common.engine.requests import Batch, Entry, OpKind, Request
-from roundel.transport.backend import Backend
+from roundel.transport.backend import Backend, ShapedViews
 
 TIMEOUT_S = 20
 
@@ -315,6 +315,39 @@ def test_consecutive_fused_batches_of_different_sizes_do_not_mix(group):
                          [[work(q, tensors[r][i]) for i, q in enumerate(requests)] for r in range(2)])
         for r in range(2):
             assert [t.tolist() for t in outcomes[r]] == [[float(i * 20 + 1)] * length for i in range(count)]
+
+
+def test_shaped_views_cut_the_buffer_in_order_and_are_kept_for_the_same_buffer_and_shapes():
+    views = ShapedViews(kept=2)
+    buffer = torch.arange(20, dtype=torch.float32)
+    shapes = (torch.Size([2, 3]), torch.Size([]), torch.Size([0]), torch.Size([4]))
+    cut = views.of(buffer, shapes)
+    assert [v.shape for v in cut] == list(shapes)
+    assert [v.tolist() for v in cut] == [[[0, 1, 2], [3, 4, 5]], 6, [], [7, 8, 9, 10]]
+    assert views.of(buffer[:11], shapes) is cut  # the same memory and shapes: the same views
+    assert views.of(buffer, shapes[:2]) is not cut
+    assert views.of(buffer.to(torch.float64), shapes) is not cut  # other memory
+    other = torch.zeros(20)
+    assert views.of(other, shapes)[0].data_ptr() == other.data_ptr()
+    assert views.of(buffer, shapes) is not cut  # only 2 kept: forgotten when the third came
+    views.clear()
+    assert views.of(buffer, shapes) is not cut
+
+
+def test_the_same_batch_again_and_a_grown_fusion_buffer_land_every_result_in_its_own_tensor(group):
+    g = group(2)
+    for length in (3, 3, 50, 3):  # the views of the buffer kept, then the buffer grown and cut anew
+        shapes = [(2, length), (), (0,), (length,)]
+        requests = [Request(f"m{i}", OpKind.ALLREDUCE, 0, "float32", shape, reduce_op=int(ReduceOp.Sum))
+                    for i, shape in enumerate(shapes)]
+        tensors = [[torch.full(shape, float(i * 10 + r)) for i, shape in enumerate(shapes)] for r in range(2)]
+        outputs = [[torch.full(shape, -1.0) for shape in shapes] for _ in range(2)]
+        outcomes = g.run(batch_of(OpKind.ALLREDUCE, requests),
+                         [[work(q, tensors[r][i], outputs[r][i]) for i, q in enumerate(requests)] for r in range(2)])
+        for r in range(2):
+            assert all(result is outputs[r][i] for i, result in enumerate(outcomes[r]))
+            assert [t.tolist() for t in outcomes[r]] == [torch.full(shape, float(i * 20 + 1)).tolist()
+                                                         for i, shape in enumerate(shapes)]
 
 
 def test_fused_adasum_combines_each_tensor_separately(group):

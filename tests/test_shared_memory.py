@@ -18,7 +18,7 @@ from roundel.transport.shared_memory import _outside, _pieces, _scaling, _within
 from launch_util import assert_checks_passed, describe, rank_lines, run_job
 
 WORKER = "torch_shared_memory.py"
-SCENARIOS = ("allreduce", "fused", "allgather", "broadcast", "reducescatter")
+SCENARIOS = ("allreduce", "fused", "many_small", "allgather", "broadcast", "reducescatter")
 
 
 def backends(result, np):

@@ -18,6 +18,7 @@ copies them through host memory and moves them over this backend.
 from __future__ import annotations
 
 import abc
+import math
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,37 @@ ARITHMETIC_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64
 
 # Neither Gloo nor NCCL has kernels for these; they travel widened and come back narrowed.
 _WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+class ShapedViews:
+    """Views of a flat buffer cut into tensors of given shapes, one after the other.
+
+    A steady training step sends the same batches again and again, and a view
+    costs microseconds to make, so the views of each (buffer, shapes) are kept
+    for the next call: one ``torch._foreach_copy_`` over them then fills or
+    empties the buffer in one call whatever the tensor count. Holding a view
+    holds its buffer's memory; ``clear()`` lets a replaced buffer go.
+    """
+
+    def __init__(self, kept: int = 64):
+        self._kept = kept
+        self._views: dict = {}
+
+    def of(self, buffer: torch.Tensor, shapes: tuple) -> list:
+        """``buffer``'s first elements as tensors of ``shapes`` (a tuple of ``torch.Size``), in order."""
+        key = (buffer.data_ptr(), buffer.dtype, buffer.device, shapes)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= self._kept:
+                self._views.clear()
+            sizes = [math.prod(shape) for shape in shapes]
+            views = self._views[key] = [piece.view(shape) for piece, shape in
+                                        zip(buffer[:sum(sizes)].split(sizes), shapes)]
+        return views
+
+    def clear(self) -> None:
+        """Forget every view kept."""
+        self._views.clear()
 
 
 def widens(dtype: torch.dtype) -> bool:

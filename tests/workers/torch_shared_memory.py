@@ -18,7 +18,7 @@ import torch
 
 import roundel.torch as hvd
 from roundel.common import basics
-from roundel.transport.shared_memory import DIRECT_BYTES, SLOT_BYTES
+from roundel.transport.shared_memory import DIRECT_BYTES, MANY_SMALL_BYTES, SLOT_BYTES
 from _checks import check, dtype_name, make, make_float, run_scenarios, to_np
 
 hvd.init()
@@ -98,6 +98,53 @@ def scenario_fused():
         del backend.allreduce_fused
 
 
+# many small tensors, each too large for the coordinator (over 4 KiB even in float16), of every rank
+# from 1 to 3; 0.5 MiB in float32 in all, so that one direct batch holds them (``_reduce_many_small``)
+SMALL_SHAPES = [(2049 + 37 * i,) if i % 3 == 0 else (3, 700 + i) if i % 3 == 1 else (5, 2, 211 + i)
+                for i in range(40)]
+assert sum(np.prod(shape) for shape in SMALL_SHAPES) * 4 <= min(DIRECT_BYTES, len(SMALL_SHAPES) * MANY_SMALL_BYTES)
+
+
+def _count_many_small(backend) -> list:
+    """Count the batches ``backend`` reduces as many small tensors (the tensor count of each)."""
+    calls = []
+    unwrapped = backend._reduce_many_small
+    backend._reduce_many_small = lambda inputs, *rest: (calls.append(len(inputs)), unwrapped(inputs, *rest))
+    return calls
+
+
+def scenario_many_small():
+    """Groups of many small tensors, reduced as one range and copied in and out by one call each
+    (``_reduce_many_small``), for every op and fused dtype, in place and not, scaled: checked against
+    NumPy, and each group one such batch."""
+    backend = basics.runtime().process_sets[0][1]
+    calls = _count_many_small(backend)
+    ops = {**OPS, "Product": (hvd.Product, np.prod)}
+    try:
+        for dtype, (op_name, (op, reference)) in itertools.product(
+                (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16),
+                ops.items()):
+            tag = f"shm.small.{op_name}.{dtype_name(dtype)}"
+            low, high = (1, 3) if op_name == "Product" else (-3, 4)
+            inputs = [[make(r, f"{tag}.{i}", shape, dtype, low, high) for i, shape in enumerate(SMALL_SHAPES)]
+                      for r in range(SIZE)]
+            results = hvd.grouped_allreduce(inputs[RANK], name=tag, op=op)
+            for i, result in enumerate(results):
+                expected = reference(np.stack([to_np(inputs[r][i]) for r in range(SIZE)]).astype(np.float64), 0)
+                check(result, expected, f"{tag}[{i}]", dtype)
+        tag = "shm.small.inplace.scaled"
+        inputs = [[make(r, f"{tag}.{i}", shape, torch.float32) for i, shape in enumerate(SMALL_SHAPES)]
+                  for r in range(SIZE)]
+        hvd.grouped_allreduce_(inputs[RANK], name=tag, op=hvd.Average, prescale_factor=0.5, postscale_factor=4.0)
+        for i, result in enumerate(inputs[RANK]):
+            expected = 2.0 * np.mean(np.stack([to_np(make(r, f"{tag}.{i}", SMALL_SHAPES[i], torch.float32))
+                                               for r in range(SIZE)]), 0)
+            check(result, expected, f"{tag}[{i}]")
+        assert calls == [len(SMALL_SHAPES)] * (6 * len(ops) + 1), calls
+    finally:
+        del backend._reduce_many_small
+
+
 def scenario_exact():
     """Float sums and averages of normal floats, scaled, are bitwise what adding the (prescaled) inputs in
     member order and then scaling the sum gives: a factor that rides on the copy into the slot (a power
@@ -114,6 +161,24 @@ def scenario_exact():
         result = hvd.allreduce(inputs[RANK], name=tag, op=op, prescale_factor=pre, postscale_factor=post)
         differ = (result != expected).sum().item()
         assert differ == 0, f"{tag}: {differ} of {PIECES} elements differ from the sum, then scaled"
+    calls = _count_many_small(backend := basics.runtime().process_sets[0][1])
+    try:  # the same for a group of many small tensors, combined as one range
+        for dtype, (op, pre, post, label) in itertools.product((torch.float32, torch.float64), cases):
+            tag = f"shm.exact.small.{label}.{dtype_name(dtype)}"
+            inputs = [[make_float(r, f"{tag}.{i}", shape, dtype) for i, shape in enumerate(SMALL_SHAPES)]
+                      for r in range(SIZE)]
+            results = hvd.grouped_allreduce(inputs[RANK], name=tag, op=op, prescale_factor=pre,
+                                            postscale_factor=post)
+            for i, result in enumerate(results):
+                expected = inputs[0][i] * pre
+                for other in inputs[1:]:
+                    expected.add_(other[i] * pre)
+                expected.mul_(post / (SIZE if op == hvd.Average else 1))
+                differ = (result != expected).sum().item()
+                assert differ == 0, f"{tag}[{i}]: {differ} elements differ from the sum, then scaled"
+        assert calls == [len(SMALL_SHAPES)] * 2 * len(cases), calls
+    finally:
+        del backend._reduce_many_small
 
 
 def scenario_allgather():
@@ -149,7 +214,8 @@ def scenario_broadcast():
 
 
 if __name__ == "__main__":
-    run_scenarios({"allreduce": scenario_allreduce, "fused": scenario_fused, "exact": scenario_exact,
+    run_scenarios({"allreduce": scenario_allreduce, "fused": scenario_fused, "many_small": scenario_many_small,
+                   "exact": scenario_exact,
                    "allgather": scenario_allgather, "broadcast": scenario_broadcast,
                    "reducescatter": scenario_reducescatter}, sys.argv, RANK)
     hvd.shutdown()

@@ -40,7 +40,7 @@ from roundel.common.engine.autotune import TunedParams
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
 from roundel.common.engine.handles import Handle
 from roundel.ops import ReduceOp
-from roundel.transport.backend import scale
+from roundel.transport.backend import ShapedViews, scale
 from roundel.common.engine.requests import Batch, OpKind, Request
 from roundel.common.engine.timeline import Timeline, transport_activity
 
@@ -122,6 +122,7 @@ class Executor:
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._in_flight: list[_InFlight] = []  # started in the background, not yet finished
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._buffer_views = ShapedViews()  # the fusion buffers cut as the batches' tensors
         self.cuda_device: torch.device | None = None  # see _cuda_device; join(device=...) may set it
         self._tuned: tuple[int, TunedParams | None] = (0, None)  # autotune's changes so far, the latest
         self.tuned_at: dict[tuple, tuple[int, TunedParams]] = {}  # (set id, name) -> self._tuned when it last ran
@@ -387,6 +388,7 @@ class Executor:
         key = (dtype, device)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
+            self._buffer_views.clear()  # they hold the buffer being replaced
             buffer = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[key] = buffer
         return buffer[:numel]
@@ -416,14 +418,13 @@ class Executor:
         buffer = self._buffer(dtype, tensors[0].device if tensors else torch.device(device), total)
         if tensors:  # one call, not one copy per tensor
             with torch.no_grad():
-                torch.cat([t.reshape(-1) for t in tensors], out=buffer)
+                torch._foreach_copy_(self._buffer_views.of(buffer, tuple(t.shape for t in tensors)), tensors)
         return buffer
 
     def _unpack(self, buffer: torch.Tensor, outputs: list) -> None:
         self._phase("MEMCPY_OUT_FUSION_BUFFER")
-        views = buffer.split([output.numel() for output in outputs])
         with torch.no_grad():
-            torch._foreach_copy_(outputs, [view.view(output.shape) for view, output in zip(views, outputs)])
+            torch._foreach_copy_(outputs, self._buffer_views.of(buffer, tuple(o.shape for o in outputs)))
 
     # -------------------------------------------------------------- allreduce
     def _allreduce(self, batch, works, backend, ranks):
