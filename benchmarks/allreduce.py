@@ -175,6 +175,16 @@ def timed(step, iters: int) -> float:
     return slowest((time.perf_counter() - start) / iters)
 
 
+def cpu_per_call(step, iters: int) -> float:
+    """This process's CPU seconds (all its threads: roundel's engine, Gloo's) per call of ``step()``, over
+    ``iters`` calls, the largest of the ranks'."""
+    dist.barrier()
+    before = time.process_time()
+    for _ in range(iters):
+        step()
+    return slowest((time.process_time() - before) / iters)
+
+
 def compare(steps: dict, rounds: int, target_s: float, min_iters: int, max_iters: int,
             warmup: int) -> tuple[dict, int]:
     """Median seconds per call of each step, measured alternately; returns (times, iterations).
@@ -308,7 +318,8 @@ def bench_many(opts) -> dict:
     steps = {"roundel": roundel_step, "raw_sync": raw_sync_step, "raw_async": raw_async_step}
     times, iters = compare(steps, opts.rounds, opts.target_s * 2, opts.min_iters, opts.max_iters,
                            opts.warmup_many)
-    return {"times": times, "iters": iters, "count": len(shapes), "numel": total,
+    cpu = {label: cpu_per_call(step, iters) for label, step in steps.items()}
+    return {"times": times, "cpu": cpu, "iters": iters, "count": len(shapes), "numel": total,
             "what": f"{len(shapes)} tensors of {opts.many_numel:,} float32" if opts.many_numel
             else f"ResNet-50's {len(shapes)} parameter tensors"}
 
@@ -359,14 +370,15 @@ def print_report(header: str, rows, many, idle, world: int) -> None:
               f"({many['numel']:,} float32, {many['numel'] * 4 / MIB:.1f} MiB) per step, "
               f"{many['iters']} steps per round:")
         print()
-        print("| method | ms / step | roundel speedup |")
-        print("| --- | ---: | ---: |")
+        cpu = many["cpu"]
+        print("| method | ms / step | roundel speedup | CPU ms / step (busiest rank's process) |")
+        print("| --- | ---: | ---: | ---: |")
         print(f"| roundel: 161 `allreduce_async_` (backward order), then synchronize | "
-              f"{times['roundel'] * 1e3:,.1f} | 1.00 |")
+              f"{times['roundel'] * 1e3:,.1f} | 1.00 | {cpu['roundel'] * 1e3:,.1f} |")
         print(f"| {RAW.label}: 161 blocking allreduce calls | {times['raw_sync'] * 1e3:,.1f} | "
-              f"{times['raw_sync'] / times['roundel']:.2f} |")
+              f"{times['raw_sync'] / times['roundel']:.2f} | {cpu['raw_sync'] * 1e3:,.1f} |")
         print(f"| {RAW.label}: 161 asynchronous allreduce calls, then wait | {times['raw_async'] * 1e3:,.1f} | "
-              f"{times['raw_async'] / times['roundel']:.2f} |")
+              f"{times['raw_async'] / times['roundel']:.2f} | {cpu['raw_async'] * 1e3:,.1f} |")
         print()
     if idle is not None:
         print(f"Idle CPU with roundel initialized ({IDLE_SECONDS:g} s of `time.sleep`), "
@@ -398,7 +410,7 @@ def write_json(path, rows, many, world: int, transport: str, threads: int, backe
               "sizes": [{"bytes": nbytes, "roundel_s": t_roundel, "raw_s": t_raw, "iters": iters, "ok": ok}
                         for nbytes, t_roundel, t_raw, iters, ok in rows],
               "many": None if many is None else {"count": many["count"], "numel": many["numel"],
-                                                 "seconds": many["times"]}}
+                                                 "seconds": many["times"], "cpu_seconds": many["cpu"]}}
     with open(path, "w") as out:
         json.dump(record, out, indent=1)
 

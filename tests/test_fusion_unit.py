@@ -332,6 +332,9 @@ def test_shaped_views_cut_the_buffer_in_order_and_are_kept_for_the_same_buffer_a
     assert views.of(buffer, shapes) is not cut  # only 2 kept: forgotten when the third came
     views.clear()
     assert views.of(buffer, shapes) is not cut
+    inner = views.at(buffer, 7, torch.Size([2, 2]))
+    assert inner.tolist() == [[7, 8], [9, 10]] and views.at(buffer, 7, torch.Size([2, 2])) is inner
+    assert views.at(buffer, 8, torch.Size([2, 2])).tolist() == [[8, 9], [10, 11]]
 
 
 def test_the_same_batch_again_and_a_grown_fusion_buffer_land_every_result_in_its_own_tensor(group):

@@ -79,6 +79,16 @@ class ShapedViews:
                                         zip(buffer[:sum(sizes)].split(sizes), shapes)]
         return views
 
+    def at(self, buffer: torch.Tensor, start: int, shape: torch.Size) -> torch.Tensor:
+        """``buffer``'s elements from ``start`` on as one tensor of ``shape``."""
+        key = (buffer.data_ptr(), buffer.dtype, buffer.device, start, shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= self._kept:
+                self._views.clear()
+            view = self._views[key] = buffer[start:start + math.prod(shape)].view(shape)
+        return view
+
     def clear(self) -> None:
         """Forget every view kept."""
         self._views.clear()

@@ -65,6 +65,7 @@ log = logging.getLogger("roundel")
 SLOT_BYTES = 4 << 20
 DIRECT_BYTES = 1 << 20  # a reduction up to this size is combined whole by every member, after one wait
 MANY_SMALL_BYTES = 64 << 10  # a direct fused allreduce of tensors this small on average goes as one range
+_VIEWS_KEPT = 8192  # views of the segment kept: four per tensor (two banks, slot and result) of 2,000 tensors
 _SHARE_ALIGNMENT = 16  # elements: members' shares of a piece start 64 bytes apart or more (float32)
 _PAIRWISE = {ReduceOp.Sum: torch.add, ReduceOp.Average: torch.add, ReduceOp.Min: torch.minimum,
              ReduceOp.Max: torch.maximum, ReduceOp.Product: torch.mul}
@@ -110,14 +111,28 @@ def _pieces(sizes: list[int], per_slot: int) -> list[tuple[int, list]]:
     return pieces
 
 
-def _copy_in(sources: list, spans: list, slot, on_copy: float, prescale: float) -> None:
-    """Copy a piece's ``spans`` of ``sources`` into ``slot``, times ``on_copy``, then apply ``prescale``."""
+def _copy_in(sources: list, spans: list, slot, on_copy: float, prescale: float, views: ShapedViews) -> None:
+    """Copy a piece's ``spans`` of ``sources`` into ``slot``, times ``on_copy``, then apply ``prescale``.
+
+    A whole tensor goes through a kept view of the slot shaped as it, and
+    unscaled spans go in one call (``views``: where the views are kept).
+    """
+    into, parts = [], []
     for at, which, where, take in spans:
-        piece, into = sources[which][where:where + take], slot[at:at + take]
-        if on_copy == 1.0:
-            into.copy_(piece)
+        source = sources[which]
+        if where == 0 and take == source.numel():
+            into.append(views.at(slot, at, source.shape))
+            parts.append(source)
         else:
-            torch.mul(piece, on_copy, out=into)
+            into.append(slot[at:at + take])
+            parts.append(source.view(-1)[where:where + take])
+    if not into:
+        return
+    if on_copy == 1.0:
+        torch._foreach_copy_(into, parts)
+    else:
+        for target, part in zip(into, parts):
+            torch.mul(part, on_copy, out=target)
     if prescale != 1.0:
         at, _, _, take = spans[-1]
         scale(slot[:at + take], prescale)
@@ -138,14 +153,24 @@ def _within_one(sources: list, spans: list, low: int, high: int):
     run across sources."""
     for at, which, where, take in spans:
         if at <= low and high <= at + take:
-            return sources[which][where + low - at:where + high - at]
+            return sources[which].view(-1)[where + low - at:where + high - at]
     return None
 
 
-def _copy_out(targets: list, spans: list, result) -> None:
-    """Copy a piece's reduced ``result`` into its ``spans`` of ``targets``."""
+def _copy_out(targets: list, spans: list, result, views: ShapedViews) -> None:
+    """Copy a piece's reduced ``result`` into its ``spans`` of ``targets``, in one call (a whole tensor
+    from a kept view of ``result`` shaped as it)."""
+    outs, parts = [], []
     for at, which, where, take in spans:
-        targets[which][where:where + take].copy_(result[at:at + take])
+        target = targets[which]
+        if where == 0 and take == target.numel():
+            outs.append(target)
+            parts.append(views.at(result, at, target.shape))
+        else:
+            outs.append(target.view(-1)[where:where + take])
+            parts.append(result[at:at + take])
+    if outs:
+        torch._foreach_copy_(outs, parts)
 
 
 def _scaling(dtype: torch.dtype, op, prescale: float, postscale: float) -> tuple[float, float, float]:
@@ -182,7 +207,8 @@ class SharedMemoryBackend(Backend):
         self._peers: dict[int, socket.socket] = {}
         self._barrier: HostBarrier | None = None
         self._views: dict = {}
-        self._shaped = ShapedViews()  # slots and scratch areas cut as the tensors of fused batches
+        # slots, result and scratch areas cut as the tensors of fused batches (a few views per tensor)
+        self._shaped = ShapedViews(kept=_VIEWS_KEPT)
         self._scratch: dict = {}  # dtype -> this member's own DIRECT_BYTES, for results of many small tensors
         directory = tempfile.mkdtemp(prefix="roundel-shm-")
         try:
@@ -337,8 +363,7 @@ class SharedMemoryBackend(Backend):
                                                                         len(inputs) * MANY_SMALL_BYTES):
             self._reduce_many_small(inputs, outputs, count, op, on_copy, prescale, postscale)
             return
-        self._reduce_pieces([t.view(-1) for t in inputs], [t.view(-1) for t in outputs], op,
-                            on_copy, prescale, postscale)
+        self._reduce_pieces(inputs, outputs, op, on_copy, prescale, postscale)
 
     def _reduce_many_small(self, inputs: list, outputs: list, count: int, op, on_copy: float, prescale: float,
                            postscale: float) -> None:
@@ -399,22 +424,22 @@ class SharedMemoryBackend(Backend):
         if len(pieces) == 1 and pieces[0][0] * dtype.itemsize <= DIRECT_BYTES:
             count, spans = pieces[0]
             slots, _ = self._bank(dtype)
-            _copy_in(sources, spans, slots[self.rank], on_copy, prescale)
+            _copy_in(sources, spans, slots[self.rank], on_copy, prescale, self._shaped)
             self._barrier.wait()
             if targets is not None:
                 for at, which, where, take in spans:
-                    out = targets[which][where:where + take]
+                    out = targets[which].view(-1)[where:where + take]
                     _combine(out, [slot[at:at + take] for slot in slots], op)
                     scale(out, postscale)
             return
         banks = [self._bank(dtype) for _ in pieces]
         plans = [self._plan(count, spans, sources, on_copy == prescale == 1.0) for count, spans in pieces]
         if pieces:
-            _copy_in(sources, plans[0][2], banks[0][0][self.rank], on_copy, prescale)
+            _copy_in(sources, plans[0][2], banks[0][0][self.rank], on_copy, prescale, self._shaped)
         for k in range(len(pieces)):
             self._barrier.wait()
             if k and targets is not None:
-                _copy_out(targets, pieces[k - 1][1], banks[k - 1][1])
+                _copy_out(targets, pieces[k - 1][1], banks[k - 1][1], self._shaped)
             slots, result = banks[k]
             low, high, _, own = plans[k]
             if low < high:
@@ -424,11 +449,12 @@ class SharedMemoryBackend(Backend):
                 _combine(out, rows, op)
                 scale(out, postscale)
             if k + 1 < len(pieces):
-                _copy_in(sources, plans[k + 1][2], banks[k + 1][0][self.rank], on_copy, prescale)
+                _copy_in(sources, plans[k + 1][2], banks[k + 1][0][self.rank], on_copy, prescale,
+                         self._shaped)
         if pieces:
             self._barrier.wait()
             if targets is not None:
-                _copy_out(targets, pieces[-1][1], banks[-1][1])
+                _copy_out(targets, pieces[-1][1], banks[-1][1], self._shaped)
 
     @torch.no_grad()  # a transport moves data; autograd is the adapters' business
     def allgather(self, output, tensor):
