@@ -55,6 +55,32 @@ def scenario_allreduce():
 FUSED_SHAPES = [(SLOT_BYTES // 4 - 7,), (3001,), (3, SLOT_BYTES // 8), (2500,)]
 
 
+GROUP_OPS = {**OPS, "Product": (hvd.Product, np.prod)}
+
+
+def _check_groups(label: str, shapes: list, dtypes) -> None:
+    """A grouped allreduce of tensors of ``shapes`` for each dtype and op, checked against NumPy."""
+    for dtype, (op_name, (op, reference)) in itertools.product(dtypes, GROUP_OPS.items()):
+        tag = f"{label}.{op_name}.{dtype_name(dtype)}"
+        low, high = (1, 3) if op_name == "Product" else (-3, 4)
+        inputs = [[make(r, f"{tag}.{i}", shape, dtype, low, high) for i, shape in enumerate(shapes)]
+                  for r in range(SIZE)]
+        results = hvd.grouped_allreduce(inputs[RANK], name=tag, op=op)
+        for i, result in enumerate(results):
+            expected = reference(np.stack([to_np(inputs[r][i]) for r in range(SIZE)]).astype(np.float64), 0)
+            check(result, expected, f"{tag}[{i}]", dtype)
+
+
+def _check_in_place_scaled(tag: str, shapes: list) -> None:
+    """Prescale and postscale, Average, results into the inputs."""
+    inputs = [[make(r, f"{tag}.{i}", shape, torch.float32) for i, shape in enumerate(shapes)] for r in range(SIZE)]
+    hvd.grouped_allreduce_(inputs[RANK], name=tag, op=hvd.Average, prescale_factor=0.5, postscale_factor=4.0)
+    for i, result in enumerate(inputs[RANK]):
+        expected = 2.0 * np.mean(np.stack([to_np(make(r, f"{tag}.{i}", shapes[i], torch.float32))
+                                           for r in range(SIZE)]), 0)
+        check(result, expected, f"{tag}[{i}]")
+
+
 def scenario_fused():
     """Groups of tensors reduced straight from and into their own memory (``allreduce_fused``: no fusion
     buffer), in pieces that cross tensor boundaries; int16 (widened) takes the fusion buffer instead.
@@ -63,29 +89,12 @@ def scenario_fused():
     fused_calls = []
     unwrapped = backend.allreduce_fused
     backend.allreduce_fused = lambda *args: (fused_calls.append(len(args[0])), unwrapped(*args))  # counted
-    ops = {**OPS, "Product": (hvd.Product, np.prod)}
     try:
-        for dtype, (op_name, (op, reference)) in itertools.product(
-                (torch.float32, torch.int32, torch.float16, torch.int16), ops.items()):
-            tag = f"shm.fused.{op_name}.{dtype_name(dtype)}"
-            low, high = (1, 3) if op_name == "Product" else (-3, 4)
-            inputs = [[make(r, f"{tag}.{i}", shape, dtype, low, high) for i, shape in enumerate(FUSED_SHAPES)]
-                      for r in range(SIZE)]
-            results = hvd.grouped_allreduce(inputs[RANK], name=tag, op=op)
-            for i, result in enumerate(results):
-                expected = reference(np.stack([to_np(inputs[r][i]) for r in range(SIZE)]).astype(np.float64), 0)
-                check(result, expected, f"{tag}[{i}]", dtype)
+        _check_groups("shm.fused", FUSED_SHAPES, (torch.float32, torch.int32, torch.float16, torch.int16))
         # every member of the 12 groups other than int16's, several in one call
         assert sum(fused_calls) == 12 * len(FUSED_SHAPES) and max(fused_calls) > 1, fused_calls
         fused_so_far = len(fused_calls)
-        tag = "shm.fused.inplace.scaled"  # prescale and postscale, Average, results into the inputs
-        inputs = [[make(r, f"{tag}.{i}", shape, torch.float32) for i, shape in enumerate(FUSED_SHAPES)]
-                  for r in range(SIZE)]
-        hvd.grouped_allreduce_(inputs[RANK], name=tag, op=hvd.Average, prescale_factor=0.5, postscale_factor=4.0)
-        for i, result in enumerate(inputs[RANK]):
-            expected = 2.0 * np.mean(np.stack([to_np(make(r, f"{tag}.{i}", FUSED_SHAPES[i], torch.float32))
-                                               for r in range(SIZE)]), 0)
-            check(result, expected, f"{tag}[{i}]")
+        _check_in_place_scaled("shm.fused.inplace.scaled", FUSED_SHAPES)
         assert len(fused_calls) > fused_so_far, fused_calls
         tag = "shm.fused.transposed"  # in place into a non-contiguous tensor
         inputs = [[make(r, f"{tag}.a", (300, 700), torch.float32).t(), make(r, f"{tag}.b", (3000,), torch.float32)]
@@ -119,28 +128,11 @@ def scenario_many_small():
     NumPy, and each group one such batch."""
     backend = basics.runtime().process_sets[0][1]
     calls = _count_many_small(backend)
-    ops = {**OPS, "Product": (hvd.Product, np.prod)}
     try:
-        for dtype, (op_name, (op, reference)) in itertools.product(
-                (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16),
-                ops.items()):
-            tag = f"shm.small.{op_name}.{dtype_name(dtype)}"
-            low, high = (1, 3) if op_name == "Product" else (-3, 4)
-            inputs = [[make(r, f"{tag}.{i}", shape, dtype, low, high) for i, shape in enumerate(SMALL_SHAPES)]
-                      for r in range(SIZE)]
-            results = hvd.grouped_allreduce(inputs[RANK], name=tag, op=op)
-            for i, result in enumerate(results):
-                expected = reference(np.stack([to_np(inputs[r][i]) for r in range(SIZE)]).astype(np.float64), 0)
-                check(result, expected, f"{tag}[{i}]", dtype)
-        tag = "shm.small.inplace.scaled"
-        inputs = [[make(r, f"{tag}.{i}", shape, torch.float32) for i, shape in enumerate(SMALL_SHAPES)]
-                  for r in range(SIZE)]
-        hvd.grouped_allreduce_(inputs[RANK], name=tag, op=hvd.Average, prescale_factor=0.5, postscale_factor=4.0)
-        for i, result in enumerate(inputs[RANK]):
-            expected = 2.0 * np.mean(np.stack([to_np(make(r, f"{tag}.{i}", SMALL_SHAPES[i], torch.float32))
-                                               for r in range(SIZE)]), 0)
-            check(result, expected, f"{tag}[{i}]")
-        assert calls == [len(SMALL_SHAPES)] * (6 * len(ops) + 1), calls
+        dtypes = (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16)
+        _check_groups("shm.small", SMALL_SHAPES, dtypes)
+        _check_in_place_scaled("shm.small.inplace.scaled", SMALL_SHAPES)
+        assert calls == [len(SMALL_SHAPES)] * (len(dtypes) * len(GROUP_OPS) + 1), calls
     finally:
         del backend._reduce_many_small
 
