@@ -107,8 +107,8 @@ def scenario_fused():
         del backend.allreduce_fused
 
 
-# many small tensors, each too large for the coordinator (over 4 KiB even in float16), of every rank
-# from 1 to 3; 0.5 MiB in float32 in all, so that one direct batch holds them (``_reduce_many_small``)
+# many small tensors of one to three dimensions, each too large for the coordinator (over 4 KiB even in
+# float16); 0.4 MiB in float32 in all, so that one direct batch holds them (``_reduce_many_small``)
 SMALL_SHAPES = [(2049 + 37 * i,) if i % 3 == 0 else (3, 700 + i) if i % 3 == 1 else (5, 2, 211 + i)
                 for i in range(40)]
 assert sum(np.prod(shape) for shape in SMALL_SHAPES) * 4 <= min(DIRECT_BYTES, len(SMALL_SHAPES) * MANY_SMALL_BYTES)
