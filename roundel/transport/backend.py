@@ -69,25 +69,23 @@ class ShapedViews:
 
     def of(self, buffer: torch.Tensor, shapes: tuple) -> list:
         """``buffer``'s first elements as tensors of ``shapes`` (a tuple of ``torch.Size``), in order."""
-        key = (buffer.data_ptr(), buffer.dtype, buffer.device, shapes)
+        def cut():
+            sizes = [math.prod(shape) for shape in shapes]
+            return [piece.view(shape) for piece, shape in zip(buffer[:sum(sizes)].split(sizes), shapes)]
+        return self._kept_view((buffer.data_ptr(), buffer.dtype, buffer.device, shapes), cut)
+
+    def at(self, buffer: torch.Tensor, start: int, shape: torch.Size) -> torch.Tensor:
+        """``buffer``'s elements from ``start`` on as one tensor of ``shape``."""
+        return self._kept_view((buffer.data_ptr(), buffer.dtype, buffer.device, start, shape),
+                               lambda: buffer[start:start + math.prod(shape)].view(shape))
+
+    def _kept_view(self, key: tuple, make):
         views = self._views.get(key)
         if views is None:
             if len(self._views) >= self._kept:
                 self._views.clear()
-            sizes = [math.prod(shape) for shape in shapes]
-            views = self._views[key] = [piece.view(shape) for piece, shape in
-                                        zip(buffer[:sum(sizes)].split(sizes), shapes)]
+            views = self._views[key] = make()
         return views
-
-    def at(self, buffer: torch.Tensor, start: int, shape: torch.Size) -> torch.Tensor:
-        """``buffer``'s elements from ``start`` on as one tensor of ``shape``."""
-        key = (buffer.data_ptr(), buffer.dtype, buffer.device, start, shape)
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) >= self._kept:
-                self._views.clear()
-            view = self._views[key] = buffer[start:start + math.prod(shape)].view(shape)
-        return view
 
     def clear(self) -> None:
         """Forget every view kept."""

@@ -111,31 +111,43 @@ def _pieces(sizes: list[int], per_slot: int) -> list[tuple[int, list]]:
     return pieces
 
 
-def _copy_in(sources: list, spans: list, slot, on_copy: float, prescale: float, views: ShapedViews) -> None:
-    """Copy a piece's ``spans`` of ``sources`` into ``slot``, times ``on_copy``, then apply ``prescale``.
-
-    A whole tensor goes through a kept view of the slot shaped as it, and
-    unscaled spans go in one call (``views``: where the views are kept).
-    """
-    into, parts = [], []
+def _span_pairs(tensors: list, spans: list, area, views: ShapedViews) -> tuple[list, list]:
+    """For a piece's ``spans``: the parts of ``tensors`` and the matching parts of ``area`` (a slot or
+    result), in span order. A whole tensor is paired, as it is, with a kept view of ``area`` shaped as it
+    (``views``: where the views are kept); a tensor's part, flat, with a slice."""
+    own, shared = [], []
     for at, which, where, take in spans:
-        source = sources[which]
-        if where == 0 and take == source.numel():
-            into.append(views.at(slot, at, source.shape))
-            parts.append(source)
+        tensor = tensors[which]
+        if where == 0 and take == tensor.numel():
+            own.append(tensor)
+            shared.append(views.at(area, at, tensor.shape))
         else:
-            into.append(slot[at:at + take])
-            parts.append(source.view(-1)[where:where + take])
-    if not into:
+            own.append(tensor.view(-1)[where:where + take])
+            shared.append(area[at:at + take])
+    return own, shared
+
+
+def _many_small(spans: list, itemsize: int) -> bool:
+    """Whether a piece's ``spans`` are of many tensors of at most ``MANY_SMALL_BYTES`` on average, which
+    take fewer calls as one range than one by one."""
+    at, _, _, take = spans[-1]
+    return 1 < len(spans) and (at + take) * itemsize <= len(spans) * MANY_SMALL_BYTES
+
+
+def _copy_in(sources: list, spans: list, slot, on_copy: float, prescale: float, views: ShapedViews) -> None:
+    """Copy a piece's ``spans`` of ``sources`` into ``slot``, times ``on_copy``, then apply ``prescale``;
+    in one call, then one scaling of the range for many small tensors."""
+    if not spans:
         return
-    if on_copy == 1.0:
+    parts, into = _span_pairs(sources, spans, slot, views)
+    at, _, _, take = spans[-1]
+    if on_copy == 1.0 or _many_small(spans, slot.element_size()):
         torch._foreach_copy_(into, parts)
+        scale(slot[:at + take], on_copy)  # a scaled copy covers the whole piece: the same products
     else:
         for target, part in zip(into, parts):
             torch.mul(part, on_copy, out=target)
-    if prescale != 1.0:
-        at, _, _, take = spans[-1]
-        scale(slot[:at + take], prescale)
+    scale(slot[:at + take], prescale)
 
 
 def _outside(spans: list, low: int, high: int) -> list:
@@ -158,18 +170,9 @@ def _within_one(sources: list, spans: list, low: int, high: int):
 
 
 def _copy_out(targets: list, spans: list, result, views: ShapedViews) -> None:
-    """Copy a piece's reduced ``result`` into its ``spans`` of ``targets``, in one call (a whole tensor
-    from a kept view of ``result`` shaped as it)."""
-    outs, parts = [], []
-    for at, which, where, take in spans:
-        target = targets[which]
-        if where == 0 and take == target.numel():
-            outs.append(target)
-            parts.append(views.at(result, at, target.shape))
-        else:
-            outs.append(target.view(-1)[where:where + take])
-            parts.append(result[at:at + take])
-    if outs:
+    """Copy a piece's reduced ``result`` into its ``spans`` of ``targets``, in one call."""
+    if spans:
+        outs, parts = _span_pairs(targets, spans, result, views)
         torch._foreach_copy_(outs, parts)
 
 
@@ -358,38 +361,21 @@ class SharedMemoryBackend(Backend):
         the copy in where it can (see ``_scaling``).
         """
         on_copy, prescale, postscale = _scaling(inputs[0].dtype, op, prescale, postscale)
-        count = sum(t.numel() for t in inputs)
-        if 1 < len(inputs) and count * inputs[0].element_size() <= min(DIRECT_BYTES,
-                                                                        len(inputs) * MANY_SMALL_BYTES):
-            self._reduce_many_small(inputs, outputs, count, op, on_copy, prescale, postscale)
-            return
         self._reduce_pieces(inputs, outputs, op, on_copy, prescale, postscale)
 
-    def _reduce_many_small(self, inputs: list, outputs: list, count: int, op, on_copy: float, prescale: float,
-                           postscale: float) -> None:
-        """Allreduce a fused batch of ``count`` elements, at most ``DIRECT_BYTES``, of many small tensors.
-
-        As the direct path of ``_reduce_pieces``, but with a few calls whatever
-        the tensor count, not a few per tensor: the inputs go into this
-        member's slot by one copy over kept views of it, every slot is combined
-        as one range (in member order) into a scratch area of this member's
-        own, and one copy takes the results out.
-        """
-        dtype = inputs[0].dtype
-        shapes = tuple(t.shape for t in inputs)
-        slots, _ = self._bank(dtype)
-        mine = slots[self.rank]
-        torch._foreach_copy_(self._shaped.of(mine, shapes), inputs)
-        scale(mine[:count], on_copy)  # the same products as scaling on the copy
-        scale(mine[:count], prescale)
-        self._barrier.wait()
+    def _reduce_many_small(self, targets: list, spans: list, slots: list, op, postscale: float) -> None:
+        """The results of a direct piece of many small tensors (``spans`` of ``targets``, in ``slots``):
+        every slot combined as one range, in member order, into a scratch area of this member's own, then
+        one copy out, rather than a few calls per tensor."""
+        at, _, _, take = spans[-1]
+        count, dtype = at + take, slots[0].dtype
         scratch = self._scratch.get(dtype)
         if scratch is None:
             scratch = self._scratch[dtype] = torch.empty(DIRECT_BYTES // dtype.itemsize, dtype=dtype)
         result = scratch[:count]
         _combine(result, [slot[:count] for slot in slots], op)
         scale(result, postscale)
-        torch._foreach_copy_(outputs, self._shaped.of(scratch, shapes))
+        _copy_out(targets, spans, scratch, self._shaped)
 
     @torch.no_grad()  # a transport moves data; autograd is the adapters' business
     def reduce(self, tensor, root: int, op) -> None:
@@ -411,11 +397,12 @@ class SharedMemoryBackend(Backend):
         takes no result), piece by piece.
 
         A piece of at most ``DIRECT_BYTES`` is combined whole by every member
-        after one wait. Larger ones are reduce-scattered and then gathered in
-        the segment: member ``m`` combines the ``m``-th share of the piece over
-        every slot (in member order, so every member gets the same bits) into
-        the bank's result area, and after the next wait every member copies
-        the result out. That wait is also the one after the next piece's copy
+        after one wait (as one range when it holds many small tensors). Larger
+        ones are reduce-scattered and then gathered in the segment: member
+        ``m`` combines the ``m``-th share of the piece over every slot (in
+        member order, so every member gets the same bits) into the bank's
+        result area, and after the next wait every member copies the result
+        out. That wait is also the one after the next piece's copy
         in, so ``P`` pieces cost ``P + 1`` waits, and each member reads about
         twice the data rather than ``N`` times it.
         """
@@ -426,7 +413,9 @@ class SharedMemoryBackend(Backend):
             slots, _ = self._bank(dtype)
             _copy_in(sources, spans, slots[self.rank], on_copy, prescale, self._shaped)
             self._barrier.wait()
-            if targets is not None:
+            if targets is not None and _many_small(spans, dtype.itemsize):
+                self._reduce_many_small(targets, spans, slots, op, postscale)
+            elif targets is not None:
                 for at, which, where, take in spans:
                     out = targets[which].view(-1)[where:where + take]
                     _combine(out, [slot[at:at + take] for slot in slots], op)

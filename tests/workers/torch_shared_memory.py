@@ -118,7 +118,7 @@ def _count_many_small(backend) -> list:
     """Count the batches ``backend`` reduces as many small tensors (the tensor count of each)."""
     calls = []
     unwrapped = backend._reduce_many_small
-    backend._reduce_many_small = lambda inputs, *rest: (calls.append(len(inputs)), unwrapped(inputs, *rest))
+    backend._reduce_many_small = lambda targets, *rest: (calls.append(len(targets)), unwrapped(targets, *rest))
     return calls
 
 
