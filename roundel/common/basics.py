@@ -136,7 +136,8 @@ def init(comm=None, process_sets=None) -> None:
         boot = bootstrap.discover(prefix, settings.start_timeout_s)
         host, port, secret, server = boot.host, boot.port, boot.secret, boot.server
         try:
-            client = RendezvousClient(host, port, secret, connect_timeout=settings.start_timeout_s)
+            client = RendezvousClient(host, port, secret, connect_timeout=settings.start_timeout_s,
+                                      served_by=boot.served_by)
         except BaseException:
             boot.forget_secret_file()
             if server is not None:

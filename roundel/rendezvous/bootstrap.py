@@ -13,12 +13,13 @@ Four ways a worker can have been started:
 * by ``mpirun``/``mpiexec`` (Open MPI or MPICH): rank 0 starts the store and
   broadcasts address and secret over ``MPI.COMM_WORLD`` with mpi4py, which
   must then be installed (``pip install mpi4py``);
-* by Slurm's ``srun``: rank 0 starts the store on the first host of
-  ``SLURM_STEP_NODELIST``, on a free port that it publishes with the secret
-  in the private file (nothing public predicts it, so no one can take it
-  first); ``ROUNDEL_RENDEZVOUS_ADDR`` / ``ROUNDEL_RENDEZVOUS_PORT`` override
-  both (with ``ROUNDEL_SECRET`` and ``ROUNDEL_RENDEZVOUS_PORT`` both set, no
-  file is needed).
+* by Slurm's ``srun``: rank 0 starts the store on its own node, on a free
+  port that it publishes with the secret and its address in the private file
+  (nothing public predicts the port, so no one can take it first);
+  ``ROUNDEL_RENDEZVOUS_ADDR`` / ``ROUNDEL_RENDEZVOUS_PORT`` override both
+  (with ``ROUNDEL_SECRET`` and ``ROUNDEL_RENDEZVOUS_PORT`` both set, no file
+  is needed: the others then look on the step's first node, where Slurm
+  places task 0 unless ``srun -m arbitrary`` placed it elsewhere).
 
 The secret: ``ROUNDEL_SECRET`` (hex) when exported before the launcher
 (``export ROUNDEL_SECRET=$(openssl rand -hex 32)``), always; else a fresh
@@ -61,7 +62,7 @@ from typing import Mapping
 import psutil
 
 from roundel.errors import RoundelInternalError, SettingsError
-from roundel.rendezvous import elastic_join, horovod_gloo, network, secret_file
+from roundel.rendezvous import elastic_join, horovod_gloo, network, secret_file, slurm
 from roundel.rendezvous import identity as identity_env
 from roundel.rendezvous.identity import Identity, LauncherIdentity, cross_ranks, detect_launcher
 from roundel.rendezvous.store import RendezvousClient, RendezvousServer, new_secret
@@ -87,6 +88,7 @@ class Bootstrap:
     generation: int | None = None  # set by complete() for an elastic worker
     hosts_version: int = 0
     secret_path: Path | None = None  # the secret file rank 0 wrote for the others, until they joined
+    served_by: str = "roundelrun"  # the process that serves the store, as errors name it
 
     def forget_secret_file(self) -> None:
         """Delete the secret file rank 0 wrote (once every rank has joined, or when init fails)."""
@@ -285,13 +287,14 @@ def _mpi(info: LauncherIdentity, env: Mapping[str, str]):
     except ImportError:
         raise RoundelInternalError(
             f"this process was started by {'mpirun' if info.launcher == 'openmpi' else 'mpiexec'} "
-            f"(rank {info.rank} of {info.size}); roundel agrees on its rendezvous address over MPI and needs "
+            f"(rank {info.rank}); roundel agrees on its rendezvous address over MPI and needs "
             "mpi4py for that: pip install mpi4py (or pip install 'roundel[mpi]'), or start the job with "
             "'roundelrun --mpi'") from None
     comm = MPI.COMM_WORLD
-    if comm.Get_rank() != info.rank or comm.Get_size() != info.size:
+    if comm.Get_rank() != info.rank or info.size not in (None, comm.Get_size()):
         raise RoundelInternalError(f"MPI.COMM_WORLD says rank {comm.Get_rank()} of {comm.Get_size()} but the "
                                    f"launcher's variables say {info.rank} of {info.size}")
+    info = dataclasses.replace(info, size=comm.Get_size())  # a PMIx launcher may not have said
     server = None
     message = None
     if info.rank == 0:
@@ -307,35 +310,19 @@ def _mpi(info: LauncherIdentity, env: Mapping[str, str]):
     if message[0] != "ok":
         raise RoundelInternalError(f"rank 0 could not start the rendezvous store: {message[1]}")
     _, host, port, secret_hex = message
-    return host, int(port), bytes.fromhex(secret_hex), server, None
-
-
-def _expand_first(nodelist: str) -> str:
-    """The first host of a Slurm node list such as ``node[03-05,9],gpu1``."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise ValueError(f"cannot parse Slurm node list {nodelist!r}")
-    base, ranges = match.group(1), match.group(2)
-    if not ranges:
-        return base
-    return base + ranges.split(",")[0].split("-")[0]
+    return info, (host, int(port), bytes.fromhex(secret_hex), server, None)
 
 
 def slurm_first_host(env: Mapping[str, str]) -> str:
     """The first host of the job step's node list (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``)."""
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if not nodelist:
+    try:
+        nodes = slurm.step_nodes(env)
+    except ValueError as exc:
+        raise RoundelInternalError(f"{exc}; set ROUNDEL_RENDEZVOUS_ADDR to rank 0's host") from None
+    if not nodes:
         raise RoundelInternalError("started by srun but SLURM_STEP_NODELIST/SLURM_JOB_NODELIST is not set; "
                                    "set ROUNDEL_RENDEZVOUS_ADDR to rank 0's host")
-    return _expand_first(nodelist)
-
-
-def _slurm_single_node(env: Mapping[str, str]) -> bool:
-    count = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
-    if count:
-        return count.strip() == "1"
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-    return "," not in nodelist and not re.search(r"\[[^\]]*-", nodelist)
+    return nodes[0]
 
 
 def _is_own_address(addr: str) -> bool:
@@ -345,47 +332,60 @@ def _is_own_address(addr: str) -> bool:
                for entries in psutil.net_if_addrs().values() for entry in entries)
 
 
-def _srun_listen_address(host: str, env: Mapping[str, str]) -> str:
-    """The address of this host (rank 0's, the step's first) that the other ranks reach as ``host``:
-    the interface ``ROUNDEL_NETWORK_INTERFACE`` names, else the address ``host`` resolves to when it is
-    this machine's (loopback only for a one-node step), else this machine's reachable address."""
+def _srun_listen_address(host: str | None, env: Mapping[str, str]) -> str:
+    """The address rank 0's store listens on, which the other ranks reach: the interface
+    ``ROUNDEL_NETWORK_INTERFACE`` names; else the address of ``host`` (``ROUNDEL_RENDEZVOUS_ADDR``) or of
+    this node's name when it is this machine's (loopback only for a one-node step); else this machine's
+    reachable address."""
     if any(env.get(var) for var in network.INTERFACE_VARS):
         return network.reachable_address(None, env)
     try:
-        addr = network.resolve(host)
+        addr = network.resolve(host or slurm.this_node(env) or socket.gethostname())
     except ValueError:
         addr = None
-    if addr and _is_own_address(addr) and (not network.is_loopback(addr) or _slurm_single_node(env)):
+    if addr and _is_own_address(addr) and (not network.is_loopback(addr) or slurm.single_node(env)):
         return addr
     return network.reachable_address(None, env)
 
 
-_SRUN_FIX = ("export ROUNDEL_SECRET=$(openssl rand -hex 32) and ROUNDEL_RENDEZVOUS_PORT=<a free port of the "
-             "step's first host> before srun (every rank must see the same values), or give every rank the same "
-             "private directory with ROUNDEL_SECRET_DIR (a home directory shared by the hosts)")
+_SRUN_FIX = ("export ROUNDEL_SECRET=$(openssl rand -hex 32) and ROUNDEL_RENDEZVOUS_PORT=<a free port of rank "
+             "0's host> before srun (every rank must see the same values; with 'srun -m arbitrary' also "
+             "ROUNDEL_RENDEZVOUS_ADDR=<rank 0's host>), or give every rank the same private directory with "
+             "ROUNDEL_SECRET_DIR (a home directory shared by the hosts)")
 
 
 def _srun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s: float):
-    host = env.get(identity_env.RENDEZVOUS_ADDR) or slurm_first_host(env)
+    """Rank 0 serves the store on its own node. Its address, port and the secret reach the others through
+    the private file, except what every rank already knows: an exported secret and port, and the address
+    when ROUNDEL_RENDEZVOUS_ADDR names it or Slurm places task 0 on the step's first node."""
+    named = env.get(identity_env.RENDEZVOUS_ADDR)
     port = int(env.get(identity_env.RENDEZVOUS_PORT) or 0)
     secret = secret_file.exported_secret(env)
     path = None
-    if secret is None or not port:  # Slurm's variables are public: secret and port travel in a private file
+    if secret is None or not port or not (named or slurm.rank0_on_first_node(env)):
         job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "0"
         step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "0"
         path = secret_file.job_secret_path("srun", f"{job}.{step}.{prefix.rstrip('/')}", env)
     if info.rank != 0:
-        if path is not None:
-            published = secret_file.read(path, timeout_s, f"rank {info.rank} of {info.size} (started by srun)",
-                                         _SRUN_FIX)
-            secret, host, port = secret or published.secret, published.host, published.port
-        return host, port, secret, None, None
+        if path is None:
+            return named or slurm_first_host(env), port, secret, None, None
+        published = secret_file.read(path, timeout_s, f"rank {info.rank} of {info.size} (started by srun)",
+                                     _SRUN_FIX)
+        return published.host, published.port, secret or published.secret, None, None
+    if path is None and not named:
+        first, node = slurm_first_host(env), slurm.this_node(env)
+        if node is not None and node != first:
+            raise RoundelInternalError(
+                f"rank 0 runs on {node}, not on the step's first node {first}, where the other ranks look for "
+                f"the rendezvous store; set ROUNDEL_RENDEZVOUS_ADDR={node} for every rank, or leave "
+                f"{identity_env.RENDEZVOUS_PORT} unset so that rank 0 publishes its address in the private file")
     secret = secret or new_secret()
     try:
-        bind = _bind_address(env, _srun_listen_address(host, env))
+        listen = _srun_listen_address(named, env)
     except ValueError as exc:
         raise RoundelInternalError(f"rank 0 cannot choose the address to listen on: {exc}") from None
-    server = secret_file.serve(secret, bind, port, host, path,
+    host = named or listen
+    server = secret_file.serve(secret, _bind_address(env, listen), port, host, path,
                                f"choose another port with ROUNDEL_RENDEZVOUS_PORT, or the address with "
                                f"{RENDEZVOUS_BIND}")
     return host, server.port, secret, server, path
@@ -414,17 +414,21 @@ def discover(prefix: str, timeout_s: float, environ: Mapping[str, str] | None = 
                          Identity(0, 1, 0, 1, 0, 1, socket.gethostname()))
     explicit = _explicit(env)
     if explicit is not None:
+        if info.size is None:
+            raise SettingsError(f"{EXTERNAL_SERVER}=external: the {info.launcher} launcher does not say the "
+                                "job's size; export PMIX_SIZE=N for every rank, or leave the rendezvous to MPI")
         host, port, secret = explicit
         server = path = None
     elif info.launcher == "horovod":  # Horovod's Gloo variables, set by another tool or by hand
         host, port, secret, server, path = horovod_gloo.store(info, env, prefix, timeout_s)
     elif info.launcher == "torchrun":
         host, port, secret, server, path = _torchrun(info, env, prefix, timeout_s)
-    elif info.launcher in ("openmpi", "mpich"):
-        host, port, secret, server, path = _mpi(info, env)
+    elif info.by_mpi:
+        info, (host, port, secret, server, path) = _mpi(info, env)
     else:
         host, port, secret, server, path = _srun(info, env, prefix, timeout_s)
-    return Bootstrap(host, port, secret, server, None, info, secret_path=path)
+    served_by = "roundelrun" if explicit is not None else f"rank 0 of the job (started by {info.launcher})"
+    return Bootstrap(host, port, secret, server, None, info, secret_path=path, served_by=served_by)
 
 
 def advertise_address(rendezvous_host: str, rendezvous_port: int) -> str:

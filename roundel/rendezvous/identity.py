@@ -83,16 +83,23 @@ def rendezvous_env(host: str, port: int, secret_hex: str) -> dict[str, str]:
 class LauncherIdentity:
     """What another launcher (torchrun, mpirun/mpiexec, srun) tells a process about its place.
 
-    ``local_rank``/``local_size`` are None where that launcher does not say;
-    cross ranks are never given and are worked out at ``init()`` by exchanging
-    host names and local ranks through the rendezvous store.
+    ``local_rank``/``local_size`` are None where that launcher does not say,
+    and ``size`` where a PMIx launcher does not (MPI's ``COMM_WORLD`` tells it
+    at ``init()``); cross ranks are never given and are worked out at
+    ``init()`` by exchanging host names and local ranks through the rendezvous
+    store.
     """
 
-    launcher: str  # "horovod", "torchrun", "openmpi", "mpich", "srun"
+    launcher: str  # "horovod", "torchrun", "openmpi", "pals", "mpich", "srun", "pmix"
     rank: int
-    size: int
+    size: int | None
     local_rank: int | None
     local_size: int | None
+
+    @property
+    def by_mpi(self) -> bool:
+        """Whether an MPI launcher (mpirun, mpiexec) started this process: ranks agree over MPI.COMM_WORLD."""
+        return self.launcher in ("openmpi", "pals", "mpich", "pmix")
 
 
 def _int_var(env: Mapping[str, str], name: str, launcher: str) -> int:
@@ -106,6 +113,14 @@ def _opt_int(env: Mapping[str, str], name: str, launcher: str) -> int | None:
     return _int_var(env, name, launcher) if name in env else None
 
 
+def _first_int(env: Mapping[str, str], names: tuple[str, ...], launcher: str) -> int | None:
+    """The first of ``names`` that is set, as a whole number; None when none is."""
+    for name in names:
+        if name in env:
+            return _int_var(env, name, launcher)
+    return None
+
+
 def detect_launcher(environ: Mapping[str, str] | None = None) -> LauncherIdentity | None:
     """The identity another launcher gave this process, or None if none did.
 
@@ -114,10 +129,14 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> LauncherIdentit
     ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE`` with
     ``HOROVOD_GLOO_RENDEZVOUS_ADDR``, as Horovod's launcher sets them), torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE`` with ``MASTER_ADDR``/``MASTER_PORT``), Open MPI
-    (``OMPI_COMM_WORLD_RANK``/``SIZE``/``LOCAL_RANK``/``LOCAL_SIZE``), MPICH's
-    Hydra (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``,
-    ``MPI_LOCALNRANKS``), and Slurm's srun (``SLURM_PROCID``, and
-    ``SLURM_STEP_NUM_TASKS`` which only a job step has, ``SLURM_LOCALID``).
+    (``OMPI_COMM_WORLD_RANK``/``SIZE``/``LOCAL_RANK``/``LOCAL_SIZE``), HPE
+    Cray PALS's ``mpiexec`` under PBS (``PALS_RANKID``, ``PALS_LOCAL_RANKID``,
+    ``PALS_LOCAL_SIZE``, the size from Cray PMI's ``PMI_SIZE`` or
+    ``PALS_NRANKS``), MPICH's Hydra (``PMI_RANK``, ``PMI_SIZE``,
+    ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``), Slurm's srun
+    (``SLURM_PROCID``, and ``SLURM_STEP_NUM_TASKS`` which only a job step has,
+    ``SLURM_LOCALID``), and last any PMIx launcher (``PMIX_RANK``, with
+    ``PMIX_SIZE``, ``PMIX_LOCAL_RANK`` and ``PMIX_LOCAL_SIZE`` where set).
     roundelrun's own ``ROUNDEL_RANK`` is read by :meth:`Identity.from_env`
     and wins over all of these. Raises SettingsError for a malformed value.
     """
@@ -137,6 +156,15 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> LauncherIdentit
                                  _int_var(env, "OMPI_COMM_WORLD_SIZE", name),
                                  _opt_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", name),
                                  _opt_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", name))
+    elif "PALS_RANKID" in env:
+        name = "PALS's mpiexec"
+        size = _first_int(env, ("PMI_SIZE", "PALS_NRANKS"), name)
+        if size is None:
+            raise SettingsError("PALS_RANKID is set but neither PMI_SIZE nor PALS_NRANKS says the job's size; "
+                                "start the ranks with mpiexec -n N (PALS), or export PALS_NRANKS=N")
+        found = LauncherIdentity("pals", _int_var(env, "PALS_RANKID", name), size,
+                                 _first_int(env, ("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK"), name),
+                                 _first_int(env, ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE"), name))
     elif "PMI_RANK" in env and "PMI_SIZE" in env:
         name = "MPICH's mpiexec"
         found = LauncherIdentity("mpich", _int_var(env, "PMI_RANK", name), _int_var(env, "PMI_SIZE", name),
@@ -146,7 +174,11 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> LauncherIdentit
         found = LauncherIdentity("srun", _int_var(env, "SLURM_PROCID", name),
                                  _int_var(env, "SLURM_STEP_NUM_TASKS", name), _opt_int(env, "SLURM_LOCALID", name),
                                  None)
-    if found is not None and not 0 <= found.rank < found.size:
+    elif "PMIX_RANK" in env:
+        name = "the PMIx launcher"
+        found = LauncherIdentity("pmix", _int_var(env, "PMIX_RANK", name), _opt_int(env, "PMIX_SIZE", name),
+                                 _opt_int(env, "PMIX_LOCAL_RANK", name), _opt_int(env, "PMIX_LOCAL_SIZE", name))
+    if found is not None and (found.rank < 0 or found.size is not None and found.rank >= found.size):
         raise SettingsError(f"{found.launcher} gave rank {found.rank} outside a job of size {found.size}")
     if found is not None and found.local_rank is not None and found.local_size is not None \
             and not 0 <= found.local_rank < found.local_size:

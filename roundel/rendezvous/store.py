@@ -270,9 +270,11 @@ class RendezvousClient:
     does not answer a request within its bound (see the module docstring).
     """
 
-    def __init__(self, host: str, port: int, secret: bytes, connect_timeout: float = 30.0):
+    def __init__(self, host: str, port: int, secret: bytes, connect_timeout: float = 30.0,
+                 served_by: str = "roundelrun"):
         self.host = host
         self.port = port
+        self._served_by = served_by  # the process that runs the server, as errors name it
         self._secret = secret
         self._connect_timeout = connect_timeout
         self._idle: queue.SimpleQueue[wire.Channel] = queue.SimpleQueue()
@@ -336,7 +338,7 @@ class RendezvousClient:
     def _unreachable(self, seconds: float, detail) -> RendezvousError:
         return RendezvousError(
             f"could not reach {self._where()} within {seconds:g} seconds ({detail}); "
-            "check that roundelrun is still running and that ROUNDEL_RENDEZVOUS_ADDR and "
+            f"check that {self._served_by} is still running and that ROUNDEL_RENDEZVOUS_ADDR and "
             "ROUNDEL_RENDEZVOUS_PORT name an address this host can reach (firewall, network)"
         )
 
@@ -424,8 +426,8 @@ class RendezvousClient:
                 "on that address")
         if isinstance(exc, TimeoutError):
             return RendezvousError(
-                f"{self._where()} did not answer within {bound:g} seconds (key {key!r}); check that roundelrun "
-                "(or the rank that serves the store) is still running and not stopped, and that this host "
+                f"{self._where()} did not answer within {bound:g} seconds (key {key!r}); check that "
+                f"{self._served_by} is still running and not stopped, and that this host "
                 f"can still reach {self.host}:{self.port}")
-        return RendezvousError(f"lost the connection to {self._where()} (key {key!r}): {exc}; check that roundelrun "
-                               "(or the rank that serves the store) is still running")
+        return RendezvousError(f"lost the connection to {self._where()} (key {key!r}): {exc}; check that "
+                               f"{self._served_by} is still running")

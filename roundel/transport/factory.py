@@ -31,9 +31,6 @@ from roundel.transport.gloo import GlooBackend
 
 log = logging.getLogger("roundel")
 
-_MPI_LAUNCHERS = ("openmpi", "mpich")
-
-
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """The transport the settings ask for: ``cpu_operations`` ("gloo" or "mpi"), the collectives'
@@ -68,7 +65,7 @@ def check(choice: Choice, launcher) -> None:
     if not mpi_importable():
         raise SettingsError("HOROVOD_CPU_OPERATIONS=mpi needs mpi4py: pip install mpi4py (or "
                             "pip install 'roundel[mpi]'), or set HOROVOD_CPU_OPERATIONS=gloo")
-    if launcher is None or launcher.launcher not in _MPI_LAUNCHERS:
+    if launcher is None or not launcher.by_mpi:
         started = "by roundelrun or directly" if launcher is None else f"by {launcher.launcher}"
         raise SettingsError(f"HOROVOD_CPU_OPERATIONS=mpi needs a job started by mpirun/mpiexec, but this "
                             f"process was started {started}; start it with mpirun (or 'roundelrun --mpi'), "
@@ -76,7 +73,7 @@ def check(choice: Choice, launcher) -> None:
     from mpi4py import MPI  # starts MPI: only once MPI is known to be wanted and possible
 
     world = MPI.COMM_WORLD
-    if (world.Get_rank(), world.Get_size()) != (launcher.rank, launcher.size):
+    if world.Get_rank() != launcher.rank or launcher.size not in (None, world.Get_size()):
         raise SettingsError(f"HOROVOD_CPU_OPERATIONS=mpi: MPI.COMM_WORLD says rank {world.Get_rank()} of "
                             f"{world.Get_size()}, but {launcher.launcher}'s variables say rank {launcher.rank} "
                             f"of {launcher.size}; start every rank with the same mpirun, or set "
