@@ -1,9 +1,9 @@
 """Simulated hosts for launcher tests: Linux network namespaces, each running a real sshd.
 
-``NetnsHosts`` builds, in this machine's root namespace, a bridge ``rdlbr0``
-with address 10.231.0.1/24 (the launcher's own address on the test network)
-and, per simulated host, a namespace ``rdl-h<N>`` joined to the bridge by a
-veth pair, with address 10.231.0.1N/24 and Debian's ``/usr/sbin/sshd``
+``NetnsHosts`` builds a network (tests/netns_network.py) whose bridge has
+address 10.231.0.1/24 (the launcher's own address on the test network) and,
+per simulated host, a namespace ``rdl-h<N>`` with address 10.231.0.1N/24 and
+Debian's ``/usr/sbin/sshd``
 listening on port 2222 with a host key, client key and ``authorized_keys``
 made by the test (root login by key only). Nothing outside 10.231.0.0/24 and
 these names is touched; ``close()`` stops the sshds and removes everything.
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-BRIDGE = "rdlbr0"
+from netns_network import NamespaceNetwork, run as _run
+
 SUBNET = "10.231.0"
 LAUNCHER_ADDR = f"{SUBNET}.1"
 SSH_PORT = 2222
@@ -51,23 +52,19 @@ def require_tools() -> None:
         pytest.skip(message)
 
 
-def _run(*cmd, check=True):
-    return subprocess.run(list(cmd), check=check, capture_output=True, text=True, timeout=30)
-
-
 class NetnsHosts:
     """Simulated hosts ``rdl-h1 .. rdl-hN`` with sshd; see the module docstring."""
 
     def __init__(self, count: int, workdir: Path):
         self.count = count
         self.dir = workdir
-        self.names = [f"rdl-h{i}" for i in range(1, count + 1)]
-        self.addrs = [f"{SUBNET}.{10 + i}" for i in range(1, count + 1)]
+        self.net = NamespaceNetwork("h", SUBNET, count)
+        self.names = self.net.namespaces
+        self.addrs = self.net.addrs
         self.sshd: dict[str, subprocess.Popen] = {}
         self._lock = open(LOCK, "w")
         fcntl.flock(self._lock, fcntl.LOCK_EX)
         try:
-            self._cleanup()  # leftovers of a run that was killed
             self._build()
         except BaseException:
             self.close()
@@ -88,18 +85,8 @@ class NetnsHosts:
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", self.key)
         shutil.copy(d / "id_ed25519.pub", d / "authorized_keys")
         os.makedirs("/run/sshd", exist_ok=True)
-        _run("ip", "link", "add", BRIDGE, "type", "bridge")
-        _run("ip", "addr", "add", f"{LAUNCHER_ADDR}/24", "dev", BRIDGE)
-        _run("ip", "link", "set", BRIDGE, "up")
-        for i, (name, addr) in enumerate(zip(self.names, self.addrs), 1):
-            _run("ip", "netns", "add", name)
-            _run("ip", "link", "add", f"rdlv{i}", "type", "veth", "peer", "name", f"rdlp{i}")
-            _run("ip", "link", "set", f"rdlv{i}", "master", BRIDGE, "up")
-            _run("ip", "link", "set", f"rdlp{i}", "netns", name)
-            _run("ip", "-n", name, "link", "set", f"rdlp{i}", "name", "eth0")
-            _run("ip", "-n", name, "addr", "add", f"{addr}/24", "dev", "eth0")
-            _run("ip", "-n", name, "link", "set", "eth0", "up")
-            _run("ip", "-n", name, "link", "set", "lo", "up")
+        self.net.build()
+        for name, addr in zip(self.names, self.addrs):
             config = d / f"sshd_{name}.conf"
             config.write_text(
                 f"Port {SSH_PORT}\nListenAddress {addr}\nHostKey {d / 'host_key'}\n"
@@ -140,9 +127,8 @@ class NetnsHosts:
 
     def pids(self, name: str) -> set[int]:
         """Pids of every process in namespace ``name`` except its sshd listener."""
-        out = _run("ip", "netns", "pids", name, check=False).stdout.split()
         daemon = self.sshd.get(name)
-        return {int(p) for p in out} - ({daemon.pid} if daemon else set())
+        return self.net.pids(self.names.index(name)) - ({daemon.pid} if daemon else set())
 
     def leftovers(self, timeout: float = 10.0) -> dict[str, set[int]]:
         """Processes still running in any namespace after ``timeout`` seconds of waiting for them to go."""
@@ -153,17 +139,6 @@ class NetnsHosts:
             if not left or time.monotonic() > deadline:
                 return left
             time.sleep(0.2)
-
-    def _cleanup(self) -> None:
-        for i, name in enumerate(self.names, 1):
-            for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            _run("ip", "netns", "del", name, check=False)
-            _run("ip", "link", "del", f"rdlv{i}", check=False)
-        _run("ip", "link", "del", BRIDGE, check=False)
 
     def close(self) -> None:
         for proc in self.sshd.values():
@@ -177,7 +152,7 @@ class NetnsHosts:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.sshd.clear()
-        self._cleanup()
+        self.net.remove()
         fcntl.flock(self._lock, fcntl.LOCK_UN)
         self._lock.close()
 

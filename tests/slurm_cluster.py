@@ -1,14 +1,12 @@
 """A real Slurm cluster for the tests: slurmctld here, one slurmd per network-namespace node.
 
-``SlurmCluster(count, workdir)`` builds a bridge ``rdlsbr0`` with address
-10.232.0.1/24 (the controller's, and the login host's) and, per compute node
-``rdlnode<N>``, a network namespace ``rdl-s<N>`` joined to the bridge by a veth
-pair with address 10.232.0.1N/24. It starts Debian's ``munged`` (its own
-socket, the machine's key), ``slurmctld`` in this namespace and, per node, a
-``slurmd`` entered into the node's network namespace with ``nsenter`` and given
-a hostname of its own (``unshare --uts``) and an ``/etc/hosts`` that names every
-node (``unshare --mount`` and a bind mount, so this machine's file is left
-alone). Every file (configuration, state, spool, logs) lives in ``workdir``;
+``SlurmCluster(count, workdir)`` builds a network (tests/netns_network.py)
+whose bridge has address 10.232.0.1/24 (the controller's, and the login
+host's) and whose namespace ``rdl-s<N>``, address 10.232.0.1N, is compute node
+``rdlnode<N>``. It starts Debian's ``munged`` (its own socket, the machine's
+key), ``slurmctld`` in this namespace and, per node, a ``slurmd`` entered into
+the node's network namespace with ``nsenter`` and given the node's hostname
+and an ``/etc/hosts`` that names every node. Every file (configuration, state, spool, logs) lives in ``workdir``;
 ``srun``/``sbatch`` find the cluster through ``SLURM_CONF`` (:meth:`env`).
 Jobs' tasks are forked by their node's slurmd, so they run in its namespaces
 with the node's hostname and address, on this machine's file system.
@@ -32,9 +30,9 @@ from pathlib import Path
 
 import pytest
 
-BRIDGE = "rdlsbr0"
+from netns_network import NamespaceNetwork, run
+
 SUBNET = "10.232.0"
-CONTROLLER_ADDR = f"{SUBNET}.1"
 CONTROLLER_PORT = 6917  # not Slurm's default 6817, so a real controller on this machine is never confused
 NODE_CPUS = 4
 LOCK = "/tmp/roundel-slurm-tests.lock"
@@ -62,10 +60,6 @@ def require_tools() -> None:
         pytest.skip(message)
 
 
-def _run(*cmd, check=True, env=None):
-    return subprocess.run(list(cmd), check=check, capture_output=True, text=True, timeout=30, env=env)
-
-
 class SlurmCluster:
     """Compute nodes ``rdlnode1 .. rdlnodeN`` under one controller; see the module docstring."""
 
@@ -73,14 +67,12 @@ class SlurmCluster:
         self.count = count
         self.dir = workdir
         self.nodes = [f"rdlnode{i}" for i in range(1, count + 1)]
-        self.namespaces = [f"rdl-s{i}" for i in range(1, count + 1)]
-        self.addrs = [f"{SUBNET}.{10 + i}" for i in range(1, count + 1)]
+        self.net = NamespaceNetwork("s", SUBNET, count)
         self.conf = workdir / "slurm.conf"
         self.daemons: dict[str, subprocess.Popen] = {}
         self._lock = open(LOCK, "w")
         fcntl.flock(self._lock, fcntl.LOCK_EX)
         try:
-            self._remove_network()  # leftovers of a run that was killed
             self._build()
         except BaseException:
             self.close()
@@ -91,7 +83,7 @@ class SlurmCluster:
         return {"SLURM_CONF": str(self.conf)}
 
     def _build(self) -> None:
-        self._network()
+        self.net.build()
         self._write_config()
         munge = self.dir / "munge"
         munge.mkdir(mode=0o700)
@@ -100,26 +92,10 @@ class SlurmCluster:
                                "--seed-file", str(munge / "seed"), "--log-file", str(munge / "log")])
         self._wait(lambda: (munge / "socket").exists(), "munged made no socket", "munged")
         self._start("slurmctld", ["/usr/sbin/slurmctld", "-D", "-c", "-f", str(self.conf)])
-        for node, namespace in zip(self.nodes, self.namespaces):
-            inner = (f"mount --bind {self.dir / 'hosts'} /etc/hosts && hostname {node} && "
-                     f"exec /usr/sbin/slurmd -D -f {self.conf} -N {node}")
-            self._start(node, ["nsenter", f"--net=/run/netns/{namespace}", "unshare", "--uts", "--mount",
-                               "sh", "-c", inner])
+        for index, node in enumerate(self.nodes):
+            self._start(node, [*self.net.enter(index, node, self.dir / "hosts"),
+                               "/usr/sbin/slurmd", "-D", "-f", str(self.conf), "-N", node])
         self._wait(self._all_idle, "the nodes did not become idle", *self.daemons)
-
-    def _network(self) -> None:
-        _run("ip", "link", "add", BRIDGE, "type", "bridge")
-        _run("ip", "addr", "add", f"{CONTROLLER_ADDR}/24", "dev", BRIDGE)
-        _run("ip", "link", "set", BRIDGE, "up")
-        for i, (namespace, addr) in enumerate(zip(self.namespaces, self.addrs), 1):
-            _run("ip", "netns", "add", namespace)
-            _run("ip", "link", "add", f"rdlsv{i}", "type", "veth", "peer", "name", f"rdlsp{i}")
-            _run("ip", "link", "set", f"rdlsv{i}", "master", BRIDGE, "up")
-            _run("ip", "link", "set", f"rdlsp{i}", "netns", namespace)
-            _run("ip", "-n", namespace, "link", "set", f"rdlsp{i}", "name", "eth0")
-            _run("ip", "-n", namespace, "addr", "add", f"{addr}/24", "dev", "eth0")
-            _run("ip", "-n", namespace, "link", "set", "eth0", "up")
-            _run("ip", "-n", namespace, "link", "set", "lo", "up")
 
     def _write_config(self) -> None:
         d = self.dir
@@ -127,10 +103,10 @@ class SlurmCluster:
             (d / sub).mkdir()
         controller = socket.gethostname()
         nodes = "\n".join(f"NodeName={node} NodeAddr={addr} CPUs={NODE_CPUS} State=UNKNOWN"
-                          for node, addr in zip(self.nodes, self.addrs))
+                          for node, addr in zip(self.nodes, self.net.addrs))
         self.conf.write_text(f"""\
 ClusterName=roundeltest
-SlurmctldHost={controller}({CONTROLLER_ADDR})
+SlurmctldHost={controller}({self.net.gateway})
 SlurmctldPort={CONTROLLER_PORT}
 SlurmdPort=6818
 SlurmUser=root
@@ -159,8 +135,8 @@ KillWait=5
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
         (d / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
-        hosts = ["127.0.0.1\tlocalhost", f"{CONTROLLER_ADDR}\t{controller}"]
-        hosts += [f"{addr}\t{node}" for node, addr in zip(self.nodes, self.addrs)]
+        hosts = ["127.0.0.1\tlocalhost", f"{self.net.gateway}\t{controller}"]
+        hosts += [f"{addr}\t{node}" for node, addr in zip(self.nodes, self.net.addrs)]
         (d / "hosts").write_text("\n".join(hosts) + "\n")
 
     def _start(self, name: str, cmd: list[str]) -> None:
@@ -169,7 +145,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                                               start_new_session=True)
 
     def _all_idle(self) -> bool:
-        out = _run("sinfo", "-h", "-N", "-o", "%N %t", check=False, env={**os.environ, **self.env()}).stdout
+        out = run("sinfo", "-h", "-N", "-o", "%N %t", check=False, env={**os.environ, **self.env()}).stdout
         states = dict(line.split() for line in out.splitlines() if line.strip())
         return all(states.get(node) == "idle" for node in self.nodes)
 
@@ -206,17 +182,6 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 return found
             time.sleep(0.2)
 
-    def _remove_network(self) -> None:
-        for i, namespace in enumerate(self.namespaces, 1):
-            for pid in _run("ip", "netns", "pids", namespace, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            _run("ip", "netns", "del", namespace, check=False)
-            _run("ip", "link", "del", f"rdlsv{i}", check=False)
-        _run("ip", "link", "del", BRIDGE, check=False)
-
     def close(self) -> None:
         for proc in reversed(list(self.daemons.values())):
             try:
@@ -229,7 +194,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.daemons.clear()
-        self._remove_network()
+        self.net.remove()
         fcntl.flock(self._lock, fcntl.LOCK_UN)
         self._lock.close()
 

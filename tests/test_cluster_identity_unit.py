@@ -91,3 +91,26 @@ def test_pmix_identity():
     assert detect_launcher({"PMIX_RANK": "1", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}).launcher == "srun"
     with pytest.raises(SettingsError, match="PMIX_RANK='-1'|rank -1"):
         detect_launcher({"PMIX_RANK": "-1"})
+
+
+def test_indexed_job_identity():
+    env = {"JOB_COMPLETION_INDEX": "2", "ROUNDEL_NUM_PROC": "3", "ROUNDEL_RENDEZVOUS_ADDR": "train-0.train"}
+    found = detect_launcher(env)
+    assert (found.launcher, found.rank, found.size, found.local_rank, found.local_size) == ("kubernetes", 2, 3,
+                                                                                            None, None)
+    assert not found.by_mpi
+    # an Indexed Job that is not a roundel job (no size, no store named) is no launch
+    assert detect_launcher({"JOB_COMPLETION_INDEX": "2"}) is None
+    with pytest.raises(SettingsError, match="ROUNDEL_NUM_PROC=<the Job's completions>"):
+        detect_launcher({"JOB_COMPLETION_INDEX": "2", "ROUNDEL_RENDEZVOUS_ADDR": "train-0.train"})
+    with pytest.raises(SettingsError, match="rank 3 outside a job of size 3"):
+        detect_launcher({**env, "JOB_COMPLETION_INDEX": "3"})
+    # torchrun's variables (a PyTorchJob's or TrainJob's pods, which are Indexed Jobs too) win
+    torchrun = {**env, "RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "m", "MASTER_PORT": "29400"}
+    assert detect_launcher(torchrun).launcher == "torchrun"
+
+
+def test_indexed_job_without_a_secret_says_what_to_set():
+    env = {"JOB_COMPLETION_INDEX": "1", "ROUNDEL_NUM_PROC": "3", "ROUNDEL_RENDEZVOUS_ADDR": "train-0.train"}
+    with pytest.raises(SettingsError, match="ROUNDEL_RENDEZVOUS_PORT, ROUNDEL_SECRET.*from a Secret"):
+        bootstrap.discover("init0/", 5.0, env)

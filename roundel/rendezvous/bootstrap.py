@@ -1,6 +1,6 @@
 """How a worker finds its identity and the job's rendezvous store at ``hvd.init()``.
 
-Four ways a worker can have been started:
+The ways a worker can have been started:
 
 * by ``roundelrun``: identity, store address and secret are in ``ROUNDEL_*``
   variables (:meth:`Identity.from_env`);
@@ -10,7 +10,7 @@ Four ways a worker can have been started:
   (the agent's TCPStore; without an agent, rank 0 serves a TCPStore there only
   until every rank has read the key). roundel never listens on
   ``MASTER_PORT`` itself;
-* by ``mpirun``/``mpiexec`` (Open MPI or MPICH): rank 0 starts the store and
+* by ``mpirun``/``mpiexec`` (Open MPI, MPICH, PBS's PALS, a PMIx launcher): rank 0 starts the store and
   broadcasts address and secret over ``MPI.COMM_WORLD`` with mpi4py, which
   must then be installed (``pip install mpi4py``);
 * by Slurm's ``srun``: rank 0 starts the store on its own node, on a free
@@ -19,7 +19,12 @@ Four ways a worker can have been started:
   ``ROUNDEL_RENDEZVOUS_ADDR`` / ``ROUNDEL_RENDEZVOUS_PORT`` override both
   (with ``ROUNDEL_SECRET`` and ``ROUNDEL_RENDEZVOUS_PORT`` both set, no file
   is needed: the others then look on the step's first node, where Slurm
-  places task 0 unless ``srun -m arbitrary`` placed it elsewhere).
+  places task 0 unless ``srun -m arbitrary`` placed it elsewhere);
+* as a pod of a Kubernetes Indexed Job (``JOB_COMPLETION_INDEX`` with
+  ``ROUNDEL_NUM_PROC``): index 0 starts the store on
+  ``ROUNDEL_RENDEZVOUS_PORT`` and the others reach it at
+  ``ROUNDEL_RENDEZVOUS_ADDR``, index 0's stable name, with the
+  ``ROUNDEL_SECRET`` of a Kubernetes Secret.
 
 The secret: ``ROUNDEL_SECRET`` (hex) when exported before the launcher
 (``export ROUNDEL_SECRET=$(openssl rand -hex 32)``), always; else a fresh
@@ -332,11 +337,11 @@ def _is_own_address(addr: str) -> bool:
                for entries in psutil.net_if_addrs().values() for entry in entries)
 
 
-def _srun_listen_address(host: str | None, env: Mapping[str, str]) -> str:
+def _own_listen_address(host: str | None, env: Mapping[str, str]) -> str:
     """The address rank 0's store listens on, which the other ranks reach: the interface
     ``ROUNDEL_NETWORK_INTERFACE`` names; else the address of ``host`` (``ROUNDEL_RENDEZVOUS_ADDR``) or of
-    this node's name when it is this machine's (loopback only for a one-node step); else this machine's
-    reachable address."""
+    this node's name (Slurm's, else the host name) when it is this machine's (loopback only for a
+    one-node Slurm step); else this machine's reachable address."""
     if any(env.get(var) for var in network.INTERFACE_VARS):
         return network.reachable_address(None, env)
     try:
@@ -381,7 +386,7 @@ def _srun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s
                 f"{identity_env.RENDEZVOUS_PORT} unset so that rank 0 publishes its address in the private file")
     secret = secret or new_secret()
     try:
-        listen = _srun_listen_address(named, env)
+        listen = _own_listen_address(named, env)
     except ValueError as exc:
         raise RoundelInternalError(f"rank 0 cannot choose the address to listen on: {exc}") from None
     host = named or listen
@@ -389,6 +394,30 @@ def _srun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s
                                f"choose another port with ROUNDEL_RENDEZVOUS_PORT, or the address with "
                                f"{RENDEZVOUS_BIND}")
     return host, server.port, secret, server, path
+
+
+def _indexed_job(info: LauncherIdentity, env: Mapping[str, str]):
+    """A pod of a Kubernetes Indexed Job: index 0 serves the store on ``ROUNDEL_RENDEZVOUS_PORT``; the others
+    reach it at ``ROUNDEL_RENDEZVOUS_ADDR`` (index 0's stable name under the Job's headless Service) with the
+    ``ROUNDEL_SECRET`` every pod gets from a Kubernetes Secret: pods share no file system to pass one."""
+    missing = [var for var in (identity_env.RENDEZVOUS_ADDR, identity_env.RENDEZVOUS_PORT, identity_env.SECRET)
+               if not env.get(var)]
+    if missing:
+        raise SettingsError(
+            f"pod {info.rank} of a Kubernetes Indexed Job needs {', '.join(missing)}: set "
+            f"{identity_env.RENDEZVOUS_ADDR}=<job name>-0.<headless Service>, {identity_env.RENDEZVOUS_PORT}=<a "
+            f"port> and {identity_env.SECRET} from a Secret in every pod (examples/kubernetes/indexed-job.yaml)")
+    host, port, secret = env[identity_env.RENDEZVOUS_ADDR], int(env[identity_env.RENDEZVOUS_PORT]), \
+        secret_file.exported_secret(env)
+    if info.rank != 0:
+        return host, port, secret, None, None
+    try:  # index 0's own name may not be in the cluster's DNS yet: its address then comes from its interfaces
+        listen = _own_listen_address(host, env)
+    except ValueError as exc:
+        raise RoundelInternalError(f"rank 0 cannot choose the address to listen on: {exc}") from None
+    server = secret_file.serve(secret, _bind_address(env, listen), port, host, None,
+                               f"choose another {identity_env.RENDEZVOUS_PORT} for every pod")
+    return host, server.port, secret, server, None
 
 
 def discover(prefix: str, timeout_s: float, environ: Mapping[str, str] | None = None) -> Bootstrap:
@@ -425,6 +454,8 @@ def discover(prefix: str, timeout_s: float, environ: Mapping[str, str] | None = 
         host, port, secret, server, path = _torchrun(info, env, prefix, timeout_s)
     elif info.by_mpi:
         info, (host, port, secret, server, path) = _mpi(info, env)
+    elif info.launcher == "kubernetes":
+        host, port, secret, server, path = _indexed_job(info, env)
     else:
         host, port, secret, server, path = _srun(info, env, prefix, timeout_s)
     served_by = "roundelrun" if explicit is not None else f"rank 0 of the job (started by {info.launcher})"

@@ -16,6 +16,7 @@ from roundel.errors import SettingsError
 RENDEZVOUS_ADDR = "ROUNDEL_RENDEZVOUS_ADDR"
 RENDEZVOUS_PORT = "ROUNDEL_RENDEZVOUS_PORT"
 SECRET = "ROUNDEL_SECRET"
+NUM_PROC = "ROUNDEL_NUM_PROC"  # the size of a Kubernetes Indexed Job (its completions), which no variable carries
 RENDEZVOUS_BIND = "ROUNDEL_RENDEZVOUS_BIND"  # where rank 0's store listens under another launcher
 LAUNCHER_PID = "ROUNDEL_LAUNCHER_PID"  # the worker's parent it follows: roundelrun's watchdog, a Spark task
 
@@ -90,7 +91,7 @@ class LauncherIdentity:
     store.
     """
 
-    launcher: str  # "horovod", "torchrun", "openmpi", "pals", "mpich", "srun", "pmix"
+    launcher: str  # "horovod", "torchrun", "openmpi", "pals", "mpich", "srun", "pmix", "kubernetes"
     rank: int
     size: int | None
     local_rank: int | None
@@ -135,8 +136,10 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> LauncherIdentit
     ``PALS_NRANKS``), MPICH's Hydra (``PMI_RANK``, ``PMI_SIZE``,
     ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``), Slurm's srun
     (``SLURM_PROCID``, and ``SLURM_STEP_NUM_TASKS`` which only a job step has,
-    ``SLURM_LOCALID``), and last any PMIx launcher (``PMIX_RANK``, with
-    ``PMIX_SIZE``, ``PMIX_LOCAL_RANK`` and ``PMIX_LOCAL_SIZE`` where set).
+    ``SLURM_LOCALID``), any PMIx launcher (``PMIX_RANK``, with ``PMIX_SIZE``,
+    ``PMIX_LOCAL_RANK`` and ``PMIX_LOCAL_SIZE`` where set), and last a pod of
+    a Kubernetes Indexed Job (``JOB_COMPLETION_INDEX``, which the Job
+    controller sets, with the job's size in ``ROUNDEL_NUM_PROC``).
     roundelrun's own ``ROUNDEL_RANK`` is read by :meth:`Identity.from_env`
     and wins over all of these. Raises SettingsError for a malformed value.
     """
@@ -178,6 +181,13 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> LauncherIdentit
         name = "the PMIx launcher"
         found = LauncherIdentity("pmix", _int_var(env, "PMIX_RANK", name), _opt_int(env, "PMIX_SIZE", name),
                                  _opt_int(env, "PMIX_LOCAL_RANK", name), _opt_int(env, "PMIX_LOCAL_SIZE", name))
+    elif "JOB_COMPLETION_INDEX" in env and (NUM_PROC in env or RENDEZVOUS_ADDR in env):
+        name = "a Kubernetes Indexed Job"
+        if NUM_PROC not in env:
+            raise SettingsError(f"JOB_COMPLETION_INDEX and {RENDEZVOUS_ADDR} are set but {NUM_PROC} is not: give "
+                                f"every pod of the Indexed Job {NUM_PROC}=<the Job's completions>")
+        found = LauncherIdentity("kubernetes", _int_var(env, "JOB_COMPLETION_INDEX", name),
+                                 _int_var(env, NUM_PROC, name), None, None)
     if found is not None and (found.rank < 0 or found.size is not None and found.rank >= found.size):
         raise SettingsError(f"{found.launcher} gave rank {found.rank} outside a job of size {found.size}")
     if found is not None and found.local_rank is not None and found.local_size is not None \

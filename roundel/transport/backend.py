@@ -120,11 +120,15 @@ def scale(buffer, factor: float) -> None:
 
 
 def shut_down(process_group) -> None:
-    """Shut a ``torch.distributed`` process group down (None: nothing to do); one already broken is left be."""
-    if process_group is None:
+    """Shut a ``torch.distributed`` process group down (None: nothing to do); one already broken is left be.
+
+    In older torch (2.6 among them) a Gloo group has no ``shutdown()``: it closes when its last reference goes.
+    """
+    shutdown = getattr(process_group, "shutdown", None)
+    if shutdown is None:
         return
     try:
-        process_group.shutdown()
+        shutdown()
     except RuntimeError:
         pass
 
