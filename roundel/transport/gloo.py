@@ -70,6 +70,7 @@ class GlooBackend(Backend):
         options._timeout = timedelta(seconds=timeout_s)
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
         self._pg = dist.ProcessGroupGloo(store, rank, size, options)
+        self._native_reduce_scatter = True  # older torch (2.6 among them) has no reduce_scatter in Gloo
 
     def _allreduce_work(self, sent, op):
         options = dist.AllreduceOptions()
@@ -147,9 +148,20 @@ class GlooBackend(Backend):
 
     def reducescatter(self, output, tensor, op):
         sent_out, sent_in = widened(output), widened(tensor)
-        options = dist.ReduceScatterOptions()
-        options.reduceOp = TORCH_REDUCE_OPS[op]
-        self._pg.reduce_scatter([sent_out], [list(sent_in.chunk(self.size))], options).wait()
+        if self._native_reduce_scatter:
+            options = dist.ReduceScatterOptions()
+            options.reduceOp = TORCH_REDUCE_OPS[op]
+            try:
+                self._pg.reduce_scatter([sent_out], [list(sent_in.chunk(self.size))], options).wait()
+                narrow_back(output, sent_out)
+                return
+            except RuntimeError as exc:  # refused before anything was sent: the members all take the same turn
+                if "does not support reduce_scatter" not in str(exc):
+                    raise
+                self._native_reduce_scatter = False
+        whole = sent_in.clone()
+        self._allreduce_work(whole, op).wait()
+        sent_out.copy_(whole.chunk(self.size)[self.rank].reshape(sent_out.shape))
         narrow_back(output, sent_out)
 
     def barrier(self):
