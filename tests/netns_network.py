@@ -25,6 +25,21 @@ def run(*cmd, check=True, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(list(cmd), check=check, capture_output=True, text=True, timeout=30, env=env)
 
 
+def stop(daemons) -> None:
+    """Stop daemons started with ``start_new_session=True``: SIGTERM to each one's process group, SIGKILL
+    after 10 s."""
+    for proc in daemons:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 class NamespaceNetwork:
     """Hosts ``rdl-<tag>1 .. rdl-<tag>N`` on bridge ``rdl<tag>br0``; see the module docstring."""
 

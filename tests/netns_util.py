@@ -17,14 +17,13 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from netns_network import NamespaceNetwork, run as _run
+from netns_network import NamespaceNetwork, run as _run, stop
 
 SUBNET = "10.231.0"
 LAUNCHER_ADDR = f"{SUBNET}.1"
@@ -141,16 +140,7 @@ class NetnsHosts:
             time.sleep(0.2)
 
     def close(self) -> None:
-        for proc in self.sshd.values():
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(self.sshd.values())
         self.sshd.clear()
         self.net.remove()
         fcntl.flock(self._lock, fcntl.LOCK_UN)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from netns_network import NamespaceNetwork, run
+from netns_network import NamespaceNetwork, run, stop
 
 SUBNET = "10.232.0"
 CONTROLLER_PORT = 6917  # not Slurm's default 6817, so a real controller on this machine is never confused
@@ -183,16 +182,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             time.sleep(0.2)
 
     def close(self) -> None:
-        for proc in reversed(list(self.daemons.values())):
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(reversed(list(self.daemons.values())))
         self.daemons.clear()
         self.net.remove()
         fcntl.flock(self._lock, fcntl.LOCK_UN)

@@ -132,16 +132,21 @@ def problems(doc):
     return out
 
 
-def containers(node):
-    """Every container (a mapping with name and image) anywhere in ``node``."""
+def mappings(node, wanted):
+    """Every mapping anywhere in ``node`` (depth first) for which ``wanted(mapping)`` holds."""
     if isinstance(node, dict):
-        if "name" in node and "image" in node:
+        if wanted(node):
             yield node
         for value in node.values():
-            yield from containers(value)
+            yield from mappings(value, wanted)
     elif isinstance(node, list):
         for value in node:
-            yield from containers(value)
+            yield from mappings(value, wanted)
+
+
+def containers(node):
+    """Every container (a mapping with name and image) anywhere in ``node``."""
+    return mappings(node, lambda found: "name" in found and "image" in found)
 
 
 def env_of(container):
@@ -334,14 +339,7 @@ def test_every_secret_used_is_defined_or_created_as_the_comments_say():
 
 
 def _pod_specs(node):
-    if isinstance(node, dict):
-        if "containers" in node:
-            yield node
-        for value in node.values():
-            yield from _pod_specs(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _pod_specs(value)
+    return mappings(node, lambda found: "containers" in found)
 
 
 def test_the_commands_run_files_the_image_has():
