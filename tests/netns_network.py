@@ -16,8 +16,30 @@ alone): what a real host or pod would have.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+
+import pytest
+
+
+def missing_tools(tools, files=()) -> list[str]:
+    """Of ``tools`` (commands) and ``files``, those this machine lacks, and "root" when not run as root."""
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    missing += [path for path in files if not os.path.exists(path)]
+    if os.geteuid() != 0:
+        missing.append("root")
+    return missing
+
+
+def require(missing: list[str], tests: str, installs: str) -> None:
+    """Skip ``tests`` when ``missing`` is not empty on a developer's machine; fail on CI (CI=true), where
+    .ci/run ``installs`` them, so that these tests can never be skipped silently there."""
+    if missing:
+        message = f"{tests} need {', '.join(missing)} (.ci/run installs {installs})"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
 
 
 def run(*cmd, check=True, env=None) -> subprocess.CompletedProcess:

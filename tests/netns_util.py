@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+import netns_network
 from netns_network import NamespaceNetwork, run as _run, stop
 
 SUBNET = "10.231.0"
@@ -34,21 +35,12 @@ NEEDED = ("ip", "ssh", "ssh-keygen", "/usr/sbin/sshd")
 
 def missing_tools() -> list[str]:
     """What these tests need that this machine lacks (root, iproute2, openssh client and server)."""
-    missing = [tool for tool in NEEDED if shutil.which(tool) is None]
-    if os.geteuid() != 0:
-        missing.append("root")
-    return missing
+    return netns_network.missing_tools(NEEDED)
 
 
 def require_tools() -> None:
-    """Skip when tools are missing on a developer's machine; fail on CI (CI=true), where .ci/run
-    installs them, so that these tests can never be skipped silently there."""
-    missing = missing_tools()
-    if missing:
-        message = f"network-namespace ssh tests need {', '.join(missing)} (.ci/run installs openssh-server)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    """Skip when tools are missing on a developer's machine; fail on CI, where .ci/run installs them."""
+    netns_network.require(missing_tools(), "network-namespace ssh tests", "openssh-server")
 
 
 class NetnsHosts:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+import netns_network
 from netns_network import NamespaceNetwork, run, stop
 
 SUBNET = "10.232.0"
@@ -39,24 +39,10 @@ NEEDED = ("ip", "nsenter", "unshare", "/usr/sbin/slurmctld", "/usr/sbin/slurmd",
           "srun", "sbatch", "sinfo")
 
 
-def missing_tools() -> list[str]:
-    """What a Slurm cluster needs that this machine lacks (root, iproute2, util-linux, slurm-wlm, munge)."""
-    missing = [tool for tool in NEEDED if shutil.which(tool) is None]
-    if not os.path.exists("/etc/munge/munge.key"):
-        missing.append("/etc/munge/munge.key")
-    if os.geteuid() != 0:
-        missing.append("root")
-    return missing
-
-
 def require_tools() -> None:
     """Skip on a developer's machine without Slurm; fail on CI (CI=true), where .ci/run installs it."""
-    missing = missing_tools()
-    if missing:
-        message = f"the Slurm tests need {', '.join(missing)} (.ci/run installs slurm-wlm and munge)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    netns_network.require(netns_network.missing_tools(NEEDED, ["/etc/munge/munge.key"]), "the Slurm tests",
+                          "slurm-wlm and munge")
 
 
 class SlurmCluster:

@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import netns_util
-from netns_network import NamespaceNetwork
+from netns_network import NamespaceNetwork, missing_tools, require
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = REPO / "examples" / "kubernetes" / "indexed-job.yaml"
@@ -63,7 +62,7 @@ def in_image(argument):
 
 @pytest.fixture()
 def pods_network():
-    netns_util.require_tools()
+    require(missing_tools(("ip", "nsenter", "unshare")), "the Indexed Job test", "iproute2 and util-linux")
     (job,) = documents("Job")
     count = job["spec"]["completions"]
     with open(LOCK, "w") as lock:
