@@ -46,6 +46,7 @@ class ElasticJob:
                    sys.executable, script, *map(str, script_args)]
         self.lines: list[tuple[float, str]] = []  # (time, line) from stdout and stderr, in arrival order
         self._cond = threading.Condition()
+        self._triggers: list[tuple[str, object]] = []  # (text, action) run once, on the line that holds text
         self.started = time.monotonic()
         self.process = subprocess.Popen(command, env=clean_env(env), stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -57,8 +58,24 @@ class ElasticJob:
     def _read(self, pipe) -> None:
         for line in pipe:
             with self._cond:
+                fired = [t for t in self._triggers if t[0] in line]
+                for trigger in fired:
+                    self._triggers.remove(trigger)
                 self.lines.append((time.monotonic(), line.rstrip("\n")))
                 self._cond.notify_all()
+            for _, action in fired:
+                action()
+
+    def when(self, text: str, action) -> None:
+        """Call ``action()`` (on the reader's thread, as soon as it reads it) for the first later line
+        that contains ``text``."""
+        with self._cond:
+            self._triggers.append((text, action))
+
+    def time_of(self, text: str, after: float = 0.0) -> float | None:
+        """When the first line containing ``text`` arrived at or after ``after`` (monotonic), or None."""
+        with self._cond:
+            return next((t for t, line in self.lines if t >= after and text in line), None)
 
     def set_hosts(self, text: str) -> None:
         """Replace what the discovery script prints (atomically)."""

@@ -24,9 +24,9 @@ from roundel.common.engine.requests import OpKind, ProcessSetChange, Request
 from roundel.common.settings import Settings
 from roundel.common.engine.timeline import Timeline
 from roundel.errors import NotInitializedError, RoundelInternalError
-from roundel.rendezvous import bootstrap
+from roundel.rendezvous import bootstrap, elastic_join
 from roundel.rendezvous.identity import Identity, detect_launcher
-from roundel.rendezvous.store import RendezvousClient
+from roundel.rendezvous.store import RendezvousClient, RendezvousError
 from roundel.transport import factory, nccl
 from roundel.transport.gloo import raise_open_file_limit
 from roundel.transport.store_adapter import RendezvousStore
@@ -89,6 +89,8 @@ _init_count = 0
 _lock = threading.RLock()
 _atexit_registered = False
 _stuck: list = []  # runtimes whose executor was left inside a transfer with a lost rank
+# an uncaught exception is recorded for roundelrun from the start: one before init() too (an operation before it)
+failures.install(lambda: _runtime.client if _runtime is not None else None)
 
 
 def _configure_logging(level: str) -> None:
@@ -161,18 +163,6 @@ def init(comm=None, process_sets=None) -> None:
         if boot.elastic:  # every member of this generation, old or new, uses the same keys
             prefix = f"gen{boot.generation}/"
         advertise = bootstrap.advertise_address(host, port)
-        try:
-            backend = factory.job_backend(
-                _transport(settings), RendezvousStore(client, prefix + "ps0/", timedelta(seconds=settings.start_timeout_s)),
-                ident.rank, ident.size, advertise, members or tuple(range(ident.size)), placement=ident)
-        except RuntimeError as exc:
-            client.close()
-            if server is not None:
-                server.stop()
-            raise RoundelInternalError(
-                f"rank {ident.rank} could not connect to the other {ident.size - 1} rank(s) within "
-                f"{settings.start_timeout_s:g} s: {exc}") from exc
-        table = {0: (tuple(range(ident.size)), backend)}
         timeline = Timeline()  # started before the engine, so the first requests are recorded
         if settings.timeline_filename and settings.timeline_filename != "DYNAMIC":
             try:  # resumed after an elastic reset: the same file goes on
@@ -180,12 +170,17 @@ def init(comm=None, process_sets=None) -> None:
                                resume=True)
             except ValueError as exc:  # as Horovod: the job runs on without a timeline
                 log.error("roundel: %s; the job goes on without a timeline", exc)
+
+        def connect() -> tuple[dict, Engine]:
+            return _connect(settings, client, prefix, ident, members, advertise, secret, timeline)
+
         try:
-            engine = Engine(ident.rank, ident.size, settings, secret, client, prefix, advertise, table, timeline,
-                            placement=(ident.local_rank, ident.cross_rank, ident.hostname, ident.local_size))
+            if boot.elastic:  # a peer failing meanwhile sends every member on to the next generation at once
+                table, engine = elastic_join.connect_within(client, boot.generation, connect, _disconnect)
+            else:
+                table, engine = connect()
         except BaseException:
             timeline.stop()
-            factory.close(backend)
             client.close()
             if server is not None:
                 server.stop()
@@ -195,10 +190,41 @@ def init(comm=None, process_sets=None) -> None:
         global_process_set._bind(0, range(ident.size), ident.rank)
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
-            failures.install(lambda: _runtime.client if _runtime is not None else None)
             _atexit_registered = True
     for process_set in process_sets or ():
         add_process_set(process_set)
+
+
+def _connect(settings: Settings, client: RendezvousClient, prefix: str, ident, members, advertise: str,
+             secret: bytes, timeline: Timeline) -> tuple[dict, Engine]:
+    """Connect this rank to the others: the job's transport, then the engine (the process set table
+    ``{0: (ranks, backend)}`` and the engine). Raises RoundelInternalError when the others cannot be reached."""
+    store = RendezvousStore(client, prefix + "ps0/", timedelta(seconds=settings.start_timeout_s))
+    try:
+        backend = factory.job_backend(_transport(settings), store, ident.rank, ident.size, advertise,
+                                      members or tuple(range(ident.size)), placement=ident)
+    except (RuntimeError, RendezvousError) as exc:
+        raise RoundelInternalError(
+            f"rank {ident.rank} could not connect to the other {ident.size - 1} rank(s) within "
+            f"{settings.start_timeout_s:g} s: {exc}") from exc
+    table = {0: (tuple(range(ident.size)), backend)}
+    try:
+        engine = Engine(ident.rank, ident.size, settings, secret, client, prefix, advertise, table, timeline,
+                        placement=(ident.local_rank, ident.cross_rank, ident.hostname, ident.local_size))
+    except RendezvousError as exc:
+        factory.close(backend)
+        raise RoundelInternalError(f"rank {ident.rank} could not join rank 0's coordinator: {exc}") from exc
+    except BaseException:
+        factory.close(backend)
+        raise
+    return table, engine
+
+
+def _disconnect(connected: tuple[dict, Engine]) -> None:
+    """Close what ``_connect`` made, for a generation given up while it connected."""
+    table, engine = connected
+    engine.shutdown()
+    factory.close(table[0][1])
 
 
 def shutdown() -> None:

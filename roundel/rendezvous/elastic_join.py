@@ -15,6 +15,13 @@ surviving rank and holds the current state.
 rank 0 compares it with the version its generation started at when the
 training loop commits, and every rank then leaves for the next generation
 together.
+
+When a member of a generation fails, the driver marks that generation
+*abandoned* (``abandoned_key``). A worker still connecting to it (waiting
+on a store key, in Gloo's connect, or for its peers at rank 0's
+coordinator) watches that key while it does (:func:`connect_within`) and
+leaves at once for the next generation instead of waiting for a peer that
+will never come.
 """
 
 from __future__ import annotations
@@ -23,12 +30,16 @@ import dataclasses
 import json
 import os
 import sys
+import threading
+from typing import Callable, TypeVar
 
 from roundel.errors import RoundelInternalError
 from roundel.rendezvous.identity import Identity
+from roundel.rendezvous.store import RendezvousError, RendezvousTimeout
 
-__all__ = ["HOSTS_VERSION_KEY", "TIMEOUT", "WORKER_ID", "Assignment", "JoinError", "WorkerRemoved", "assign_key",
-           "hosts_version", "join", "join_key", "key_prefix", "removal", "worker_id"]
+__all__ = ["HOSTS_VERSION_KEY", "TIMEOUT", "WORKER_ID", "Assignment", "GenerationAbandoned", "JoinError",
+           "WorkerRemoved", "abandoned_key", "assign_key", "connect_within", "hosts_version", "join", "join_key",
+           "key_prefix", "removal", "worker_id"]
 
 WORKER_ID = "ROUNDEL_ELASTIC_WORKER_ID"
 """Environment variable naming an elastic worker (its presence makes ``init()`` join a generation)."""
@@ -45,6 +56,11 @@ def join_key(worker_id: str) -> str:
 
 def assign_key(worker_id: str, count: int) -> str:
     return f"elastic/assign/{worker_id}/{count}"
+
+
+def abandoned_key(generation: int) -> str:
+    """Set by the driver (to the reason) once a member of ``generation`` has failed."""
+    return f"elastic/abandoned/{generation}"
 
 
 def key_prefix(generation: int) -> str:
@@ -67,6 +83,10 @@ class Assignment:
 
 class JoinError(RoundelInternalError):
     """The driver formed no generation for this worker in time (or could not be reached)."""
+
+
+class GenerationAbandoned(RoundelInternalError):
+    """The driver gave up the generation this worker was connecting to (a member failed while it formed)."""
 
 
 class WorkerRemoved(SystemExit):
@@ -118,3 +138,63 @@ def hosts_version(client) -> int:
 def worker_id(environ=None) -> str | None:
     """This process's elastic worker id, or None outside an elastic job."""
     return (os.environ if environ is None else environ).get(WORKER_ID)
+
+
+ABANDON_POLL_S = 1.0
+"""Longest server-side wait of one look at the abandoned key (the answer comes as soon as it is set)."""
+
+_Connected = TypeVar("_Connected")
+
+
+def connect_within(client, generation: int, connect: Callable[[], _Connected],
+                   discard: Callable[[_Connected], None]) -> _Connected:
+    """``connect()``'s result, run on a helper thread while this thread watches whether the driver
+    abandons ``generation``.
+
+    Raises GenerationAbandoned as soon as it does (``connect()`` is left to
+    end by its own timeouts, and ``discard`` closes what it returns if it
+    ever succeeds), and what ``connect()`` raises otherwise.
+    """
+    lock = threading.Lock()
+    decided = threading.Event()
+    outcome: list = []  # the first of ("done", result), ("failed", error), ("abandoned", reason)
+
+    def decide(kind: str, value) -> bool:
+        with lock:
+            if outcome:
+                return False
+            outcome.append((kind, value))
+        decided.set()
+        return True
+
+    def run_connect() -> None:
+        try:
+            result = connect()
+        except BaseException as exc:  # handed to the waiting thread, which raises it
+            decide("failed", exc)
+            return
+        if not decide("done", result):
+            discard(result)
+
+    def watch() -> None:
+        key = abandoned_key(generation)
+        while not decided.is_set():
+            try:
+                reason = client.get(key, ABANDON_POLL_S).decode()
+            except RendezvousTimeout:
+                continue
+            except RendezvousError:  # the store is gone or the client closed: connect() fails on its own
+                return
+            decide("abandoned", reason)
+            return
+
+    threading.Thread(target=run_connect, name="roundel-elastic-connect", daemon=True).start()
+    threading.Thread(target=watch, name="roundel-elastic-abandoned", daemon=True).start()
+    decided.wait()
+    kind, value = outcome[0]
+    if kind == "done":
+        return value
+    if kind == "failed":
+        raise value
+    raise GenerationAbandoned(f"generation {generation} was abandoned while it formed ({value}); "
+                              "joining the next one")

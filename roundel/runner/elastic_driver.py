@@ -11,7 +11,8 @@ rendezvous store (see :mod:`roundel.rendezvous.elastic_join`):
   are taken out of the job too (SIGTERM; their exits are not failures); a
   replacement is started on a free slot of another host if there is one,
   and the survivors, which see the failure as an error in their training
-  loop, roll back to their last commit and join again;
+  loop (or, still connecting to the generation, see it abandoned), roll
+  back to their last commit and join again;
 * after discovery adds or removes hosts: new workers are started, workers on
   removed hosts are told to leave, and ``hosts_version`` is bumped so that
   every rank stops at the same ``commit()`` and joins again.
@@ -276,6 +277,8 @@ class _Driver:
                     raise _JobFailed(f"every host of the job is blacklisted ({hosts}) after worker failures "
                                      "there, so no worker with committed state is left")
                 raise _JobFailed("every worker of the job failed, so no committed state survives")
+            # survivors still connecting to this generation wait for a peer that will not come: send them on
+            self.server.set(protocol.abandoned_key(self.generation), f"worker {member.label} failed".encode())
             self._want_generation()
 
     def _evict(self, host: str) -> list[_Member]:

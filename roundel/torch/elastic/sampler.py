@@ -7,7 +7,7 @@ import math
 import torch
 from torch.utils.data import Sampler
 
-from roundel.common.basics import rank, size
+from roundel.common.basics import is_initialized, rank, size
 
 __all__ = ["ElasticSampler"]
 
@@ -22,7 +22,9 @@ class ElasticSampler(Sampler):
     job's progress. ``set_epoch(e)`` starts epoch ``e`` afresh; calling it
     again with the current epoch (as a loop resumed after a reset does)
     keeps the epoch's progress. Like ``DistributedSampler``, ranks' shards
-    are padded to equal length by repeating samples. Needs ``hvd.init()``.
+    are padded to equal length by repeating samples. Made after
+    ``hvd.init()``; while the job re-forms (no runtime) it keeps its last
+    partition until the next ``reset()``.
     """
 
     def __init__(self, dataset, shuffle: bool = True, seed: int = 0):
@@ -59,8 +61,10 @@ class ElasticSampler(Sampler):
         self.reset()
 
     def reset(self) -> None:
-        """Re-partition the samples not yet processed among the current ranks."""
-        self.num_replicas, self.rank = size(), rank()
+        """Re-partition the samples not yet processed among the current ranks (the last known ranks while
+        the job re-forms: a rollback after a failed reset comes before the runtime is up)."""
+        if is_initialized() or not hasattr(self, "num_replicas"):
+            self.num_replicas, self.rank = size(), rank()
         if self.shuffle:
             generator = torch.Generator()
             generator.manual_seed(self.seed + self.epoch)
