@@ -22,16 +22,21 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 INTRO = """\
 # Settings
 
+## How a setting is given
+
 Each setting is an environment variable under its `ROUNDEL_` name or the
 `HOROVOD_` name job scripts already use (`ROUNDEL_` wins when both are set),
 and most are `roundelrun` flags too. A flag given on the command line beats
-the config file (`--config-file` takes Horovod's YAML), which beats the
+the config file (`--config-file` takes Horovod's YAML; see
+[roundelrun](roundelrun.md#the-config-file)), which beats the
 environment. Bad values stop `hvd.init()` and `roundelrun` with an error
 naming the variable. A setting without a `Settings` field is accepted
 and handed to the workers but has no effect in roundel. The config-file key
 is the one of Horovod's config file where it has one; each flag's long name
 (without `--`, with `-` or `_`) is a top-level key too. This page is made from the code
 (`python -m roundel.runner.settings_reference`).
+
+## Every setting
 
 | variable suffix (`ROUNDEL_`/`HOROVOD_`) | flag | config key | default | meaning |
 | --- | --- | --- | --- | --- |
