@@ -10,7 +10,9 @@ back to) and calls the training function again.
 When the driver plans a membership change, rank 0 notices it at a
 ``commit()`` and tells every rank in the same collective, so all ranks raise
 ``HostsUpdatedInterrupt`` at the same commit and reset together (keeping
-their state: nothing was lost).
+their state: nothing was lost). As in Horovod, the driver's notices of
+those changes also arrive, as ``(timestamp, HostUpdate)``, in a state's
+``_host_messages`` queue, which scripts written for Horovod poll.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import queue
 import re
+import threading
+import time
+import weakref
 
 import numpy as np
 
@@ -26,6 +32,7 @@ from roundel.common import basics, objects
 from roundel.common.engine.metrics import METRICS
 from roundel.errors import HostsUpdatedInterrupt, RoundelInternalError
 from roundel.rendezvous import elastic_join
+from roundel.rendezvous.store import RendezvousError, RendezvousTimeout
 
 __all__ = ["ModelState", "ObjectState", "State", "VariablesState", "raising_internal_errors", "reset",
            "run_fn"]
@@ -42,8 +49,31 @@ class State:
     adapter's ``broadcast_object`` is.
     """
 
+    _last_updated_timestamp = 0.0  # of the latest host notice taken from _host_messages (Horovod's name)
+
     def __init__(self):
         self._reset_callbacks: list = []
+
+    @property
+    def _host_messages(self) -> queue.Queue:
+        """The driver's notices of membership changes not yet taken by ``check_host_updates()``, as
+        ``(timestamp, HostUpdate)``: Horovod's queue, which its elastic scripts poll with ``empty()``.
+
+        Filled from the first time it is read (a thread then watches the driver's notices); empty
+        outside an elastic job.
+        """
+        messages = self.__dict__.get("_roundel_host_messages")
+        if messages is None:
+            messages = self.__dict__["_roundel_host_messages"] = queue.Queue()
+        _HOST_NOTICES.deliver_to(self)
+        return messages
+
+    def _take_host_messages(self) -> None:
+        """Empty ``_host_messages`` (the store's hosts version, not the queue, decides whether to reset)."""
+        messages = self.__dict__.get("_roundel_host_messages")
+        while messages is not None and not messages.empty():
+            timestamp, _ = messages.get()
+            self._last_updated_timestamp = max(self._last_updated_timestamp, timestamp)
 
     def register_reset_callbacks(self, callbacks) -> None:
         """Call each of ``callbacks`` (no arguments) after every reset, e.g. to rescale the learning rate."""
@@ -51,6 +81,7 @@ class State:
 
     def on_reset(self) -> None:
         """Run the reset callbacks (``elastic.run`` calls this after each reset, before ``sync()``)."""
+        self._take_host_messages()  # notices of the change this reset made are no longer news
         for callback in self._reset_callbacks:
             callback()
 
@@ -68,6 +99,7 @@ class State:
         runtime = basics.runtime("check_host_updates()")
         if runtime.elastic is None:
             return
+        self._take_host_messages()
         latest = elastic_join.hosts_version(runtime.client) if basics.rank() == 0 else None
         latest = objects.broadcast_object(latest, root_rank=0, name="elastic.hosts_version")
         if latest > runtime.elastic.hosts_version:
@@ -174,6 +206,51 @@ class ModelState(VariablesState):
     def on_reset(self) -> None:
         self.model.train_function = self.model.test_function = self.model.predict_function = None
         super().on_reset()
+
+
+class _HostNoticeWatcher:
+    """Puts the driver's notices of membership changes into the ``_host_messages`` of the States that read
+    it, from one daemon thread started at the first such read in an elastic job."""
+
+    def __init__(self):
+        self._states: weakref.WeakSet = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def deliver_to(self, state: State) -> None:
+        with self._lock:
+            self._states.add(state)
+            if self._thread is None and elastic_join.worker_id() is not None:
+                self._thread = threading.Thread(target=self._watch, name="roundel-host-notices", daemon=True)
+                self._thread.start()
+
+    def _watch(self) -> None:
+        seen = 0  # the last membership change delivered
+        while True:
+            runtime = basics._runtime  # None while the job re-forms
+            if runtime is None or runtime.elastic is None:
+                time.sleep(0.1)
+                continue
+            seen = max(seen, runtime.elastic.hosts_version)
+            try:
+                raw = runtime.client.get(elastic_join.hosts_update_key(seen + 1), elastic_join.WATCH_POLL_S)
+            except RendezvousTimeout:
+                continue
+            except RendezvousError:  # this generation's client closed by a reset; the next one's comes
+                time.sleep(0.1)
+                continue
+            seen += 1
+            now = basics._runtime
+            if now is None or now.elastic is None or now.elastic.hosts_version >= seen:
+                continue  # the generation it announced has formed meanwhile: no longer news
+            notice = elastic_join.read_host_update_notice(raw)
+            with self._lock:
+                states = list(self._states)
+            for state in states:
+                state.__dict__["_roundel_host_messages"].put(notice)
+
+
+_HOST_NOTICES = _HostNoticeWatcher()
 
 
 def reset() -> None:

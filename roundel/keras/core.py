@@ -20,6 +20,7 @@ from roundel.common.gradient_groups import group_indices
 from roundel.common.gradient_options import GradientOptions
 from roundel.common.process_sets import global_process_set
 from roundel.errors import RoundelError
+from roundel.keras import keras2_names
 from roundel.ops import ReduceOp, resolve_op
 
 
@@ -133,6 +134,7 @@ def broadcast_variables(variables, root_rank=0, process_set=global_process_set, 
 
 
 _optimizers: list = []
+keras2_names.install()  # Horovod-era scripts assign optimizer.lr of plain Keras optimizers too
 
 
 def broadcast_global_variables(root_rank, model=None, process_set=global_process_set) -> None:
@@ -174,7 +176,10 @@ class _DistributedOptimizerMixin:
     ``gradient_accumulation_steps``, which ``backward_passes_per_step`` sets)
     Keras calls ``_clip_gradients`` and ``_backend_update_step`` only on update
     steps, with the accumulated gradients: they are reduced there, then clipped.
+    ``lr`` is the learning rate under its Keras 2 name (with a DeprecationWarning).
     """
+
+    lr = keras2_names.LR_ALIAS
 
     def apply(self, grads, trainable_variables=None):
         if not self.gradient_accumulation_steps:

@@ -27,19 +27,22 @@ will never come.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import sys
 import threading
+import time
 from typing import Callable, TypeVar
 
 from roundel.errors import RoundelInternalError
 from roundel.rendezvous.identity import Identity
 from roundel.rendezvous.store import RendezvousError, RendezvousTimeout
 
-__all__ = ["HOSTS_VERSION_KEY", "TIMEOUT", "WORKER_ID", "Assignment", "GenerationAbandoned", "JoinError",
-           "WorkerRemoved", "abandoned_key", "assign_key", "connect_within", "hosts_version", "join", "join_key",
-           "key_prefix", "removal", "worker_id"]
+__all__ = ["HOSTS_VERSION_KEY", "TIMEOUT", "WORKER_ID", "Assignment", "GenerationAbandoned", "HostUpdate",
+           "JoinError", "WorkerRemoved", "abandoned_key", "assign_key", "connect_within", "host_update_notice",
+           "hosts_update_key", "hosts_version", "join", "join_key", "key_prefix", "read_host_update_notice",
+           "removal", "worker_id"]
 
 WORKER_ID = "ROUNDEL_ELASTIC_WORKER_ID"
 """Environment variable naming an elastic worker (its presence makes ``init()`` join a generation)."""
@@ -56,6 +59,31 @@ def join_key(worker_id: str) -> str:
 
 def assign_key(worker_id: str, count: int) -> str:
     return f"elastic/assign/{worker_id}/{count}"
+
+
+class HostUpdate(enum.IntFlag):
+    """What a membership change did to the hosts (Horovod's ``HostUpdateResult``, same values)."""
+
+    NO_UPDATE = 0
+    REMOVED = 1
+    ADDED = 2
+    MIXED = 3
+
+
+def hosts_update_key(version: int) -> str:
+    """Set by the driver when it plans membership change number ``version``: its notice."""
+    return f"elastic/hosts_update/{version}"
+
+
+def host_update_notice(update: HostUpdate) -> bytes:
+    """The driver's notice of a membership change: when it was planned (wall clock) and what it does."""
+    return json.dumps({"timestamp": time.time(), "update": int(update)}).encode()
+
+
+def read_host_update_notice(raw: bytes) -> tuple[float, HostUpdate]:
+    """``(timestamp, update)`` of a notice, as Horovod's workers receive them."""
+    notice = json.loads(raw)
+    return notice["timestamp"], HostUpdate(notice["update"])
 
 
 def abandoned_key(generation: int) -> str:
@@ -140,8 +168,8 @@ def worker_id(environ=None) -> str | None:
     return (os.environ if environ is None else environ).get(WORKER_ID)
 
 
-ABANDON_POLL_S = 1.0
-"""Longest server-side wait of one look at the abandoned key (the answer comes as soon as it is set)."""
+WATCH_POLL_S = 1.0
+"""Longest server-side wait of one look at a key the driver may set (the answer comes as soon as it is)."""
 
 _Connected = TypeVar("_Connected")
 
@@ -180,7 +208,7 @@ def connect_within(client, generation: int, connect: Callable[[], _Connected],
         key = abandoned_key(generation)
         while not decided.is_set():
             try:
-                reason = client.get(key, ABANDON_POLL_S).decode()
+                reason = client.get(key, WATCH_POLL_S).decode()
             except RendezvousTimeout:
                 continue
             except RendezvousError:  # the store is gone or the client closed: connect() fails on its own

@@ -23,8 +23,8 @@ state. The job ends with status 0 once the workers of the last generation
 have all exited 0 (or every worker exited 0 without ever joining one; once
 a worker has exited 0 no new one is started), and with an error (never a hang) when the workers of a
 generation fail or every host they ran on is blacklisted, fewer than ``--min-np`` slots remain for
-``--elastic-timeout`` seconds, workers do not rejoin within that time, or
-more resets than ``--reset-limit`` are needed.
+``--elastic-timeout`` seconds, workers do not rejoin within that time (or join the first generation
+within ``--start-timeout``), or more resets than ``--reset-limit`` are needed.
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ class _Driver:
                 raise _JobFailed("every worker of the job failed, so no committed state survives")
             # survivors still connecting to this generation wait for a peer that will not come: send them on
             self.server.set(protocol.abandoned_key(self.generation), f"worker {member.label} failed".encode())
-            self._want_generation()
+            self._want_generation(protocol.HostUpdate.REMOVED)
 
     def _evict(self, host: str) -> list[_Member]:
         """Take every other live worker on ``host`` (just blacklisted) out of the job, as Horovod does:
@@ -316,11 +316,11 @@ class _Driver:
         """Start workers on free slots, mark workers of removed hosts as leaving; want a new
         generation when membership changes."""
         kept = [m for m in self.members.values() if m.state.kept]
-        changed = False
+        changed = protocol.HostUpdate.NO_UPDATE
         for m in kept:
             if m.index >= self.hosts.get(m.host, 0):  # host gone or shrunk
                 m.on(MemberEvent.LEAVE)
-                changed = True
+                changed |= protocol.HostUpdate.REMOVED
                 self._say(f"host {m.host} no longer offers slot {m.index}; worker {m.label} will leave")
         kept = [m for m in kept if m.state.kept]
         used = {(m.host, m.index) for m in kept}
@@ -331,14 +331,17 @@ class _Driver:
                 break
             self._start(host, index)
             kept.append(self.members[self.serial])
-            changed = True
+            changed |= protocol.HostUpdate.ADDED
         if changed and self.generation >= 0:
-            self._want_generation()
+            self._want_generation(changed)
 
-    def _want_generation(self) -> None:
+    def _want_generation(self, update: protocol.HostUpdate) -> None:
+        """Plan a new generation (once until it forms): bump ``hosts_version`` and post a notice of ``update``
+        for the workers' ``State._host_messages``."""
         if self.forming_since is None:
             self.forming_since = time.monotonic()
             self.hosts_version += 1
+            self.server.set(protocol.hosts_update_key(self.hosts_version), protocol.host_update_notice(update))
             self.server.set(protocol.HOSTS_VERSION_KEY, str(self.hosts_version).encode())
 
     def _joined(self, member: _Member) -> int:
@@ -370,10 +373,13 @@ class _Driver:
         self.short_since = None
         waiting = [m for m in kept if self._joined(m) <= m.answered]
         if waiting:
-            if now - self.forming_since > self.s.elastic_timeout_s:
+            # as in horovodrun: starting the processes is bounded by --start-timeout, re-forming by --elastic-timeout
+            bound, flag = ((self.s.start_timeout_s, "--start-timeout") if self.generation < 0 else
+                           (self.s.elastic_timeout_s, "--elastic-timeout"))
+            if now - self.forming_since > bound:
                 names = ", ".join(m.label for m in waiting)
-                raise _JobFailed(f"worker(s) {names} did not join a new generation within "
-                                 f"{self.s.elastic_timeout_s:g} s (--elastic-timeout)")
+                first = "the job's first" if self.generation < 0 else "a new"
+                raise _JobFailed(f"worker(s) {names} did not join {first} generation within {bound:g} s ({flag})")
             return
         if self.generation >= 0 and self.s.reset_limit is not None and self.generation + 1 > self.s.reset_limit:
             raise _JobFailed(f"the job needed reset number {self.generation + 1}, more than --reset-limit "
