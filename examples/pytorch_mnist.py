@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import time
+import types
 
 import torch
 import torch.nn.functional as F
@@ -201,6 +202,11 @@ def open_tensorboard(log_dir: str | None):
     """A SummaryWriter on rank 0 when ``log_dir`` is set and tensorboard is installed; None otherwise."""
     if not log_dir or hvd.rank() != 0:
         return None
+    if "tensorflow" not in sys.modules and "://" not in log_dir:
+        # tensorboard imports TensorFlow when it is installed (and TensorFlow prints its banners), only for
+        # files; its own switch, a module tensorboard.compat.notf, makes it use its TensorFlow-free file
+        # functions, which write local directories (a gs:// or s3:// log dir keeps TensorFlow's)
+        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
     try:
         from torch.utils.tensorboard import SummaryWriter  # imported here: tensorboard is optional
     except ImportError:

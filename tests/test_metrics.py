@@ -50,10 +50,35 @@ def test_rank_zero_serves_the_jobs_counters_in_prometheus_text_format(tmp_path):
     assert families["roundel_negotiation_seconds"].type == "histogram"
     assert samples[("roundel_ranks", ())] == 2
     assert families["roundel_collectives"].type == "counter"  # the parser drops the _total suffix
+    for counter in ("roundel_stall_warnings_total", "roundel_deadlocks_total", "roundel_elastic_resets_total"):
+        assert samples[(counter, ())] == 0, text  # present before their first increment, as Prometheus expects
+    announced = [line for line in err.splitlines() if "Prometheus metrics at" in line]
+    assert announced == [f"[0]<stderr>:roundel: Prometheus metrics at http://127.0.0.1:{port}/metrics"], err
+
+
+def test_a_port_alone_serves_on_every_interface_and_says_where(tmp_path):
+    flag, port = tmp_path / "scrape-now", _free_port()
+    command = [*LAUNCHER, "--metrics-port", str(port), "-np", "2", sys.executable,
+               _script_path("torch_metrics.py"), str(flag)]
+    job = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.1)
+        text = urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10).read().decode()
+    finally:
+        (tmp_path / "scrape-now.done").touch()
+        out, err = job.communicate(timeout=120)
+    assert job.returncode == 0, out + err
+    line = f"[0]<stderr>:roundel: Prometheus metrics at http://localhost:{port}/metrics (listening on every interface)"
+    assert line in err.splitlines(), err
+    assert "roundel_deadlocks_total 0" in text.splitlines(), text
 
 
 def test_the_text_format_of_counters_histograms_and_gauges():
     metrics = Metrics()
+    assert "roundel_elastic_resets_total 0" in metrics.exposition().splitlines()
     metrics.count("roundel_deadlocks_total")
     for seconds in (0.0001, 0.003, 100.0):
         metrics.observe("roundel_collective_seconds", seconds, kind="allreduce")

@@ -7,8 +7,10 @@ arithmetic is also checked on its own.
 """
 
 import re
+import subprocess
+import sys
 
-from launch_util import describe, run_job
+from launch_util import LAUNCHER, clean_env, describe, run_job
 from roundel.common.engine.stragglers import WINDOW, StragglerTracker
 
 WORKER = "torch_stragglers.py"
@@ -36,6 +38,34 @@ def test_a_balanced_job_names_nobody():
 def test_a_short_job_prints_no_table_unless_asked():
     result = run_job(2, WORKER, 5, 1, timeout=120)
     assert result.returncode == 0 and "straggler report" not in result.stderr, describe(result)
+
+
+LAST_LINES = """
+import sys
+import torch
+import roundel.torch as hvd
+hvd.init()
+rank = hvd.rank()
+for step in range(5):
+    hvd.allreduce(torch.ones(4), name="grad")
+hvd.shutdown()  # rank 0 makes the report here
+print("LAST LINE of rank", rank, flush=True)
+print("LAST STDERR LINE", file=sys.stderr, flush=True)
+"""
+
+
+def test_the_report_comes_after_every_ranks_last_lines_in_a_piped_log(tmp_path):
+    script = tmp_path / "last_lines.py"
+    script.write_text(LAST_LINES)
+    command = [*LAUNCHER, "--straggler-report", "-np", "2", sys.executable, str(script)]
+    for _ in range(2):
+        job = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+                             env=clean_env())  # one pipe, as `roundelrun ... 2>&1 | cat`
+        log = job.stdout.splitlines()
+        assert job.returncode == 0, job.stdout
+        report = [i for i, line in enumerate(log) if "straggler report (" in line]
+        last = [i for i, line in enumerate(log) if "LAST LINE" in line or "LAST STDERR LINE" in line]
+        assert len(report) == 1 and len(last) == 4 and report[0] > max(last), job.stdout
 
 
 def test_the_tracker_takes_the_last_rank_and_its_lag_behind_the_median():

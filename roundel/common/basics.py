@@ -89,8 +89,14 @@ _init_count = 0
 _lock = threading.RLock()
 _atexit_registered = False
 _stuck: list = []  # runtimes whose executor was left inside a transfer with a lost rank
+
+
+def _client():
+    return _runtime.client if _runtime is not None else None
+
+
 # an uncaught exception is recorded for roundelrun from the start: one before init() too (an operation before it)
-failures.install(lambda: _runtime.client if _runtime is not None else None)
+failures.install(_client)
 
 
 def _configure_logging(level: str) -> None:
@@ -190,6 +196,7 @@ def init(comm=None, process_sets=None) -> None:
         global_process_set._bind(0, range(ident.size), ident.rank)
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
+            failures.install(_client)  # an elastic worker has its ROUNDEL_RANK only now
             _atexit_registered = True
     for process_set in process_sets or ():
         add_process_set(process_set)

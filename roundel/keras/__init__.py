@@ -13,7 +13,13 @@ machines; elsewhere pass ``jit_compile=False`` (a clear error says so).
 
 from __future__ import annotations
 
-import keras
+try:
+    import keras
+except ImportError as _exc:
+    raise ImportError(
+        f"roundel.keras needs Keras 3, which cannot be imported here ({_exc}): pip install \"roundel[tensorflow]\" "
+        "(TensorFlow with its Keras 3; \"roundel[tensorflow-cpu]\" for the CPU-only build), or for Keras on "
+        "PyTorch pip install keras and set KERAS_BACKEND=torch", name="keras") from _exc
 
 from roundel.common.basics import (
     cross_rank, cross_size, cuda_built, gloo_built, gloo_enabled, is_homogeneous, is_initialized,

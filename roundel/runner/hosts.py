@@ -141,8 +141,13 @@ def assign_slots(hosts: list[tuple[str, int]], np: int) -> list[SlotInfo]:
     if np < 1:
         raise ValueError(f"-np must be at least 1, not {np}")
     if np > total:
+        if not hosts:
+            raise ValueError(f"requested -np {np} but no host is given: list hosts with -H or --hostfile")
+        last, slots = hosts[-1]
+        more = format_hosts([*hosts[:-1], (last, slots + np - total)])
         raise ValueError(f"requested -np {np} but the hosts offer only {total} slot{'s' if total != 1 else ''} "
-                         f"({format_hosts(hosts)})")
+                         f"({format_hosts(hosts)}): give the hosts {np} slots in all (-H {more}) or add hosts, "
+                         f"or lower -np to {total}")
     used = []  # (hostname, ranks placed on it), for hosts that get at least one rank
     remaining = np
     for name, slots in hosts:

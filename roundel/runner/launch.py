@@ -38,6 +38,7 @@ import threading
 from typing import Callable
 
 from roundel import __version__ as roundel_version
+from roundel.common import launcher_reports
 from roundel.common.settings import Settings
 from roundel.errors import SettingsError
 from roundel.rendezvous import network
@@ -219,6 +220,7 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
     start_timeout = _start_timeout(args, plan.settings_env)
     try:
         port = server.start()
+        server.set(launcher_reports.PRINTS_REPORTS, b"1")  # rank 0's end-of-job report comes here, printed last
         if on_store is not None:
             on_store(server)
         if args.verbose:
@@ -256,9 +258,12 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
         outcome = job.watch(not_started if remote_workers else None, 2 * start_timeout + 10, lost)
         if outcome is None:
             job.drain_output()
+            _print_reports(server)
             return 0
+        exited = _exits_before_stop(job, server, outcome)
         job.stop()
         job.drain_output()
+        _print_reports(server)
         kind, item = outcome
         if kind == "signal":
             spawn.say(f"roundelrun: received {spawn.signal_name(item)}; stopped all ranks")
@@ -274,14 +279,11 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
                       "stopped all ranks")
             return 1
         others = "; stopped the other ranks" if len(job.workers) > 1 else ""
-        # the first exit may be a rank that failed because another did: if both recorded their exception,
-        # blame the earlier (a rank that died without one, e.g. killed, cannot be ordered: it stays named)
-        first = lost_ranks.first_failure(server, by_rank)
-        if first is not None and first[0] != item.rank and \
-                lost_ranks.first_failure(server, [item.rank]) is not None:
-            item, why = by_rank[first[0]], first[1]
+        item, why = _blame(server, by_rank, item, exited)
+        if why is not None:
             _show_hidden_tail(item)
-            spawn.say(f"roundelrun: rank {item.rank} (host {item.host}) failed first: {why}{others}")
+            failed = "failed first" if len(job.workers) > 1 else "failed"
+            spawn.say(f"roundelrun: rank {item.rank} (host {item.host}) {failed}: {why}{others}")
             code = spawn.own_exit_code(item, server)
             return spawn.exit_status(code if code and code > 0 else 1)  # not the signal that stopped it
         _show_hidden_tail(item)
@@ -293,6 +295,50 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
         server.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _print_reports(server) -> None:
+    """The reports ranks handed over (rank 0's straggler table), after every rank's output."""
+    for line in launcher_reports.take_all(server):
+        spawn.say(line)
+
+
+CULPRIT_GRACE_S = 2.0
+"""How long the launcher waits for the other ranks to exit by themselves when the first rank to fail only
+lost a peer (a RoundelInternalError): the rank that left first (SystemExit, os._exit) may still be exiting."""
+
+
+def _exits_before_stop(job: spawn.WorkerGroup, server, outcome: tuple) -> list[Worker]:
+    """The failed workers that exited by themselves, in order: the first failure ``outcome`` names, then
+    those already exited; when that first one failed only because it lost a peer, also those that exit
+    within CULPRIT_GRACE_S."""
+    kind, item = outcome
+    if kind != "exit":
+        return []
+    record = lost_ranks.failure_records(server, [item.rank]).get(item.rank)
+    others = job.settle(CULPRIT_GRACE_S if record is not None and record[2] else 0.0)
+    return [item] + [w for w in others if w is not item and w.returncode != 0]
+
+
+def _blame(server, by_rank: dict, item: Worker, exited: list[Worker]) -> tuple[Worker, str | None]:
+    """The rank to name for the failure and its recorded exception (None: name it by its exit status).
+
+    The first exit may be a rank that failed because another did. The earliest recorded exception is
+    blamed when ``item`` (the first exit) recorded one too. A rank that ended without an exception of its own
+    (SystemExit, os._exit, a signal) cannot be ordered: it is named when it exited first, and before ranks
+    whose first recorded failure was a RoundelInternalError (they lost a peer, as that rank's leaving does).
+    """
+    records = lost_ranks.failure_records(server, by_rank)
+    if not records:
+        return item, None
+    first = min(records, key=lambda rank: records[rank][0])
+    _, why, internal = records[first]
+    unrecorded = [w for w in exited if w.rank not in records]
+    if internal and unrecorded:
+        return unrecorded[0], None
+    if item.rank in records:
+        return by_rank[first], why
+    return item, None
 
 
 def _show_hidden_tail(worker: Worker) -> None:

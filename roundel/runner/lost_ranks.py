@@ -40,14 +40,15 @@ def describe_lost(record: dict) -> str:
     return f"rank {record.get('rank')} (host {record.get('host')}) was lost: {record.get('reason')}"
 
 
-def first_failure(server, ranks) -> tuple[int, str] | None:
-    """(rank, "<Type>: <message>") of the earliest failure recorded among ``ranks``, or None."""
-    found = []
+def failure_records(server, ranks) -> dict[int, tuple[int, str, bool]]:
+    """rank -> (order, "<Type>: <message>", internal) of each of ``ranks`` that recorded its uncaught exception;
+    ``internal``: a RoundelInternalError, which a rank raises when another left the job under it."""
+    found = {}
     for rank in ranks:
         raw = server.get(failures.failed_key(rank))
         try:
             record = json.loads(raw) if raw is not None else None
-            found.append((int(record["order"]), rank, str(record["error"])))
-        except (ValueError, TypeError, KeyError):
+            found[rank] = (int(record["order"]), str(record["error"]), bool(record.get("internal", False)))
+        except (ValueError, TypeError, KeyError, AttributeError):
             continue
-    return min(found)[1:] if found else None
+    return found

@@ -540,6 +540,25 @@ class WorkerGroup:
                 return kind, item
         return ("lost", killed) if killed else None
 
+    def settle(self, timeout: float) -> list[Worker]:
+        """Wait up to ``timeout`` seconds for the workers still running to exit by themselves (a signal to
+        the launcher ends the wait, and stays queued for :meth:`stop`); return the workers whose exits were
+        queued, in the order they came."""
+        exited: list[Worker] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            wait = deadline - time.monotonic()
+            if not any(w.returncode is None for w in self.workers):
+                wait = 0.05  # all have ended: their exits are queued, or are about to be
+            try:
+                kind, item = self.events.get(timeout=max(0.0, wait))
+            except queue.Empty:
+                return exited
+            if kind == "signal":
+                self.events.put((kind, item))
+                return exited
+            exited.append(item)
+
     def stop(self) -> None:
         """SIGTERM (and SIGCONT, so that a stopped worker handles it) every process group, wait up to
         GRACE_SECONDS (cut short by another signal), then SIGKILL, which ends even a stopped process."""

@@ -5,6 +5,15 @@ so ``torch`` must be installed alongside TensorFlow; ``roundel.torch`` is not
 imported.
 """
 
+try:
+    import tensorflow as _tensorflow  # noqa: F401 - first, so that a missing TensorFlow says what to install
+except ImportError as _exc:
+    raise ImportError(
+        f"roundel.tensorflow needs TensorFlow 2.21 or later, which cannot be imported here ({_exc}): "
+        "pip install \"roundel[tensorflow]\" (or \"roundel[tensorflow-cpu]\" for the CPU-only build)",
+        name="tensorflow") from _exc
+del _tensorflow
+
 from roundel.common.basics import (
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,

@@ -41,20 +41,24 @@ class Summary:
 
     def text(self) -> str:
         """The summary as tables for a terminal."""
-        lines = [f"{'tensor':<40} {'phase':<28} {'count':>6} {'total ms':>10} {'mean ms':>9}"]
+        # names are never cut (two may differ only at their end): the column is as wide as the longest
+        width = max([40, *(len(tensor) for tensor, _ in self.phases)])
+        phase_width = max([28, *(len(phase) for phase in self.phase_order)])
+        head = f"{'phase':<{phase_width}} {'count':>6} {'total ms':>10} {'mean ms':>9}"
+        lines = [f"{'tensor':<{width}} {head}"]
         order = {phase: i for i, phase in enumerate(self.phase_order)}
         for (tensor, phase), durations in sorted(self.phases.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])):
             total = sum(durations)
-            lines.append(f"{tensor[:40]:<40} {phase:<28} {len(durations):>6} {total / 1000:>10.3f} "
+            lines.append(f"{tensor:<{width}} {phase:<{phase_width}} {len(durations):>6} {total / 1000:>10.3f} "
                          f"{total / len(durations) / 1000:>9.3f}")
         lines.append("")
-        lines.append(f"{'all tensors':<40} {'phase':<28} {'count':>6} {'total ms':>10} {'mean ms':>9}")
+        lines.append(f"{'all tensors':<{width}} {head}")
         totals = defaultdict(list)
         for (_, phase), durations in self.phases.items():
             totals[phase].extend(durations)
         for phase in self.phase_order:
             durations = totals[phase]
-            lines.append(f"{'':<40} {phase:<28} {len(durations):>6} {sum(durations) / 1000:>10.3f} "
+            lines.append(f"{'':<{width}} {phase:<{phase_width}} {len(durations):>6} {sum(durations) / 1000:>10.3f} "
                          f"{sum(durations) / len(durations) / 1000:>9.3f}")
         lines.append("")
         if self.ranks:

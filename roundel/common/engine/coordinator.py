@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from roundel.common import launcher_reports
 from roundel.common.control import channel as control_channel, codec as control_codec
 from roundel.common.control.messages import (Abort, Bye, Dispatch, Heartbeat, Joined, Lost, Merged, Relayed, Submit,
                                               Tune, Waits)
@@ -90,6 +91,7 @@ class Coordinator:
         self._submitted_at: dict[tuple, float] = {}  # rank 0's names -> when it submitted them (for metrics)
         if settings.metrics_port:
             self.metrics = MetricsServer(settings.metrics_port)
+            self.metrics.announce(engine.host)
             METRICS.collectors.append(self._gauges)
         self._ever_connected: set[int] = set()  # peers may join and leave (bye) before the last joins
         self.all_connected = threading.Event()  # every other rank has joined: init() may return
@@ -632,7 +634,7 @@ class Coordinator:
         if wanted == "off" or (wanted == "auto" and time.monotonic() - self._stragglers.started < 60.0):
             return
         lines = self._stragglers.report(self._hosts)
-        if lines:
+        if lines and not launcher_reports.hand_over(self._engine.rendezvous, lines):  # roundelrun prints it last
             sys.stderr.write("\n".join(lines) + "\n")
             sys.stderr.flush()
 

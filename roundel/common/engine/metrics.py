@@ -1,7 +1,8 @@
 """The job's counters in Prometheus' text format, served over HTTP by rank 0.
 
 ``roundelrun --metrics-port [HOST:]PORT`` (``ROUNDEL_METRICS_PORT``) makes rank
-0 serve ``GET /metrics`` (any path answers the same) with:
+0 serve ``GET /metrics`` (any path answers the same; rank 0 says where on
+its stderr: ``roundel: Prometheus metrics at http://HOST:PORT/metrics``) with:
 
 * ``roundel_collectives_total{kind,outcome}`` and
   ``roundel_collective_bytes_total{kind}``: rank 0's collectives and the
@@ -12,7 +13,7 @@
 * ``roundel_negotiation_seconds``: a histogram of the time rank 0's names
   waited for the other ranks and the coordinator before being dispatched;
 * ``roundel_stall_warnings_total``, ``roundel_deadlocks_total``,
-  ``roundel_elastic_resets_total``;
+  ``roundel_elastic_resets_total`` (at 0 from the start);
 * ``roundel_ranks`` and, per rank, ``roundel_rank_last_ratio`` (the share of
   cycles it submitted last) and ``roundel_rank_lag_seconds`` (its median lag
   behind the median rank then; see :mod:`roundel.common.engine.stragglers`).
@@ -27,6 +28,7 @@ from __future__ import annotations
 import bisect
 import http.server
 import math
+import sys
 import threading
 
 BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -45,6 +47,9 @@ _HELP = {
 }
 
 
+_UNLABELED_COUNTERS = ("roundel_stall_warnings_total", "roundel_deadlocks_total", "roundel_elastic_resets_total")
+
+
 def _labels(labels: tuple) -> str:
     return "{" + ",".join(f'{key}="{value}"' for key, value in labels) + "}" if labels else ""
 
@@ -54,7 +59,8 @@ class Metrics:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._counters: dict[tuple, float] = {}
+        # the counters without labels are there at 0 from the start, as Prometheus expects of a counter
+        self._counters: dict[tuple, float] = {(name, ()): 0.0 for name in _UNLABELED_COUNTERS}
         self._histograms: dict[tuple, list] = {}  # (name, labels) -> [bucket counts..., count, sum]
         self.collectors: list = []  # callables returning (name, labels tuple, value) gauges
 
@@ -99,6 +105,7 @@ class Metrics:
 
 
 METRICS = Metrics()
+_announced: set[str] = set()
 
 
 class MetricsServer:
@@ -124,8 +131,24 @@ class MetricsServer:
         self._server = http.server.ThreadingHTTPServer((host or "0.0.0.0", int(port)), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
+        self.host = host
         self._thread = threading.Thread(target=self._server.serve_forever, name="roundel-metrics", daemon=True)
         self._thread.start()
+
+    def where(self, this_host: str) -> str:
+        """``http://HOST:PORT/metrics``, HOST being ``this_host`` where every interface is served."""
+        if self.host in ("", "0.0.0.0", "::"):
+            return f"http://{this_host}:{self.port}/metrics (listening on every interface)"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def announce(self, this_host: str) -> None:
+        """Say on stderr where the metrics are, once per address in this process (an elastic reset serves
+        them again)."""
+        line = f"roundel: Prometheus metrics at {self.where(this_host)}"
+        if line not in _announced:
+            _announced.add(line)
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self._server.shutdown()
