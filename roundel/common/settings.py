@@ -398,7 +398,7 @@ SPECS = (
                group="library", help="collectives among the ranks of one host go through shared memory "
                                      "(the default)")),
     Spec("straggler_report", "STRAGGLER_REPORT", _straggler_report,
-         "1: rank 0 prints each rank's lag behind the others when the job ends; auto: when it ran longer "
+         "1: each rank's lag behind the others is reported when the job ends; auto: when it ran longer "
          "than a minute (roundel only)",
          _flag("--straggler-report", off=("--no-straggler-report",), off_help="never print the straggler table",
                group="observability", help="print each rank's lag behind the others when the job ends "
