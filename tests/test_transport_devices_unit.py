@@ -116,3 +116,41 @@ def test_closing_a_communicator_closes_the_cuda_one_beside_it():
     backend.for_device("cuda")
     factory.close(backend)
     assert backend.calls == [("close",)] and cuda.calls == [("close",)]
+
+
+class Aborting(Recorder):
+    def abort(self):
+        self.calls.append(("abort",))
+
+
+def test_a_broken_job_aborts_the_gpu_transport_of_every_process_set():
+    # NCCL kernels waiting on a lost peer must end at once, not at NCCL's timeout
+    from roundel.common.engine.executor import Executor
+    from roundel.errors import RoundelInternalError
+
+    job, other = Recorder(), Recorder()
+    job.cuda, other.cuda = Aborting(), Aborting()
+    executor = Executor({0: ((0, 1), job), 1: ((0, 1), other), 2: ((0,), None)}, lambda error: None, lambda: None)
+    try:
+        executor.abort(RoundelInternalError("rank 1 was lost"))
+        assert job.cuda.calls == [("abort",)] and other.cuda.calls == [("abort",)]
+        assert job.calls == [] and other.calls == []  # the host transports are left to the launcher's kill
+    finally:
+        executor.stop(5)
+
+
+def test_a_rank_runs_its_cuda_collectives_on_one_gpu():
+    # a batch fused from tensors on two GPUs could run on neither: the second GPU is refused at submission
+    from types import SimpleNamespace
+
+    import pytest
+
+    from roundel.common.engine.core import Engine
+
+    engine = SimpleNamespace(executor=SimpleNamespace(cuda_device=None), rank=1)
+    Engine.claim_cuda_device(engine, torch.device("cuda", 1))
+    Engine.claim_cuda_device(engine, torch.device("cuda:1"))
+    assert engine.executor.cuda_device == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"a tensor on cuda:0, but rank 1's CUDA collectives run on cuda:1: .*"
+                                         r"torch.cuda.set_device\(hvd.local_rank\(\)\)"):
+        Engine.claim_cuda_device(engine, torch.device("cuda", 0))

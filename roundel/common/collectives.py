@@ -126,9 +126,11 @@ def _request(what: str, kind: OpKind, buffer: torch.Tensor, name, process_set, c
 
 def _start(what: str, parts: list) -> list:
     """Queue ``(request, buffer, output)`` parts on the engine in one submission; returns the engine's handles."""
+    engine = basics.runtime(what).engine
     for device in {buffer.device for _, buffer, _ in parts if buffer.is_cuda}:
+        engine.claim_cuda_device(device)
         _order_after_current_stream(device)
-    return basics.runtime(what).engine.submit_group(parts)
+    return engine.submit_group(parts)
 
 
 def _order_after_current_stream(device: torch.device) -> None:
@@ -324,10 +326,13 @@ def join(device: int = -1) -> int:
 
     Until every rank has joined, the others' allreduces go on with this rank
     contributing zeros (and empty rows to allgathers). ``device`` is the GPU
-    on which those zeros are made for CUDA collectives (-1: the GPU of this
-    rank's last CUDA collective, else the current one).
+    on which those zeros are made for CUDA collectives (-1: this rank's GPU,
+    the one of its CUDA collectives, else the calling thread's current one).
+    Raises ValueError for a GPU other than the one its collectives ran on.
     """
     engine = basics.runtime("join").engine
     if device >= 0:
-        engine.executor.cuda_device = torch.device("cuda", device)
+        engine.claim_cuda_device(torch.device("cuda", device))
+    elif engine.cuda_device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        engine.claim_cuda_device(torch.device("cuda", torch.cuda.current_device()))  # this thread's device
     return engine.submit(Request(JOIN_NAME, OpKind.JOIN, 0, cacheable=False), None, None).wait()

@@ -207,6 +207,13 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release the communicator; later calls are undefined."""
 
+    def abort(self) -> None:
+        """End the transfers in progress now, the job being broken (a peer is lost); later calls fail.
+
+        Does nothing by default: a host transport's transfer with a dead peer ends when that peer's
+        process (killed by the launcher) closes its sockets.
+        """
+
 
 def _host_copy(tensor):
     """``tensor`` in host memory, outside autograd: a copy of a device tensor that requires grad would

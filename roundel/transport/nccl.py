@@ -10,6 +10,8 @@ at their first CUDA collective, with an error that says so.
 Calls return once the collective is queued on NCCL's stream and the calling
 thread's current stream waits for it; the executor synchronizes that stream
 before it completes the handles (see ``roundel.common.engine.executor``).
+When the job breaks (a peer is lost), the executor aborts the communicators
+(:meth:`NcclBackend.abort`), so no kernel is left waiting on the dead peer.
 """
 
 from __future__ import annotations
@@ -98,6 +100,16 @@ class NcclBackend(Backend):
         flag = torch.zeros(1, device="cuda")
         self.allreduce(flag, ReduceOp.Sum)
         torch.cuda.synchronize(flag.device)
+
+    def abort(self):
+        """Abort the NCCL communicators: a kernel or stream wait stuck on a lost peer ends now with an error,
+        instead of at NCCL's timeout (when torch's watchdog would end the whole process)."""
+        abort = getattr(self._pg, "abort", None)
+        if abort is not None:
+            try:
+                abort()
+            except RuntimeError:
+                pass
 
     def close(self):
         """Shut the process group down (its NCCL communicators with it) and drop it."""

@@ -47,6 +47,8 @@ import socket
 import threading
 import time
 
+import torch
+
 from roundel.common.control import channel as control_channel
 from roundel.common.engine import autotune, relay, small_allreduce
 from roundel.common.engine.coordinator import Coordinator
@@ -306,6 +308,24 @@ class Engine:
         for work in self._inflight.values():
             work.handle.set_error(error)
         self._inflight.clear()
+
+    @property
+    def cuda_device(self) -> torch.device | None:
+        """This rank's GPU (see ``claim_cuda_device``); None before its first CUDA collective."""
+        return self.executor.cuda_device
+
+    def claim_cuda_device(self, device: torch.device) -> None:
+        """Make ``device`` this rank's GPU, on which its CUDA collectives run (the first claim, or
+        ``join(device=...)``, decides); raises ValueError for another GPU: one GPU per rank, as in Horovod
+        (a batch fused from tensors on two GPUs could not run on either)."""
+        current = self.executor.cuda_device
+        if current is None:
+            self.executor.cuda_device = device
+        elif current != device:
+            raise ValueError(
+                f"a tensor on {device}, but rank {self.rank}'s CUDA collectives run on {current}: roundel runs one "
+                "GPU per rank; call torch.cuda.set_device(hvd.local_rank()) after hvd.init() and keep the "
+                "tensors of collectives on that GPU (or start one rank per GPU)")
 
     def break_job(self, message: str) -> None:
         """The job's communication is broken: fail what is in flight, and every later call, with ``message``."""

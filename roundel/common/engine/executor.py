@@ -158,12 +158,16 @@ class Executor:
 
         The batch running on the transport (possibly blocked on a dead or
         departed peer) finishes in the background; its result is dropped.
+        The GPU transports are aborted, so a CUDA batch's wait ends too.
         """
         with self._count_lock:
             self._aborted = error
             held = list(self._held.values())
         for works in held:
             self._fail(works, error)
+        for _, backend in list(self._process_sets.values()):
+            if backend is not None and backend.cuda is not None:
+                backend.cuda.abort()  # NCCL: a kernel waiting on the lost peer returns now
 
     def idle(self) -> bool:
         """True when no batch is queued or running."""
