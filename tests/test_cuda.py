@@ -60,3 +60,11 @@ def test_collectives_over_nccl():
 def test_two_ranks_on_one_gpu_fail_clearly_over_nccl():
     result = run_job(2, "torch_cuda.py", "shared_gpu", timeout=120)
     assert_checks_passed(result, 2, "shared_gpu")
+
+
+@needs_nccl
+def test_waiting_for_a_slow_gpu_sleeps_and_results_read_on_another_stream():
+    # the executor records a blocking event and a finalizer thread waits on it: no core spins for the GPU
+    for env in ({}, {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}):
+        result = run_job(1, "torch_cuda.py", "slow_gpu_cpu,other_stream_reads,side_stream", env=env, timeout=180)
+        assert_checks_passed(result, 1, "slow_gpu_cpu", "other_stream_reads", "side_stream")

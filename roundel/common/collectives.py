@@ -129,17 +129,7 @@ def _start(what: str, parts: list) -> list:
     engine = basics.runtime(what).engine
     for device in {buffer.device for _, buffer, _ in parts if buffer.is_cuda}:
         engine.claim_cuda_device(device)
-        _order_after_current_stream(device)
     return engine.submit_group(parts)
-
-
-def _order_after_current_stream(device: torch.device) -> None:
-    """Make ``device``'s default stream, on which the engine works, wait for what the caller's current stream
-    has queued so far (the tensor's producers), as Horovod's ready events do; a GPU-side wait."""
-    current = torch.cuda.current_stream(device)
-    default = torch.cuda.default_stream(device)
-    if current != default:
-        default.wait_stream(current)
 
 
 def _checked(what: str, buffer) -> torch.Tensor:

@@ -24,6 +24,7 @@ import threading
 from typing import Callable
 
 from roundel.errors import RoundelInternalError
+from roundel.rendezvous.store import RendezvousClient
 
 COUNTER = "launch/failures"
 WRITE_TIMEOUT_S = 2.0
@@ -56,8 +57,6 @@ def install(client_of: Callable[[], object]) -> None:
 
 def _env_client():
     """A client of the store roundelrun's variables name (None without them); the caller closes it."""
-    from roundel.rendezvous.store import RendezvousClient  # only when a rank fails before init()
-
     try:
         return RendezvousClient(os.environ["ROUNDEL_RENDEZVOUS_ADDR"], int(os.environ["ROUNDEL_RENDEZVOUS_PORT"]),
                                 bytes.fromhex(os.environ["ROUNDEL_SECRET"]), connect_timeout=WRITE_TIMEOUT_S)

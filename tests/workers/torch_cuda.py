@@ -8,6 +8,7 @@ script does with ``torch.cuda.set_device(hvd.local_rank())``, except in
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 import torch
@@ -81,6 +82,34 @@ def scenario_side_stream():
     check(hvd.synchronize(handle)[:8], np.full(8, SIZE * (SIZE + 1) / 2, dtype=np.float32), "side-stream input")
 
 
+def scenario_slow_gpu_cpu():
+    """Waiting for a collective behind a second of GPU work sleeps: the process's CPU time stays far below it."""
+    gpu = _own_gpu()
+    x = torch.ones(1 << 10, device=gpu)
+    hvd.allreduce(x, name="slow.warm")  # NCCL's communicator and the executor's first batch
+    torch.cuda.synchronize(gpu)
+    cpu, wall = time.process_time(), time.monotonic()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead of the collective's input
+    out = hvd.allreduce(x, name="slow.ar", op=hvd.Sum)
+    cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    check(out[:4], np.full(4, float(SIZE), dtype=np.float32), "allreduce after a slow kernel")
+    assert wall > 0.3, f"the GPU's sleep took only {wall:.2f} s: too short to tell waiting from spinning"
+    assert cpu < 0.5 * wall, f"{cpu:.2f} s of CPU while waiting {wall:.2f} s for the GPU: something spins"
+
+
+def scenario_other_stream_reads():
+    """A handle's result, once synchronized, is complete for a kernel on another stream."""
+    gpu = _own_gpu()
+    reader = torch.cuda.Stream(gpu)
+    for i in range(5):
+        x = torch.full((1 << 20,), float(RANK + i), device=gpu)
+        out = hvd.allreduce(x, name=f"reader.ar{i}", op=hvd.Sum)
+        with torch.cuda.stream(reader):
+            total = float(out.sum())
+        expected = (1 << 20) * sum(r + i for r in range(SIZE))
+        assert total == expected, f"read on another stream: {total} != {expected}"
+
+
 def _model(gpu) -> torch.nn.Module:
     torch.manual_seed(7)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double().to(gpu)
@@ -124,4 +153,5 @@ def scenario_shared_gpu():
 
 
 run_scenarios({"devices": scenario_devices, "side_stream": scenario_side_stream, "training": scenario_training,
+               "slow_gpu_cpu": scenario_slow_gpu_cpu, "other_stream_reads": scenario_other_stream_reads,
                "shared_gpu": scenario_shared_gpu}, sys.argv, RANK)

@@ -78,6 +78,19 @@ def _run_briefly(store_call) -> None:
     helper.join(_LOST_KEY_WRITE_S)
 
 
+def _ready_event(tensor, recorded: dict):
+    """For a CUDA tensor, an event recorded now on the calling thread's current stream of its GPU (one per
+    GPU and submission, kept in ``recorded``): the executor's stream waits on it, not on the whole device;
+    None for any other tensor."""
+    if tensor is None or not tensor.is_cuda:
+        return None
+    event = recorded.get(tensor.device)
+    if event is None:
+        event = recorded[tensor.device] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
 class Engine:
     """One rank's engine; create it after the global backend, stop it with ``shutdown()``."""
 
@@ -174,6 +187,7 @@ class Engine:
                     "finished); give each in-flight collective a unique name, or synchronize the first one")
             self._names_in_flight.update(keys)
         works = []
+        ready: dict = {}  # device -> the event after what this thread's stream there has queued so far
         counted = self._coordinator is not None and self._coordinator.metrics is not None
         for (request, tensor, output), key in zip(parts, keys):
             if counted:
@@ -185,7 +199,7 @@ class Engine:
             data = None
             if small_allreduce.eligible(request, self.settings.coordinator_reduce_bytes):
                 data = small_allreduce.snapshot(tensor)
-            works.append(Work(request, tensor, output, handle, data))
+            works.append(Work(request, tensor, output, handle, data, _ready_event(tensor, ready)))
         try:
             self._enqueue(*works)
         except BaseException:

@@ -18,9 +18,12 @@ nothing is queued ahead of it, that happens on the engine thread that received
 it, without a hop to the executor's.
 
 A batch of CUDA tensors runs on their GPU (made current for it) over the
-backend that ``Backend.for_device`` names, on that GPU's current stream; its
-handles complete once the device has finished, as in Horovod, so the results
-are ready on any stream.
+backend that ``Backend.for_device`` names, on that GPU's current stream, after
+what the submitting threads had queued on theirs. The executor does not wait
+for the device: it records a blocking CUDA event and goes on to the next
+batch, and a finalizer thread waits on the event (sleeping, not spinning)
+before the executor completes the handles, as Horovod's finalizer does; so
+results are ready on any stream once a handle completes.
 """
 
 from __future__ import annotations
@@ -57,15 +60,16 @@ class Work:
     None lets the executor allocate it (allgather, alltoall, reducescatter).
     """
 
-    __slots__ = ("request", "tensor", "output", "handle", "sent_bit", "data")
+    __slots__ = ("request", "tensor", "output", "handle", "sent_bit", "data", "ready")
 
-    def __init__(self, request: Request, tensor, output, handle: Handle, data: bytes | None = None):
+    def __init__(self, request: Request, tensor, output, handle: Handle, data: bytes | None = None, ready=None):
         self.request = request
         self.tensor = tensor
         self.output = output
         self.handle = handle
         self.sent_bit = None  # (cache version, bit) when submitted as a cache bit
         self.data = data  # the tensor's bytes, sent with the request for the coordinator to reduce
+        self.ready = ready  # a CUDA tensor's: an event after its producers on the submitting thread's stream
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -90,6 +94,19 @@ def _runs_alone(request: Request, work: Work | None, entries: int, side_by_side:
     if entries == 1:
         return True
     return side_by_side and math.prod(request.shape) * torch_dtype(request.dtype).itemsize >= OWN_CALL_BYTES
+
+
+def _reraise(exc: Exception):
+    raise exc
+
+
+class _OnGpu:
+    """A CUDA batch queued on its GPU; its handles complete once ``done`` (a blocking event after it) fires."""
+
+    __slots__ = ("batch", "works", "results", "done", "names")
+
+    def __init__(self, batch: Batch, works: list, results: list, done, names: list | None):
+        self.batch, self.works, self.results, self.done, self.names = batch, works, results, done, names
 
 
 class _InFlight:
@@ -120,7 +137,9 @@ class Executor:
         self._held: dict[int, list] = {}  # batches put and not yet finished: id -> works
         self._aborted: RoundelInternalError | None = None
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._in_flight: list[_InFlight] = []  # started in the background, not yet finished
+        self._in_flight: list[_InFlight | _OnGpu] = []  # started in the background, not yet finished
+        self._gpu_waits: "queue.SimpleQueue[_OnGpu]" = queue.SimpleQueue()  # for the finalizer thread
+        self._finalizer: threading.Thread | None = None  # started with the first CUDA batch
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._buffer_views = ShapedViews()  # the fusion buffers cut as the batches' tensors
         self.cuda_device: torch.device | None = None  # see _cuda_device; join(device=...) may set it
@@ -197,10 +216,16 @@ class Executor:
             item = self._queue.get()
             if item is None:
                 for flight in list(self._in_flight):
-                    self._land(flight)
+                    if isinstance(flight, _OnGpu):
+                        self._land_from_gpu(flight)
+                    else:
+                        self._land(flight)
                 return
             if isinstance(item, _InFlight):  # its transport calls are done
                 self._land(item)
+                continue
+            if isinstance(item, _OnGpu):  # its GPU work is done
+                self._land_from_gpu(item)
                 continue
             if isinstance(item, TunedParams):
                 job = self._process_sets[0][1]
@@ -218,6 +243,9 @@ class Executor:
                 self.tuned_at[(batch.process_set_id, entry.name)] = self._tuned
         if self._aborted is None and self._runs_in_background(batch):
             self._start_in_background(batch, works)
+            return
+        if self._aborted is None and self._runs_on_gpu(batch):
+            self._start_on_gpu(batch, works)
             return
         try:
             if self._aborted is not None:
@@ -356,14 +384,68 @@ class Executor:
         device = batch.entries[0].request.device
         backend = backend.for_device(device)
         try:
-            if device == "cpu":
-                return call(batch, works, backend, ranks)
-            with torch.cuda.device(self._cuda_device(works)):
-                results = call(batch, works, backend, ranks)
-                torch.cuda.current_stream().synchronize()
-                return results
+            return call(batch, works, backend, ranks)  # a CUDA batch: on its GPU, made current by _start_on_gpu
         except RuntimeError as exc:
             self._raise_from_transport(batch, backend, exc)
+
+    # ------------------------------------------------------------------- GPU
+    @staticmethod
+    def _runs_on_gpu(batch: Batch) -> bool:
+        """Whether ``batch`` moves CUDA tensors (a transport call on a GPU, completed by ``_land_from_gpu``)."""
+        return (batch.entries[0].request.device != "cpu" and not batch.error and batch.reduced is None
+                and batch.kind not in (OpKind.BARRIER, OpKind.JOIN))
+
+    def _start_on_gpu(self, batch: Batch, works: list) -> None:
+        """Queue ``batch`` on its GPU, after the events its works were submitted with, and hand it to the
+        finalizer thread; the executor goes on at once."""
+        names = self._names = [e.name for e in batch.entries] if self._timeline.active else None
+        self._phase("")  # out of QUEUE
+        try:
+            with torch.cuda.device(self._cuda_device(works)):
+                stream = torch.cuda.current_stream()
+                for ready in {id(w.ready): w.ready for w in works if w is not None and w.ready is not None}.values():
+                    stream.wait_event(ready)  # the producers the submitting thread had queued
+                results = self._run(batch, works)
+                done = torch.cuda.Event(blocking=True)  # waited on by sleeping, not by spinning a core
+                done.record(stream)
+        except Exception as exc:  # _run gave a transport's failure as a RoundelInternalError already
+            self._names = None
+            self._complete(works, functools.partial(_reraise, exc))
+            if names is not None:
+                self._timeline.end(names, None)
+            self._finished_one(works)
+            return
+        self._names = None
+        flight = _OnGpu(batch, works, results, done, names)
+        self._in_flight.append(flight)
+        if self._finalizer is None:
+            self._finalizer = threading.Thread(target=self._finalize, name="roundel-finalizer", daemon=True)
+            self._finalizer.start()
+        self._gpu_waits.put(flight)
+
+    def _finalize(self) -> None:
+        """The finalizer thread: wait for each CUDA batch's event in turn, then hand it back to the executor."""
+        while True:
+            flight = self._gpu_waits.get()
+            try:
+                flight.done.synchronize()
+            finally:
+                self._queue.put(flight)
+
+    def _land_from_gpu(self, flight: _OnGpu) -> None:
+        """Complete a CUDA batch's handles (waiting for its event first, when stopping)."""
+        self._in_flight.remove(flight)
+
+        def results() -> list:
+            flight.done.synchronize()
+            return flight.results
+
+        try:
+            finished = self._complete(flight.works, results)
+            if flight.names is not None:
+                self._timeline.end(flight.names, finished)
+        finally:
+            self._finished_one(flight.works)
 
     def _cuda_device(self, works: list) -> torch.device:
         """The GPU a CUDA batch runs on: its tensors' (for a batch this rank joined, the last one seen or
