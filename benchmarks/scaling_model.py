@@ -3,6 +3,7 @@
     python benchmarks/scaling_model.py             # fit benchmarks/measurements/{2core,16core}.json, predict
     python benchmarks/scaling_model.py --measurements a.json b.json --plot model.png --json model.json
     python benchmarks/scaling_model.py --collect OUT.json    # measure this machine first (minutes)
+    python benchmarks/scaling_model.py --gpu                 # ResNet-50 on GPU hosts over NCCL instead
 
 A measurements file is JSON of the form ``benchmarks/scaling.py`` writes::
 
@@ -97,6 +98,23 @@ keep up with the link), per hop the fitted Gloo alpha plus
 ``--hop-latency-us``. Compute per step: ResNet-50 from ``--resnet-step-ms``
 (an assumption, see its help), the MLP of ``torch_training.py`` measured
 single-rank.
+
+``--gpu`` predicts ResNet-50 on GPU hosts instead (``--gpus-per-host``, 8 by
+default): ``t = compute + engine + control(N) + comm - hidden``. ``comm`` is
+NCCL's allreduce of the buckets, ``lat + 2 (N-1)/N S / busbw`` per bucket
+(nccl-tests' bus bandwidth): on one host the host's NVLink/NVSwitch figure,
+across H hosts the smaller of it and the hosts' NICs together (NICs x line
+rate x ``--nic-efficiency``), with ``lat = host + 2 log2(H) net`` from NCCL's
+own tuning model. ``engine`` is roundel's gradient path per step as measured
+on one H100 (roundel against the same training without communication),
+``control(N)`` the control round trip of the fits above, paid once a step for
+the last bucket. Overlap with backward was not measured on a GPU, so each
+step is given at two bounds: none (``hidden = 0``), and every bucket but the
+last hidden under backward (``hidden = min((B-1) t_bucket, 2/3 compute)``).
+Two hosts are built in, each with the sources of its figures beside
+``GPU_HOSTS``: an A100 host (compute from NVIDIA's published ResNet-50 table,
+8 x 200 and 1 x 100 Gbit/s) and an H100 host (compute measured here on one
+H100, 8 x 400 and 1 x 100 Gbit/s).
 """
 
 from __future__ import annotations
@@ -126,6 +144,8 @@ GRADIENT_COPIES = {"roundel": 1, "ddp": 2}  # copies of all the gradients a trai
 RESNET50_PARAMS = 25_557_032
 BACKWARD_SHARE = 2 / 3  # backward's share of a step's compute, the window gradients can reduce in
 TARGET_ERROR = 0.20
+# "Horovod achieves 90% scaling efficiency for both Inception V3 and ResNet-101" on "128 servers with 4 Pascal GPUs
+# each connected by RoCE-capable 25 Gbit/s network" (https://github.com/horovod/horovod#why-horovod)
 HOROVOD = {"ranks": 512, "efficiency": 0.90,
            "label": "Horovod's README: ResNet-101 and Inception V3, 128 servers x 4 Pascal GPUs, 25 Gbit/s RoCE"}
 ALLREDUCE_SIZES = "4K,256K,1M,4M,16M,64M"  # 64 MiB: beyond many machines' L3 caches
@@ -521,6 +541,167 @@ def prediction_report(models: Models, predictions: list, args, mlp_bytes: int, r
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- GPU hosts
+# The GPU-host form (--gpu): the allreduce is NCCL's, at the bus bandwidth NVIDIA and NCCL's maintainers publish;
+# roundel's own costs are those measured (the control round trip fitted above, and one GPU's step with roundel
+# against the same step without communication). Every external figure carries its source.
+NCCL_TUNING = ("https://github.com/NVIDIA/nccl/blob/b6475625fbcaa2c3c0e50eed2fa1255d7514d4a2/src/graph/tuning.cc")
+# A 400 Gbit/s NIC (50 GB/s) gives NCCL 48 GB/s, NCCL's maintainers say: "You should achieve around 48GB/s from
+# each CX7 NIC at 400Gbps. Then with NVLink based nodes that can be aggregated to achieve up to ~396GB/s with the
+# RING protocol" (https://github.com/NVIDIA/nccl-tests/issues/319); at 200 Gbit/s the same share is 24 GB/s, as
+# they give for one HDR NIC (https://github.com/NVIDIA/nccl/issues/412) and 8 x 200 Gbit/s x 0.96 = 192 GB/s, what
+# NVIDIA measures on a DGX A100 (https://github.com/NVIDIA/nccl/issues/812). For other speeds the same share is an
+# assumption (--nic-efficiency).
+NIC_EFFICIENCY = 48 / 50
+# roundel's gradient path on one GPU, measured (docs/performance.md, "On a GPU"): ResNet-50, fp32, batch 64 on one
+# H100, 1,593.5 images/s with roundel's DistributedOptimizer over NCCL against 1,704.2 without communication
+H100_ROUNDEL_IPS, H100_SINGLE_IPS, H100_BATCH = 1593.5, 1704.2, 64
+GPU_ENGINE_MS = 1e3 * (H100_BATCH / H100_ROUNDEL_IPS - H100_BATCH / H100_SINGLE_IPS)  # 2.61 ms per step
+GPU_HOSTS = {
+    # ResNet-50 v1.5 on one A100 80GB: 2,470 img/s with mixed precision, batch 256 (NVIDIA's table and its
+    # configs.yml); NCCL's bus bandwidth on one 8-GPU NVSwitch host: NCCL's tuning model caps A100 at 235 GB/s;
+    # latency: NCCL's tuning model, one host: ring/Simple 8.4 + 14 x 3.4 us; across hosts: Tree/Simple 28 us per
+    # network step
+    "a100": {"label": "A100 host", "images_per_s": 2470.0, "batch": 256, "precision": "AMP",
+             "compute_source": "https://github.com/NVIDIA/DeepLearningExamples/blob/master/PyTorch/Classification/"
+                               "ConvNets/resnet50v1.5/README.md (batch: ../configs.yml)",
+             "local_gbytes": 235.0,
+             "local_source": "https://github.com/NVIDIA/nccl/blob/01afd20a77b5804e0ecf1042509dd9d20ebf9e93/"
+                             "src/graph/tuning.cc (compCap80 cap)",
+             "networks": "8x200,1x100", "host_us": 8.4 + 14 * 3.4, "net_us": 28.0},
+    # ResNet-50 on one H100 80GB: roundel's own measurement without communication, fp32, batch 64
+    # (docs/performance.md); NCCL on one H100 NVSwitch host with NVLink SHARP: "476GB/s looks to be in the
+    # expected range for H100" (https://github.com/NVIDIA/nccl-tests/issues/290); latency: NCCL's tuning model,
+    # NVLS/Simple 23 us on the host, NVLSTree/Simple 14 us per network step
+    "h100": {"label": "H100 host", "images_per_s": H100_SINGLE_IPS, "batch": H100_BATCH, "precision": "fp32",
+             "compute_source": "docs/performance.md#on-a-gpu (measured here, one H100, no communication)",
+             "local_gbytes": 476.0, "local_source": "https://github.com/NVIDIA/nccl-tests/issues/290",
+             "networks": "8x400,1x100", "host_us": 23.0, "net_us": 14.0},
+}
+
+
+def parse_nics(spec: str) -> list[tuple[int, float]]:
+    """``"8x400,1x100"``: [(NICs per host, Gbit/s each), ...]; raises ValueError on another form."""
+    nics = []
+    for item in filter(None, spec.split(",")):
+        count, _, gbit = item.lower().partition("x")
+        if not gbit:
+            raise ValueError(f"network {item!r} is not NICSxGBIT (e.g. 8x400)")
+        nics.append((int(count), float(gbit)))
+    return nics
+
+
+def nccl_allreduce(ranks: int, nbytes: float, per_host: int, local_bytes_per_s: float, nics: int, gbit: float,
+                   host_us: float, net_us: float, nic_efficiency: float = NIC_EFFICIENCY) -> float:
+    """Seconds of NCCL's allreduce of ``nbytes`` among ``ranks`` GPUs, ``per_host`` to a host.
+
+    ``lat + 2 (N - 1) / N * S / busbw``, nccl-tests' definition of bus bandwidth: on one host ``busbw`` is the
+    host's (NVLink/NVSwitch) and ``lat = host_us``; across H hosts ``busbw`` is the smaller of the host's and the
+    hosts' NICs together (``nics`` x ``gbit`` x ``nic_efficiency``), and ``lat = host_us + 2 log2(H) net_us`` (a
+    tree's way up and down across the hosts). 0 for one rank.
+    """
+    if ranks <= 1:
+        return 0.0
+    hosts = math.ceil(ranks / per_host)
+    busbw, lat = local_bytes_per_s, host_us
+    if hosts > 1:
+        busbw = min(local_bytes_per_s, nics * gbit * 1e9 / 8 * nic_efficiency)
+        lat += 2 * math.ceil(math.log2(hosts)) * net_us
+    return lat * 1e-6 + 2 * (ranks - 1) / ranks * nbytes / busbw
+
+
+def gpu_step(nbytes: float, compute_s: float, bucket_bytes: float, allreduce, control_s: float,
+             engine_s: float) -> dict:
+    """A GPU rank's step (seconds) at the two bounds of overlap with backward.
+
+    ``allreduce(bytes)`` costs one bucket (the gradients in equal buckets of at most ``bucket_bytes``);
+    ``control_s`` is the round trip that negotiates the last bucket, which starts when backward ends;
+    ``engine_s`` roundel's gradient path per step as measured on one GPU. No overlap: every bucket is reduced
+    after backward. Full overlap: all but the last bucket are reduced during backward, as far as
+    ``BACKWARD_SHARE`` of the compute reaches. Efficiency is compute / step.
+    """
+    buckets = max(1, math.ceil(nbytes / bucket_bytes))
+    per_bucket = allreduce(nbytes / buckets)
+    comm = buckets * per_bucket
+    hidden = min((buckets - 1) * per_bucket, BACKWARD_SHARE * compute_s)
+    serial = compute_s + engine_s + control_s + comm
+    return {"compute": compute_s, "engine": engine_s, "control": control_s, "comm": comm,
+            "last_bucket": per_bucket, "hidden": hidden, "step_no_overlap": serial,
+            "step_full_overlap": serial - hidden, "efficiency_no_overlap": compute_s / serial,
+            "efficiency_full_overlap": compute_s / (serial - hidden)}
+
+
+def gpu_hosts(args) -> list[dict]:
+    """The GPU hosts of ``args.gpu_hosts``, with the command line's overrides applied."""
+    hosts = []
+    for key in args.gpu_hosts:
+        host = dict(GPU_HOSTS[key], key=key)
+        host["compute_s"] = (args.gpu_step_ms / 1e3 if args.gpu_step_ms is not None
+                             else host["batch"] / host["images_per_s"])
+        if args.gpu_local_gbytes is not None:
+            host["local_gbytes"], host["local_source"] = args.gpu_local_gbytes, "--gpu-local-gbytes"
+        for name in ("host_us", "net_us"):
+            if getattr(args, f"nccl_{name}") is not None:
+                host[name] = getattr(args, f"nccl_{name}")
+        host["nics"] = parse_nics(args.gpu_networks or host["networks"])
+        hosts.append(host)
+    return hosts
+
+
+def predict_gpu(args, hosts: list, control) -> list:
+    """ResNet-50's step and efficiency at ``args.ranks`` GPUs on each host and network, both overlap bounds;
+    ``control(ranks)`` is the seconds of roundel's control round trip."""
+    rows = []
+    per_host, nbytes = args.gpus_per_host, RESNET50_PARAMS * 4
+    for host in hosts:
+        for nics, gbit in host["nics"]:
+            for n in args.ranks:
+                def allreduce(size, n=n, nics=nics, gbit=gbit, host=host):
+                    return nccl_allreduce(n, size, per_host, host["local_gbytes"] * 1e9, nics, gbit,
+                                          host["host_us"], host["net_us"], args.nic_efficiency)
+
+                parts = gpu_step(nbytes, host["compute_s"], args.bucket_mib * 2 ** 20, allreduce, control(n),
+                                 args.gpu_engine_ms / 1e3)
+                rows.append(dict(parts, host=host["label"], network=f"{nics} x {gbit:g} Gbit/s", ranks=n))
+    return rows
+
+
+def gpu_report(rows: list, hosts: list, args, control_note: str) -> str:
+    """The GPU-host predictions as a Markdown table, with their inputs and Horovod's published figure."""
+    lines = [f"GPU hosts: ResNet-50, {RESNET50_PARAMS * 4 / 2 ** 20:.1f} MiB of float32 gradients in "
+             f"{args.bucket_mib:g} MiB buckets, {args.gpus_per_host} GPUs to a host; NCCL across hosts at "
+             f"{args.nic_efficiency:.2f} of each NIC's line rate; roundel's gradient path "
+             f"{args.gpu_engine_ms:.2f} ms per step (one H100, measured); {control_note}."]
+    for host in hosts:
+        lines.append(f"- {host['label']}: compute {host['compute_s'] * 1e3:.1f} ms per step ("
+                     + (f"{host['images_per_s']:,g} images/s at batch {host['batch']}, {host['precision']}; "
+                        f"{host['compute_source']}" if args.gpu_step_ms is None else "--gpu-step-ms")
+                     + f"); NCCL on one host {host['local_gbytes']:g} GB/s ({host['local_source']}); latency "
+                     f"{host['host_us']:g} us + 2 log2(hosts) x {host['net_us']:g} us ({NCCL_TUNING})")
+    lines += ["", "| host | network | GPUs | NCCL per step ms | last bucket ms | control ms | engine ms "
+              "| no overlap: step ms | efficiency | full overlap: step ms | efficiency |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    one_host = set()  # (host, ranks) of the rows within one host: the same on every network, printed once
+    for r in rows:
+        network = r["network"]
+        if r["ranks"] <= args.gpus_per_host:
+            if (r["host"], r["ranks"]) in one_host:
+                continue
+            one_host.add((r["host"], r["ranks"]))
+            network = "none (one host)"
+        lines.append(f"| {r['host']} | {network} | {r['ranks']:,} | {r['comm'] * 1e3:.2f} | "
+                     f"{r['last_bucket'] * 1e3:.2f} | {r['control'] * 1e3:.1f} | {r['engine'] * 1e3:.1f} | "
+                     f"{r['step_no_overlap'] * 1e3:.1f} | {r['efficiency_no_overlap']:.1%} | "
+                     f"{r['step_full_overlap'] * 1e3:.1f} | {r['efficiency_full_overlap']:.1%} |")
+    lines += ["", "Overlap of NCCL with backward was not measured on a GPU: the two bounds are no overlap, and all "
+              "but the last bucket hidden under backward (2/3 of the compute). A model, not a measurement: no "
+              "multi-GPU run was made.",
+              f"For comparison, {HOROVOD['label']}: {HOROVOD['efficiency']:.0%} at {HOROVOD['ranks']} GPUs "
+              "(https://github.com/horovod/horovod#why-horovod; a published figure for other models, GPUs and "
+              "network, not modelled here)."]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- collecting
 def _run(command: list, env: dict | None = None) -> None:
     """Run a benchmark; raises RuntimeError with its output's tail when it fails."""
@@ -650,6 +831,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap", type=float, default=0.5,
                    help="share of the allreduce time that runs during backward (an assumption)")
     p.add_argument("--bucket-mib", type=float, default=25.0, help="gradient bucket size (the default's)")
+    gpu = p.add_argument_group("GPU hosts (--gpu)", "predict ResNet-50 on GPU hosts over NCCL instead; the "
+                               "defaults are published or measured figures (see the module's docstring)")
+    gpu.add_argument("--gpu", action="store_true",
+                     help="predict GPU hosts: NCCL within and across hosts, roundel's measured engine costs")
+    gpu.add_argument("--gpu-hosts", default="a100,h100", help=f"hosts to predict, of {', '.join(GPU_HOSTS)}")
+    gpu.add_argument("--gpus-per-host", type=int, default=8)
+    gpu.add_argument("--gpu-networks", metavar="NICSxGBIT,...",
+                     help="NICs per host x Gbit/s each, e.g. 8x400,8x200,1x100; if not given, per host: "
+                          "a100 8x200,1x100, h100 8x400,1x100")
+    gpu.add_argument("--nic-efficiency", type=float, default=NIC_EFFICIENCY,
+                     help="share of a NIC's line rate NCCL gets (48 GB/s of 50 at 400 Gbit/s, per NCCL's "
+                          "maintainers; other speeds: an assumption)")
+    gpu.add_argument("--gpu-step-ms", type=float,
+                     help="ResNet-50's compute per step on one GPU; if not given, per host: a100 256 / 2,470 "
+                          "images/s (published), h100 64 / 1,704.2 images/s (measured here)")
+    gpu.add_argument("--gpu-local-gbytes", type=float,
+                     help="NCCL's allreduce bus bandwidth on one host, GB/s; if not given, per host: a100 235, "
+                          "h100 476")
+    gpu.add_argument("--nccl-host-us", type=float, help="NCCL's allreduce latency on one host, µs; if not given, per "
+                     "host from NCCL's tuning model: a100 56, h100 23")
+    gpu.add_argument("--nccl-net-us", type=float, help="NCCL's latency per network step of a tree across hosts, "
+                     "µs; if not given, per host from NCCL's tuning model: a100 28, h100 14")
+    gpu.add_argument("--gpu-engine-ms", type=float, default=round(GPU_ENGINE_MS, 2),
+                     help="roundel's gradient path per step on a GPU (measured on one H100: 64 / 1,593.5 - "
+                          "64 / 1,704.2 images/s)")
     p.add_argument("--plot", default="scaling_model.png", metavar="PATH", help="PNG of efficiency vs ranks")
     p.add_argument("--json", metavar="PATH", help="also write the fits, checks and predictions as JSON")
     args = p.parse_args(argv)
@@ -657,7 +863,57 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.training_np = [int(n) for n in args.training_np.split(",") if n]
     args.ranks = [int(n) for n in args.ranks.split(",") if n]
     args.networks = [float(g) for g in args.networks.split(",") if g]
+    args.gpu_hosts = [h.strip().lower() for h in args.gpu_hosts.split(",") if h.strip()]
+    unknown = [h for h in args.gpu_hosts if h not in GPU_HOSTS]
+    if unknown:
+        p.error(f"--gpu-hosts: unknown {', '.join(unknown)} (known: {', '.join(GPU_HOSTS)})")
+    try:
+        if args.gpu_networks:
+            parse_nics(args.gpu_networks)
+    except ValueError as exc:
+        p.error(f"--gpu-networks: {exc}")
     return args
+
+
+def prediction_models(machines: dict, fitted: dict) -> tuple[Models, int | None, int | None]:
+    """The fits predictions use: the machine with the most cores (a host with a core per rank), with the relayed
+    control and relay hop fits of the machine that measured them. Returns (models, the machine of the relayed
+    control fit, that of the relay hop fit; None where none has one)."""
+    cores = max(machines)
+    models = Models(machines[cores])
+    relayed_from = next((c for c in sorted(fitted, key=lambda c: (c != cores, -c))
+                         if "control_relayed" in fitted[c].fits), None)
+    if relayed_from is not None:  # the serial part at rank 0, from the machine that measured it
+        models.fits["control_relayed"] = fitted[relayed_from].fits["control_relayed"]
+    hop_from = next((c for c in sorted(fitted, key=lambda c: (c != cores, -c)) if "relay_hop" in fitted[c].fits),
+                    None)
+    if hop_from is not None:
+        models.fits["relay_hop"] = fitted[hop_from].fits["relay_hop"]
+    return models, relayed_from, hop_from
+
+
+def main_gpu(args, machines: dict, plot) -> int:
+    """``--gpu``: ResNet-50 on GPU hosts; roundel's control round trip from the fits, NCCL's from its inputs."""
+    fitted = {cores: Models(data) for cores, data in machines.items()}
+    models, relayed_from, hop_from = prediction_models(machines, fitted)
+    hop = models.fits["ring"]["alpha_s"] + args.hop_latency_us * 1e-6
+    note = (f"control round trip from the fits of the {max(machines)}-core machine"
+            + ("" if relayed_from is None else f", through relays from {RELAY_FROM_RANKS} ranks (rank 0's part "
+               f"fitted on the {relayed_from}-core machine, a relay's handling on the {hop_from}-core one)")
+            + f", per hop across hosts {_us(hop)}")
+    hosts = gpu_hosts(args)
+    rows = predict_gpu(args, hosts, lambda n: models.control(n, hop, args.gpus_per_host))
+    print(gpu_report(rows, hosts, args, note))
+    lines = {f"{r['host']}, {r['network']}, {bound}": [p[f"efficiency_{key}"] for p in rows
+                                                       if p["host"] == r["host"] and p["network"] == r["network"]]
+             for r in rows if r["ranks"] == args.ranks[0]
+             for bound, key in (("no overlap", "no_overlap"), ("full overlap", "full_overlap"))}
+    path = plot(args.plot, args.ranks, lines, HOROVOD,
+                f"ResNet-50 on GPU hosts of {args.gpus_per_host}: predicted (a model, not a measurement)")
+    print(f"\nplot: {path}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"gpu_hosts": hosts, "gpu_predictions": rows}, indent=1))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -669,6 +925,8 @@ def main(argv=None) -> int:
     from plots import scaling_model_plot  # benchmarks/plots.py, beside this script
 
     machines = load(args.measurements)
+    if args.gpu:
+        return main_gpu(args, machines, scaling_model_plot)
     mlp_bytes = mlp_gradient_bytes()
     output, fitted = {"machines": {}}, {}
     for cores in sorted(machines):
@@ -678,15 +936,8 @@ def main(argv=None) -> int:
         print(machine_report(models, data, training, hierarchical) + "\n")
         output["machines"][cores] = {"fits": models.fits, "training": training, "hierarchical": hierarchical}
     cores = max(machines)  # the machine with the most cores stands for a host with a core per rank
-    data, models = machines[cores], Models(machines[cores])
-    relayed_from = next((c for c in sorted(fitted, key=lambda c: (c != cores, -c))
-                         if "control_relayed" in fitted[c].fits), None)
-    if relayed_from is not None:  # the serial part at rank 0, from the machine that measured it
-        models.fits["control_relayed"] = fitted[relayed_from].fits["control_relayed"]
-    hop_from = next((c for c in sorted(fitted, key=lambda c: (c != cores, -c)) if "relay_hop" in fitted[c].fits),
-                    None)
-    if hop_from is not None:
-        models.fits["relay_hop"] = fitted[hop_from].fits["relay_hop"]
+    data = machines[cores]
+    models, relayed_from, hop_from = prediction_models(machines, fitted)
     workloads = {"ResNet-50": (RESNET50_PARAMS * 4, args.resnet_step_ms / 1e3)}
     single = [r for r in data["training"] if r.get("model") == "mlp" and r.get("single_sps")]
     if single:

@@ -11,7 +11,8 @@ time the survivors' reset; ``benchmarks/relay_hops.py`` times a 2- and a 3-rank
 job with their relays chained and without. ``benchmarks/scaling.py`` runs its copy, allreduce
 and training comparisons at 2 ranks, and skips a rank count above the cores.
 ``benchmarks/scaling_model.py`` fits the committed measurements, and recovers
-the parameters of synthetic ones made by its laws.
+the parameters of synthetic ones made by its laws; its GPU-host form (``--gpu``)
+adds NCCL's published bandwidth to roundel's measured costs as its laws say.
 """
 
 from __future__ import annotations
@@ -235,3 +236,46 @@ def test_scaling_model_recovers_a_synthetic_law_and_fits_the_committed_measureme
     assert "control_relayed" in output["machines"]["2"]["fits"] and output["control_relayed_from"] == 2
     assert "relay_hop" in output["machines"]["2"]["fits"] and output["relay_hop_from"] == 2
     assert all(f"measurements/{name}.json" in committed.stdout for name in ("2core", "2core-relays", "16core"))
+
+
+def test_scaling_model_gpu_form_adds_nccl_to_roundels_measured_costs(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    import scaling_model as model  # noqa: E402 (beside the benchmarks, not a package)
+
+    # NCCL: one host at the host's bus bandwidth; 8 hosts at 8 NICs x 400 Gbit/s x 0.96 = 384 GB/s, with a tree's
+    # latency over log2(8) = 3 levels, up and down; the host's own figure where it is the smaller; nothing for one
+    gb = 1e9
+    assert math.isclose(model.nccl_allreduce(8, gb, 8, 400e9, 8, 400, 20.0, 10.0, 0.96),
+                        20e-6 + 2 * 7 / 8 * gb / 400e9)
+    assert math.isclose(model.nccl_allreduce(64, gb, 8, 400e9, 8, 400, 20.0, 10.0, 0.96),
+                        20e-6 + 6 * 10e-6 + 2 * 63 / 64 * gb / 384e9)
+    assert math.isclose(model.nccl_allreduce(64, gb, 8, 400e9, 8, 800, 20.0, 10.0, 0.96),
+                        20e-6 + 6 * 10e-6 + 2 * 63 / 64 * gb / 400e9)
+    assert model.nccl_allreduce(1, gb, 8, 400e9, 8, 400, 20.0, 10.0) == 0.0
+    assert model.parse_nics("8x400,1X100") == [(8, 400.0), (1, 100.0)]
+
+    # a step of 4 buckets of 2 ms: no overlap pays them all; full overlap hides all but the last, as far as
+    # backward (2/3 of the compute) reaches; the control round trip and the engine are paid either way
+    parts = model.gpu_step(100.0, 0.090, 25.0, lambda size: 0.002 * size / 25.0, 0.004, 0.0025)
+    assert math.isclose(parts["step_no_overlap"], 0.090 + 0.0025 + 0.004 + 0.008)
+    assert math.isclose(parts["step_full_overlap"], 0.090 + 0.0025 + 0.004 + 0.002)
+    assert math.isclose(parts["efficiency_full_overlap"], 0.090 / parts["step_full_overlap"])
+    short = model.gpu_step(100.0, 0.003, 25.0, lambda size: 0.002 * size / 25.0, 0.0, 0.0)
+    assert math.isclose(short["hidden"], 0.002)  # 2/3 of 3 ms of compute, not the 6 ms of three buckets
+
+    # the built-in hosts at 64-1,024 GPUs: more control per step, lower efficiency; the single-host rows once
+    figures = tmp_path / "gpu.json"
+    result = run_command([sys.executable, BENCHMARKS / "scaling_model.py", "--gpu", "--ranks", "8,64,512",
+                          "--gpu-networks", "8x400,1x100", "--plot", tmp_path / "gpu.png", "--json", figures],
+                         timeout=60)
+    assert result.returncode == 0, describe(result)
+    assert_valid_png(tmp_path / "gpu.png", result)
+    rows = json.loads(figures.read_text())["gpu_predictions"]
+    assert len(rows) == 2 * 2 * 3 and all(r["efficiency_no_overlap"] <= r["efficiency_full_overlap"] < 1
+                                         for r in rows), rows
+    table = [line for line in result.stdout.splitlines() if line.startswith(("| A100 host |", "| H100 host |"))]
+    assert len(table) == 2 * 5 and sum("none (one host)" in line for line in table) == 2, describe(result)
+    assert "90% at 512 GPUs" in result.stdout and "not measured on a GPU" in result.stdout, describe(result)
+    bad = run_command([sys.executable, BENCHMARKS / "scaling_model.py", "--gpu", "--gpu-networks", "400"],
+                      timeout=60)
+    assert bad.returncode == 2 and "NICSxGBIT" in bad.stderr, describe(bad)
