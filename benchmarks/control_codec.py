@@ -19,7 +19,7 @@ import timeit
 from roundel.common.control import codec as control_codec
 from roundel.ops import ReduceOp
 from roundel.common.control.messages import Dispatch, Heartbeat, Submit
-from roundel.common.engine.requests import Batch, CachedBatch, Entry, OpKind, Request
+from roundel.common.control.records import Batch, CachedBatch, Entry, OpKind, Request
 
 # the parameter count of ResNet-50: its gradients fused into one batch each step
 REQUESTS = [Request(f"grad.layer{i}.weight", OpKind.ALLREDUCE, 0, dtype="float32", shape=(256, 128),

@@ -75,7 +75,7 @@ from roundel.common.control import channel as control_channel, codec as control_
 from roundel.common.control.messages import Deliver, Dispatch, Heartbeat, Submit
 from roundel.common.engine import relay as relays
 from roundel.common.engine.core import Engine
-from roundel.common.engine.requests import CachedBatch, OpKind, Request
+from roundel.common.control.records import CachedBatch, OpKind, Request
 from roundel.common.settings import Settings
 from roundel.rendezvous.store import RendezvousClient, RendezvousServer
 from roundel.transport.backend import Backend

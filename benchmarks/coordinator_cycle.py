@@ -19,7 +19,7 @@ import time
 from roundel.common.control import codec as control_codec
 from roundel.common.control.messages import Dispatch
 from roundel.common.engine.negotiation import Negotiator
-from roundel.common.engine.requests import Batch, CachedBatch, Entry, OpKind, Request
+from roundel.common.control.records import Batch, CachedBatch, Entry, OpKind, Request
 
 
 def cycle_us(cached: int, hot: int, reps: int, ranks: int = 2) -> float:

@@ -12,11 +12,11 @@ import pytest
 from launch_util import assert_checks_passed, describe, rank_lines, run_job
 from roundel.common.engine import autotune
 from roundel.common.control import codec as control_codec
-from roundel.common.engine.autotune import LOG_COLUMNS, Autotuner, BayesianOptimizer, TunedParams
+from roundel.common.control.records import Batch, Entry, OpKind, Request, TunedParams
+from roundel.common.engine.autotune import LOG_COLUMNS, Autotuner, BayesianOptimizer
 from roundel.common.control.messages import Tune
 from roundel.errors import SettingsError
 from roundel.common.engine.negotiation import Negotiator
-from roundel.common.engine.requests import Batch, Entry, OpKind, Request
 from roundel.common.settings import MIB, Settings
 
 

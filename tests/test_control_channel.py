@@ -38,7 +38,7 @@ from launch_util import LAUNCHER, WORKERS_DIR, clean_env, rank_lines
 from preauth_attacker import Attacker
 from roundel.common.control import channel as control_channel
 from roundel.ops import ReduceOp
-from roundel.common.engine.requests import Batch, Entry, OpKind, Request
+from roundel.common.control.records import Batch, Entry, OpKind, Request
 
 SECRET = b"s" * 32
 PROTOCOL_MAGIC = b"RNDLCTL1"  # the coordinator's reply starts with it

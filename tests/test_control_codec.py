@@ -19,9 +19,8 @@ import pytest
 
 from roundel.common.control import codec as control_codec
 from roundel.ops import ReduceOp
-from roundel.common.engine.autotune import TunedParams
+from roundel.common.control.records import Batch, CachedBatch, Entry, OpKind, Request, TunedParams
 from roundel.common.control.messages import Abort, Bye, Dispatch, Heartbeat, Submit, Tune, Waits
-from roundel.common.engine.requests import Batch, CachedBatch, Entry, OpKind, Request
 
 REQUEST = Request("grad.layer1.weight", OpKind.ALLREDUCE, 0, dtype="float32", shape=(256, 128),
                   reduce_op=ReduceOp.Average, prescale=0.5, postscale=2.0)

@@ -28,7 +28,7 @@ from roundel.common.control.messages import (Abort, Bye, Deliver, Heartbeat, Joi
                                               Waits)
 from roundel.common.engine import relay as relays
 from roundel.common.engine.negotiation import Negotiator
-from roundel.common.engine.requests import OpKind, Request
+from roundel.common.control.records import OpKind, Request
 
 SECRET = os.urandom(32)
 

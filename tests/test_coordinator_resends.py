@@ -21,7 +21,7 @@ from rank0_harness import start_rank0
 
 from roundel.common.control import channel as control_channel
 from roundel.common.control.messages import Dispatch, Heartbeat, Submit, Waits
-from roundel.common.engine.requests import OpKind, Request
+from roundel.common.control.records import OpKind, Request
 
 ANSWER_AFTER_S = 2.0  # four times the deadlock check's grace
 

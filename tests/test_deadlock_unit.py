@@ -2,7 +2,7 @@
 
 from roundel.common.engine.deadlock import deadlocked_ranks, describe
 from roundel.common.engine.negotiation import JOIN_NAME, Negotiator
-from roundel.common.engine.requests import OpKind, Request
+from roundel.common.control.records import OpKind, Request
 
 
 def wait_for(name, set_id=0, kind="allreduce"):

@@ -15,7 +15,7 @@ from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, Rou
 from roundel.common.engine.executor import OWN_CALL_BYTES, Executor, Work
 from roundel.common.engine.handles import Handle
 from roundel.ops import ReduceOp
-from roundel.common.engine.requests import Batch, Entry, OpKind, Request
+from roundel.common.control.records import Batch, Entry, OpKind, Request
 from roundel.transport.backend import Backend, ShapedViews
 
 TIMEOUT_S = 20

@@ -1,9 +1,11 @@
 """The package's layers: imports only go down, adapters stay apart, and nothing hides a cycle.
 
     adapters   roundel.torch · roundel.tensorflow · roundel.keras · roundel.jax · roundel.mxnet   (and roundel.timeline, a tool)
-    core       roundel.common
+    core       roundel.common   (its control wire, roundel.common.control, stands below its engine:
+                                 the standard library and the ground modules only)
     below it   roundel.transport · roundel.rendezvous               (not each other)
     ground     roundel.errors · roundel.excepthook · roundel.ops · roundel.authwire · the roundel package itself
+    trainers   roundel.lightning (a trainer's strategy on top of the torch adapter)
     launcher   roundel.runner (may use everything but the adapters; no worker needs it)
     drivers    roundel.spark · roundel.ray (launchers inside Spark and on Ray: use roundel.runner)
 
@@ -30,6 +32,7 @@ LEVELS = {
     "roundel.torch": 3, "roundel.tensorflow": 3, "roundel.keras": 3, "roundel.timeline": 3,
     "roundel.jax": 3,
     "roundel.mxnet": 3,
+    "roundel.lightning": 4,
     "roundel.runner": 4,
     "roundel.spark": 5,
     "roundel.ray": 5,
@@ -46,6 +49,11 @@ SIDEWAYS = {
 }
 # Inside roundel.common, the engine and the control wire are rooms of their own; adapters use only the face.
 ROOMS = ("roundel.common.engine", "roundel.common.control")
+# The control wire (its records, messages, codec and channel) stands below the engine and the face: of roundel
+# it imports only itself and these ground modules, which need nothing but the standard library (the frame
+# tags, the reduction operators, the errors); of the rest, only the standard library (no NumPy, no torch).
+CONTROL = "roundel.common.control"
+CONTROL_MAY_IMPORT = ("roundel.authwire", "roundel.errors", "roundel.ops")
 # The top-level package's lazy attributes (roundel.run) reach the launcher.
 LAZY = {("roundel", "roundel.runner.run_api")}
 # Imports inside a function, each for a reason other than a cycle.
@@ -128,10 +136,40 @@ def test_adapters_use_only_the_face_of_roundel_common():
     assert not wrong, "adapters reaching into the engine or the control wire:\n" + "\n".join(wrong)
 
 
-def test_the_control_wire_knows_nothing_of_the_face():
-    wrong = [f"{m} -> {t}" for m, imports in EDGES.items() if m.startswith("roundel.common.control")
-             for t, _ in imports if _package(t) == "roundel.common" and not t.startswith(ROOMS)]
-    assert not wrong, wrong
+def _in_control(module: str) -> bool:
+    return module == CONTROL or module.startswith(CONTROL + ".")
+
+
+def test_the_control_wire_stands_below_the_engine():
+    control = [m for m in MODULES if _in_control(m)]
+    assert "roundel.common.control.records" in control and "roundel.common.control.codec" in control
+    wrong = [f"{m} -> {t}" for m in control for t, _ in EDGES[m]
+             if not _in_control(t) and not any(t == g or t.startswith(g + ".") for g in CONTROL_MAY_IMPORT)]
+    assert not wrong, "the control wire reaching above itself:\n" + "\n".join(wrong)
+    outside = []
+    for module in control:
+        for node in ast.walk(ast.parse(MODULES[module].read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            else:
+                continue
+            outside += [f"{module} -> {name}" for name in names
+                        if name.split(".")[0] not in sys.stdlib_module_names and name.split(".")[0] != "roundel"]
+    assert not outside, "the control wire importing beyond the standard library:\n" + "\n".join(outside)
+
+
+def test_importing_the_control_wire_loads_neither_the_engine_nor_numpy_nor_torch():
+    code = ("import sys\nimport roundel.common.control.channel, roundel.common.control.codec\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'torch') or "
+            "m.startswith('roundel.') and not m.startswith('roundel.common.control'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    beyond = {m if m.startswith("roundel.") else m.split(".")[0] for m in result.stdout.split()} - \
+        {"roundel.common", *GROUND}
+    assert not beyond, f"importing the control wire loaded {sorted(beyond)}"
 
 
 def test_launcher_imports_no_adapter():

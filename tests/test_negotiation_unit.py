@@ -11,7 +11,7 @@ import pytest
 
 from roundel.common.engine.negotiation import JOIN_NAME, Negotiator
 from roundel.ops import ReduceOp
-from roundel.common.engine.requests import OpKind, Request
+from roundel.common.control.records import OpKind, Request
 from roundel.common.engine.response_cache import RankCache
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from roundel.common.engine.requests import CachedBatch, OpKind, Request
+from roundel.common.control.records import CachedBatch, OpKind, Request
 from roundel.common.engine.response_cache import CoordinatorCache, RankCache
 
 

@@ -8,7 +8,7 @@ import torch
 
 from roundel.common.engine import small_allreduce
 from roundel.common.engine.negotiation import JOIN_NAME, Negotiator
-from roundel.common.engine.requests import OpKind, Request
+from roundel.common.control.records import OpKind, Request
 from roundel.ops import ReduceOp
 from roundel.transport.backend import scale
 

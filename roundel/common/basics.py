@@ -20,7 +20,8 @@ from datetime import timedelta
 from roundel.common import communicator, failures
 from roundel.common.engine.core import Engine
 from roundel.common.process_sets import ProcessSet, global_process_set
-from roundel.common.engine.requests import OpKind, ProcessSetChange, Request
+from roundel.common.control.records import OpKind, Request
+from roundel.common.engine.requests import ProcessSetChange
 from roundel.common.settings import Settings
 from roundel.common.engine.timeline import Timeline
 from roundel.errors import NotInitializedError, RoundelInternalError

@@ -23,7 +23,7 @@ import torch
 from roundel.common import basics
 from roundel.common.engine.negotiation import JOIN_NAME
 from roundel.common.process_sets import global_process_set
-from roundel.common.engine.requests import OpKind, Request
+from roundel.common.control.records import OpKind, Request
 from roundel.ops import ReduceOp
 
 __all__ = ["Pending", "allgather_async", "allreduce_async", "alltoall_async", "barrier", "broadcast_async",

@@ -31,3 +31,16 @@ from roundel.jax.mpi_ops import (
 from roundel.jax.optimizer import DistributedOptimizer
 from roundel.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
+__all__ = [
+    "Adasum", "Average", "CollectiveDeadlockError", "CollectiveMismatchError", "Compression", "DistributedOptimizer",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min", "NotInitializedError", "ProcessSet", "Product",
+    "ReduceOp", "RoundelError", "RoundelInternalError", "Sum", "add_process_set", "allgather", "allgather_async",
+    "allgather_object", "allreduce", "allreduce_async", "alltoall", "alltoall_async", "barrier", "broadcast",
+    "broadcast_async", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic", "global_process_set", "gloo_built",
+    "gloo_enabled", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
+    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
+    "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size", "start_timeline",
+    "stop_timeline", "synchronize"
+]

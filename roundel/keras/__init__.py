@@ -46,8 +46,8 @@ __all__ = [
     "Product", "ReduceOp",
     "RoundelError", "RoundelInternalError", "Sum", "add_process_set", "allgather", "allgather_object",
     "allreduce", "broadcast", "broadcast_global_variables", "broadcast_object", "broadcast_variables",
-    "callbacks", "cross_rank", "cross_size", "cuda_built", "gloo_built", "gloo_enabled", "global_process_set",
-    "init", "is_homogeneous", "is_initialized", "keras", "load_model", "local_rank", "local_size", "mpi_built",
-    "mpi_enabled", "mpi_threads_supported", "nccl_built", "optimizers", "rank", "reducescatter",
-    "remove_process_set", "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline",
+    "callbacks", "cross_rank", "cross_size", "cuda_built", "elastic", "gloo_built", "gloo_enabled",
+    "global_process_set", "init", "is_homogeneous", "is_initialized", "keras", "load_model", "local_rank",
+    "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "optimizers", "rank",
+    "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline",
 ]

@@ -25,3 +25,15 @@ from roundel.mxnet.mpi_ops import (
     grouped_allreduce_, grouped_reducescatter, init, reducescatter,
 )
 from roundel.mxnet.optimizer import DistributedOptimizer, DistributedTrainer
+
+__all__ = [
+    "Adasum", "Average", "CollectiveDeadlockError", "CollectiveMismatchError", "Compression", "DistributedOptimizer",
+    "DistributedTrainer", "HorovodInternalError", "Max", "Min", "NotInitializedError", "ProcessSet", "Product",
+    "ReduceOp", "RoundelError", "RoundelInternalError", "Sum", "add_process_set", "allgather", "allgather_object",
+    "allreduce", "allreduce_", "alltoall", "broadcast", "broadcast_", "broadcast_object", "broadcast_parameters",
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built",
+    "gloo_enabled", "grouped_allgather", "grouped_allreduce", "grouped_allreduce_", "grouped_reducescatter", "init",
+    "is_homogeneous", "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "remove_process_set", "rocm_built", "shutdown",
+    "size", "start_timeline", "stop_timeline"
+]

@@ -110,11 +110,12 @@ class Bootstrap:
         through the store (a collective over all ranks). Raises RoundelInternalError on timeout."""
         if self.identity is not None:
             return self.identity
-        if self.elastic:
+        if self.worker_id is not None:  # elastic
             assignment = elastic_join.join(client, self.worker_id, _elastic_timeout())
             self.generation, self.hosts_version = assignment.generation, assignment.hosts_version
             return assignment.identity
         info = self.launcher
+        assert info is not None  # discover() gives one whenever it gives no identity and no worker id
         host_key = socket.gethostname()
         if info.launcher == "torchrun" and "GROUP_RANK" in os.environ:
             host_key += "/" + os.environ["GROUP_RANK"]
@@ -122,6 +123,7 @@ class Bootstrap:
         try:
             client.set(f"{prefix}boot/{info.rank}", mine)
             if info.rank == 0:
+                assert info.size is not None  # only a PMIx launcher leaves it out, and _mpi() fills it in
                 table = [json.loads(client.get(f"{prefix}boot/{r}", timeout_s)) for r in range(info.size)]
                 self.forget_secret_file()  # every rank has proven the secret: the file has served
                 client.set(f"{prefix}boot/table", json.dumps(table).encode())
@@ -236,6 +238,7 @@ def _torchrun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeo
                 secret_file.publish(path, secret_file.JobSecret(secret, host, port))
             store.set(key, json.dumps([host, port, nonce]))
             if serve:  # our own TCPStore on MASTER_PORT: keep it until every rank has read the key
+                assert info.size is not None  # torchrun sets WORLD_SIZE
                 deadline = time.monotonic() + timeout_s
                 while store.add(key + "/read", 0) < info.size - 1:
                     if time.monotonic() > deadline:
@@ -301,7 +304,7 @@ def _mpi(info: LauncherIdentity, env: Mapping[str, str]):
                                    f"launcher's variables say {info.rank} of {info.size}")
     info = dataclasses.replace(info, size=comm.Get_size())  # a PMIx launcher may not have said
     server = None
-    message = None
+    message: tuple | None = None
     if info.rank == 0:
         try:
             local_only = info.local_size is not None and info.local_size == info.size
@@ -411,6 +414,7 @@ def _indexed_job(info: LauncherIdentity, env: Mapping[str, str]):
         secret_file.exported_secret(env)
     if info.rank != 0:
         return host, port, secret, None, None
+    assert secret is not None  # ROUNDEL_SECRET is set: checked above
     try:  # index 0's own name may not be in the cluster's DNS yet: its address then comes from its interfaces
         listen = _own_listen_address(host, env)
     except ValueError as exc:
@@ -438,9 +442,8 @@ def discover(prefix: str, timeout_s: float, environ: Mapping[str, str] | None = 
     info = detect_launcher(env)
     if info is None:
         secret = new_secret()
-        server = _start_server("127.0.0.1", 0, secret)
-        return Bootstrap("127.0.0.1", server.port, secret, server,
-                         Identity(0, 1, 0, 1, 0, 1, socket.gethostname()))
+        alone = _start_server("127.0.0.1", 0, secret)
+        return Bootstrap("127.0.0.1", alone.port, secret, alone, Identity(0, 1, 0, 1, 0, 1, socket.gethostname()))
     explicit = _explicit(env)
     if explicit is not None:
         if info.size is None:

@@ -54,6 +54,7 @@ def store(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s
         path = secret_file.job_secret_path("horovod", f"{host}.{port}.{prefix.rstrip('/')}", env)
     if info.rank != 0:
         if secret is None:
+            assert path is not None  # made above for a job without an exported secret
             secret = secret_file.read(path, timeout_s, f"rank {info.rank} of {info.size} (Horovod's Gloo variables)"
                                       ).secret
         return host, port, secret, None, None

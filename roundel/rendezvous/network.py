@@ -50,7 +50,7 @@ def resolve(host: str) -> str:
     except OSError as exc:
         raise ValueError(f"cannot resolve host {host!r}: {exc}") from None
     infos.sort(key=lambda info: info[0] != socket.AF_INET)
-    return infos[0][4][0]
+    return str(infos[0][4][0])  # an IPv4 or IPv6 address: a str already
 
 
 def is_loopback(addr: str) -> bool:

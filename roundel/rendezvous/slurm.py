@@ -45,7 +45,7 @@ def _split_top_level(text: str) -> list[str]:
 
 def _expand_group(group: str) -> list[str]:
     """The names a bracket group's inside stands for: ``01-03,7`` is 01, 02, 03, 7."""
-    out = []
+    out: list[str] = []
     for item in group.split(","):
         match = _RANGE.fullmatch(item.strip())
         if not match:

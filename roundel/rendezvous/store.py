@@ -173,8 +173,9 @@ class RendezvousServer:
                 pass
         if self._accept_thread is not None:
             self._accept_thread.join(timeout=5)
-            self._refusals.flush()
-            self._troubles.flush()
+            for rate_limited in (self._refusals, self._troubles):
+                if rate_limited is not None:  # made with the thread
+                    rate_limited.flush()
 
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key`` and wake clients waiting for it."""
@@ -301,7 +302,7 @@ class RendezvousClient:
             status, payload = self._request(_OP_GET, key, b"", wait)
             if status != _TIMED_OUT:
                 return payload
-            if deadline is not None and time.monotonic() >= deadline:
+            if timeout is not None and deadline is not None and time.monotonic() >= deadline:
                 raise RendezvousTimeout(
                     f"rendezvous key {key!r} was not set within {max(0.0, float(timeout)):g} seconds; "
                     "check that every rank of the job started and reached the same point"

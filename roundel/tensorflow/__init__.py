@@ -41,3 +41,19 @@ from roundel.tensorflow.mpi_ops import (
 )
 from roundel.tensorflow.optimizer import DistributedOptimizer
 from roundel.tensorflow.sync_batch_norm import SyncBatchNormalization
+
+__all__ = [
+    "Adasum", "Average", "CollectiveDeadlockError", "CollectiveMismatchError", "Compression",
+    "DistributedGradientTape", "DistributedOptimizer", "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min",
+    "NotInitializedError", "PartialDistributedGradientTape", "ProcessSet", "Product", "ReduceOp", "RoundelError",
+    "RoundelInternalError", "Sum", "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object",
+    "allreduce", "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object",
+    "broadcast_object_fn", "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+    "elastic", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
+    "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op",
+    "local_size", "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
+    "process_set_included_op", "rank", "rank_op", "reducescatter", "remove_process_set", "rocm_built", "shutdown",
+    "size", "size_op", "start_timeline", "stop_timeline", "util"
+]
+# Private names where Horovod has them (hvd._allreduce: tests/workers/tf_fidelity.py), listed as re-exported
+__all__ += ["_allreduce", "_executing_eagerly"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import math
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,9 @@ import torch.distributed as dist
 from roundel.ops import ReduceOp
 
 #: ``torch.distributed``'s reduction for each op a backend reduces (Average is summed; the executor divides).
-TORCH_REDUCE_OPS = {
+#: Any: torch's stubs type these members as ``ReduceOp.RedOpType`` but the options' ``reduceOp`` they are
+#: assigned to as ``ReduceOp``, which pybind11 converts them to.
+TORCH_REDUCE_OPS: dict[ReduceOp, Any] = {
     ReduceOp.Sum: dist.ReduceOp.SUM,
     ReduceOp.Average: dist.ReduceOp.SUM,
     ReduceOp.Min: dist.ReduceOp.MIN,
@@ -143,7 +146,7 @@ class Backend(abc.ABC):
     cuda: Backend | None = None
     #: Makes ``cuda`` at the first CUDA collective (set by the factory; returns None where it cannot), so
     #: that a job that never uses a GPU starts nothing of CUDA's.
-    make_cuda = None
+    make_cuda: Callable[[], Backend | None] | None = None
     #: Whether autotune may switch this communicator between hierarchical and flat collectives (``use``).
     tunable_hierarchy = False
 
@@ -175,7 +178,7 @@ class Backend(abc.ABC):
     #: ``allreduce_async(tensor, op)``, where offered: start :meth:`allreduce` on the transport's own
     #: threads and return a ``torch.futures.Future`` that completes once ``tensor`` holds the result
     #: (or fails with the transport's ``RuntimeError``). Calls run in the order they are made.
-    allreduce_async = None
+    allreduce_async: Callable[[Any, ReduceOp], torch.futures.Future] | None = None
 
     #: The dtypes ``allreduce_fused(inputs, outputs, op, prescale, postscale)`` takes, where offered:
     #: allreduce contiguous ``inputs`` of one dtype as a fusion buffer of them would be (scaled by
@@ -213,6 +216,19 @@ class Backend(abc.ABC):
         Does nothing by default: a host transport's transfer with a dead peer ends when that peer's
         process (killed by the launcher) closes its sockets.
         """
+
+
+class RootedBackend(Backend):
+    """A backend that also reduces and gathers to one member, as the local communicator of hierarchical
+    collectives must (:mod:`roundel.transport.hierarchical`): Gloo, MPI and shared memory."""
+
+    @abc.abstractmethod
+    def reduce(self, tensor, root: int, op: ReduceOp) -> None:
+        """Reduce ``tensor`` into the root member's copy (the others' are left undefined)."""
+
+    @abc.abstractmethod
+    def gather(self, outputs: list, tensor, root: int) -> None:
+        """Gather ``tensor`` from every member into the root's ``outputs`` (one tensor per member)."""
 
 
 def _host_copy(tensor):

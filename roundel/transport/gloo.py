@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 import resource
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from roundel.transport.backend import COMBINE, TORCH_REDUCE_OPS, Backend, narrow_back, shut_down, widened
+from roundel.transport.backend import COMBINE, TORCH_REDUCE_OPS, RootedBackend, narrow_back, shut_down, widened
 
 log = logging.getLogger("roundel")
 
@@ -59,17 +60,18 @@ def raise_open_file_limit() -> None:
     log.debug("roundel: raised the open file limit (RLIMIT_NOFILE) from %s to %s", soft, target)
 
 
-class GlooBackend(Backend):
+class GlooBackend(RootedBackend):
     """Collectives over a private ``ProcessGroupGloo``."""
 
     name = "gloo"
 
     def __init__(self, store, rank: int, size: int, timeout_s: float, hostname: str = ""):
         super().__init__(rank, size)
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lacks _Options
         options._timeout = timedelta(seconds=timeout_s)
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
-        self._pg = dist.ProcessGroupGloo(store, rank, size, options)
+        # Any: torch's stub of ProcessGroupGloo (a c10d Backend) lacks the collectives its pybind11 class has
+        self._pg: Any = dist.ProcessGroupGloo(store, rank, size, options)
         self._native_reduce_scatter = True  # older torch (2.6 among them) has no reduce_scatter in Gloo
 
     def _allreduce_work(self, sent, op):

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from roundel.ops import ReduceOp
-from roundel.transport.backend import Backend
+from roundel.transport.backend import Backend, RootedBackend
 
 log = logging.getLogger("roundel")
 
@@ -53,7 +53,7 @@ class HierarchicalBackend(Backend):
 
     tunable_hierarchy = True
 
-    def __init__(self, flat: Backend, local: Backend, cross: Backend, order: list[int] | None,
+    def __init__(self, flat: Backend, local: RootedBackend, cross: Backend, order: list[int] | None,
                  hierarchical_allreduce: bool, hierarchical_allgather: bool):
         super().__init__(flat.rank, flat.size)
         self.name = flat.name  # the timeline names the transport's calls as the flat ones
@@ -113,7 +113,7 @@ class HierarchicalBackend(Backend):
             backend.close()
 
 
-def build(flat: Backend, placement, sub_communicator: Callable[[str, tuple[int, ...], int, bool], Backend],
+def build(flat: Backend, placement, sub_communicator: Callable[[str, tuple[int, ...], int, bool], RootedBackend],
           hierarchical_allreduce: bool, hierarchical_allgather: bool) -> Backend:
     """``flat`` wrapped with hierarchical collectives when the job qualifies, else ``flat`` itself.
 
@@ -126,7 +126,7 @@ def build(flat: Backend, placement, sub_communicator: Callable[[str, tuple[int, 
     group's rank order, ``rank`` is this rank's place among them and
     ``one_host`` says whether they all run on this host (the local group). The
     transport must offer ``reduce`` and ``gather`` besides the collectives of
-    :class:`Backend`.
+    :class:`Backend` (a :class:`~roundel.transport.backend.RootedBackend`).
     """
     mine = torch.tensor([placement.local_rank, placement.local_size, placement.cross_rank,
                          placement.cross_size], dtype=torch.int64)

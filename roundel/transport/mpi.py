@@ -21,7 +21,7 @@ import torch
 from mpi4py import MPI
 
 from roundel.ops import ReduceOp
-from roundel.transport.backend import Backend
+from roundel.transport.backend import RootedBackend
 
 _MPI_OPS = {
     ReduceOp.Sum: MPI.SUM,
@@ -54,7 +54,7 @@ def _row_size(tensor) -> int:
     return math.prod(tensor.shape[1:])
 
 
-class MPIBackend(Backend):
+class MPIBackend(RootedBackend):
     """Collectives over a private MPI communicator of ``members`` (ranks of ``parent``)."""
 
     name = "mpi"

@@ -17,6 +17,7 @@ When the job breaks (a peer is lost), the executor aborts the communicators
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,8 @@ class NcclBackend(Backend):
         # NCCL reads the store (under keys of its own) at each device's first collective, long after this:
         # a store written in Python must stay alive on the Python side until then
         self._stores = (store, dist.PrefixStore("nccl/", store))
-        self._pg = dist.ProcessGroupNCCL(self._stores[1], rank, size, options)
+        # Any: torch's stub of ProcessGroupNCCL (a c10d Backend) lacks the collectives its pybind11 class has
+        self._pg: Any = dist.ProcessGroupNCCL(self._stores[1], rank, size, options)
 
     @staticmethod
     def _wait(start) -> None:

@@ -52,11 +52,12 @@ import socket
 import struct
 import tempfile
 import uuid
+from typing import Callable
 
 import torch
 
 from roundel.ops import ReduceOp
-from roundel.transport.backend import (ARITHMETIC_DTYPES, COMBINE, Backend, ShapedViews, narrow_back, scale,
+from roundel.transport.backend import (ARITHMETIC_DTYPES, COMBINE, RootedBackend, ShapedViews, narrow_back, scale,
                                       widened, widens)
 from roundel.transport.host_barrier import HostBarrier
 
@@ -67,13 +68,14 @@ DIRECT_BYTES = 1 << 20  # a reduction up to this size is combined whole by every
 MANY_SMALL_BYTES = 64 << 10  # a direct fused allreduce of tensors this small on average goes as one range
 _VIEWS_KEPT = 8192  # views of the segment kept: four per tensor (two banks, slot and result) of 2,000 tensors
 _SHARE_ALIGNMENT = 16  # elements: members' shares of a piece start 64 bytes apart or more (float32)
-_PAIRWISE = {ReduceOp.Sum: torch.add, ReduceOp.Average: torch.add, ReduceOp.Min: torch.minimum,
-             ReduceOp.Max: torch.maximum, ReduceOp.Product: torch.mul}
+_PAIRWISE: dict[ReduceOp, Callable[..., torch.Tensor]] = {
+    ReduceOp.Sum: torch.add, ReduceOp.Average: torch.add, ReduceOp.Min: torch.minimum, ReduceOp.Max: torch.maximum,
+    ReduceOp.Product: torch.mul}
 _RANK = struct.Struct("!i")
 _OWN = ("allreduce", "allgather", "broadcast", "barrier", "reduce", "gather", "reducescatter")  # moved here
 
 
-def attach(inner: Backend, store, timeout_s: float) -> Backend:
+def attach(inner: RootedBackend, store, timeout_s: float) -> RootedBackend:
     """``inner`` wrapped in a :class:`SharedMemoryBackend` of the same members (all on this host), or
     ``inner`` itself on every member when the segment cannot be set up on some member."""
     if inner.size == 1:
@@ -195,18 +197,18 @@ class _NotShared(Exception):
     """Some member could not set the segment up (every member raises it alike)."""
 
 
-class SharedMemoryBackend(Backend):
+class SharedMemoryBackend(RootedBackend):
     """Collectives through a segment of shared memory; the others by ``inner``."""
 
-    def __init__(self, inner: Backend, store, timeout_s: float):
+    def __init__(self, inner: RootedBackend, store, timeout_s: float):
         super().__init__(inner.rank, inner.size)
         self.inner = inner
         self.name = "shm"
         self._timeout_s = timeout_s
         self._calls = 0
         self._path: str | None = None
-        self._mapping = None
-        self._memory = None
+        self._mapping: mmap.mmap | None = None
+        self._memory: torch.Tensor | None = None
         self._peers: dict[int, socket.socket] = {}
         self._barrier: HostBarrier | None = None
         self._views: dict = {}
@@ -267,7 +269,7 @@ class SharedMemoryBackend(Backend):
             listener.close()
         self._barrier = HostBarrier(self.rank, self.size, self._peers)
         self._barrier.wait()
-        if self.rank == 0:
+        if self.rank == 0 and self._path is not None:  # member 0 made the segment
             os.unlink(self._path)  # every member has it mapped
         self._path = None
 
@@ -303,6 +305,11 @@ class SharedMemoryBackend(Backend):
         return ""
 
     # ------------------------------------------------------------------ slots
+    def _wait(self) -> None:
+        """Wait at the host barrier until every member has reached the same point."""
+        assert self._barrier is not None  # set up before any collective
+        self._barrier.wait()
+
     def _bank(self, dtype: torch.dtype) -> tuple[list, torch.Tensor]:
         """The next bank's slots (one per member) and its result area, as whole ``dtype`` views."""
         bank = self._calls % 2
@@ -310,6 +317,7 @@ class SharedMemoryBackend(Backend):
         views = self._views.get(dtype)
         if views is None:
             per_slot = SLOT_BYTES // dtype.itemsize
+            assert self._memory is not None  # mapped during setup
             typed = self._memory.view(dtype)
             views = self._views[dtype] = [
                 ([typed[(b * (self.size + 1) + m) * per_slot:(b * (self.size + 1) + m + 1) * per_slot]
@@ -412,7 +420,7 @@ class SharedMemoryBackend(Backend):
             count, spans = pieces[0]
             slots, _ = self._bank(dtype)
             _copy_in(sources, spans, slots[self.rank], on_copy, prescale, self._shaped)
-            self._barrier.wait()
+            self._wait()
             if targets is not None and _many_small(spans, dtype.itemsize):
                 self._reduce_many_small(targets, spans, slots, op, postscale)
             elif targets is not None:
@@ -426,7 +434,7 @@ class SharedMemoryBackend(Backend):
         if pieces:
             _copy_in(sources, plans[0][2], banks[0][0][self.rank], on_copy, prescale, self._shaped)
         for k in range(len(pieces)):
-            self._barrier.wait()
+            self._wait()
             if k and targets is not None:
                 _copy_out(targets, pieces[k - 1][1], banks[k - 1][1], self._shaped)
             slots, result = banks[k]
@@ -441,7 +449,7 @@ class SharedMemoryBackend(Backend):
                 _copy_in(sources, plans[k + 1][2], banks[k + 1][0][self.rank], on_copy, prescale,
                          self._shaped)
         if pieces:
-            self._barrier.wait()
+            self._wait()
             if targets is not None:
                 _copy_out(targets, pieces[-1][1], banks[-1][1], self._shaped)
 
@@ -470,7 +478,7 @@ class SharedMemoryBackend(Backend):
             slot = self._bank(part.dtype)[0][root][:part.numel()]
             if self.rank == root:
                 slot.copy_(part)
-            self._barrier.wait()
+            self._wait()
             if self.rank != root:
                 part.copy_(slot)
 
@@ -482,7 +490,7 @@ class SharedMemoryBackend(Backend):
             part = flat[start:start + per_slot]
             slots = [slot[:part.numel()] for slot in self._bank(part.dtype)[0]]
             slots[self.rank].copy_(part)
-            self._barrier.wait()
+            self._wait()
             if outputs is not None:
                 for output, slot in zip(outputs, slots):
                     output.view(-1)[start:start + part.numel()].copy_(slot)
@@ -509,14 +517,14 @@ class SharedMemoryBackend(Backend):
             part = flat[start:start + per_slot]
             slots = [slot[:part.numel()] for slot in self._bank(part.dtype)[0]]
             slots[self.rank].copy_(part)
-            self._barrier.wait()
+            self._wait()
             low, high = max(start, own), min(start + part.numel(), own + chunk)
             if low < high:
                 _combine(out[low - own:high - own], [slot[low - start:high - start] for slot in slots], op)
         narrow_back(output, sent_out)
 
     def barrier(self):
-        self._barrier.wait()
+        self._wait()
 
     def close(self):
         """Unmap the segment, close the sockets and the wrapped backend."""

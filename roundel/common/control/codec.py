@@ -3,7 +3,8 @@
 Control messages are the records of :mod:`roundel.common.control.messages`,
 holding nested tuples, lists and dicts of None, bool, int (any size), float,
 str and bytes, plus roundel's own records (``Request``, ``Entry``, ``Batch``,
-``CachedBatch``, ``TunedParams``) and enums (``OpKind``, ``ReduceOp``). Each value is one
+``CachedBatch``, ``TunedParams``: :mod:`roundel.common.control.records`) and
+enums (``OpKind``, ``ReduceOp``). Each value is one
 tag byte followed by its body; containers give their item count, strings and
 byte strings their length, records their encoded length and field count.
 
@@ -20,8 +21,7 @@ import types
 import typing
 
 from roundel.common.control import messages
-from roundel.common.engine.autotune import TunedParams
-from roundel.common.engine.requests import Batch, CachedBatch, Entry, OpKind, Request
+from roundel.common.control.records import Batch, CachedBatch, Entry, OpKind, Request, TunedParams
 from roundel.ops import ReduceOp
 
 MAX_DEPTH = 64
@@ -62,7 +62,7 @@ class DecodeError(ValueError):
 # ------------------------------------------------------------------ encoding
 def encode(message) -> bytes:
     """Return ``message`` as bytes; raises TypeError for a value this format cannot carry."""
-    out = []
+    out: list[bytes] = []
     _encode(message, out, 0)
     return b"".join(out)
 
@@ -177,13 +177,15 @@ def _enum_encoder(tag: bytes):
     return encode_enum
 
 
-_ENCODERS = {
+_ENCODERS: dict[type, typing.Callable[[typing.Any, list, int], None]] = {
     type(None): _encode_none, bool: _encode_bool, int: _encode_int, float: _encode_float,
     str: _encode_str, bytes: _encode_bytes, bytearray: _encode_bytes, memoryview: _encode_bytes,
     tuple: _sequence_encoder(_TUPLE), list: _sequence_encoder(_LIST), dict: _encode_dict,
     **{cls: _record_encoder(cls, tag) for cls, tag in _RECORD_TAGS.items()},
     **{cls: _enum_encoder(tag) for cls, tag in _ENUM_TAGS.items()},
 }
+
+_PLAIN_BASES: tuple[type, ...] = (str, list, dict)  # the plain types whose subclasses _coerce turns plain
 
 
 def _coerce(value):
@@ -192,7 +194,7 @@ def _coerce(value):
         return int(value), _encode_int
     if isinstance(value, numbers.Real):
         return float(value), _encode_float
-    for plain in (str, list, dict):
+    for plain in _PLAIN_BASES:
         if isinstance(value, plain):
             return plain(value), _ENCODERS[plain]
     if isinstance(value, tuple) and not hasattr(value, "_fields"):  # a record type this codec does not know
@@ -302,8 +304,8 @@ def _decode_dict(data, pos, depth):
     return result, pos
 
 
-def _field_checks(cls) -> list[tuple[str, tuple, type | None]]:
-    """(name, accepted types, item type) per field, from the record's annotations."""
+def _field_checks(cls) -> list[tuple[str, tuple, tuple[type, ...] | None]]:
+    """(name, accepted types, accepted item types or None) per field, from the record's annotations."""
     hints = typing.get_type_hints(cls)
     return [(name, _accepted_types(hints.get(name, typing.Any)), _ITEM_TYPES.get((cls, name)))
             for name in cls._fields]

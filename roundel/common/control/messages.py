@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from roundel.common.engine.autotune import TunedParams
+from roundel.common.control.records import TunedParams
 
 
 class Submit(NamedTuple):

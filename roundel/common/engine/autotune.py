@@ -52,9 +52,9 @@ import logging
 import statistics
 import time
 import warnings
-from typing import NamedTuple
 
 from roundel.errors import SettingsError
+from roundel.common.control.records import TunedParams
 from roundel.common.engine.negotiation import entry_bytes
 from roundel.common.settings import MIB, Settings
 
@@ -79,18 +79,6 @@ WINDOWS_PER_SAMPLE = 5
 _EI_XI = 0.01  # Horovod's exploration margin of the expected improvement
 _CANDIDATES = 2048
 _LOCAL_SEARCHES = 5
-
-
-class TunedParams(NamedTuple):
-    """The settings in force; ``tuning`` is False once the search has ended and these are final."""
-
-    fusion_threshold: int
-    cycle_time_ms: float
-    cache_enabled: bool
-    tuning: bool
-    hierarchical_allreduce: bool = False
-    hierarchical_allgather: bool = False
-    bucket_cap_mb: float = 0.0  # 0: each DistributedOptimizer's own bucket_cap_mb
 
 
 def initial_params(settings: Settings) -> TunedParams:

@@ -50,6 +50,7 @@ import time
 import torch
 
 from roundel.common.control import channel as control_channel
+from roundel.common.control.records import Entry, Request
 from roundel.common.engine import autotune, relay, small_allreduce
 from roundel.common.engine.coordinator import Coordinator
 from roundel.common.engine.executor import Executor, Work
@@ -58,7 +59,7 @@ from roundel.common.engine.liveness import BYE_GRACE_S
 from roundel.common.engine.metrics import METRICS
 from roundel.common.engine.negotiation import entry_bytes
 from roundel.common.engine.rank_link import RankLink
-from roundel.common.engine.requests import Entry, ProcessSetChange, Request
+from roundel.common.engine.requests import ProcessSetChange
 from roundel.common.engine.timeline import Timeline
 from roundel.common.engine.wait_state import WaitTracker
 from roundel.common.settings import Settings

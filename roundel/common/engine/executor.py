@@ -39,12 +39,11 @@ import torch
 
 from roundel.common.engine import small_allreduce
 from roundel.common.engine.adasum import adasum_tree
-from roundel.common.engine.autotune import TunedParams
+from roundel.common.control.records import Batch, OpKind, Request, TunedParams
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
 from roundel.common.engine.handles import Handle
 from roundel.ops import ReduceOp
 from roundel.transport.backend import ShapedViews, scale
-from roundel.common.engine.requests import Batch, OpKind, Request
 from roundel.common.engine.timeline import Timeline, transport_activity
 
 log = logging.getLogger("roundel")

@@ -27,8 +27,8 @@ import math
 import operator
 from typing import Iterable
 
+from roundel.common.control.records import Batch, CachedBatch, Entry, OpKind, Request
 from roundel.common.engine import small_allreduce
-from roundel.common.engine.requests import Batch, CachedBatch, Entry, OpKind, Request
 from roundel.common.engine.response_cache import CoordinatorCache
 from roundel.ops import ReduceOp
 

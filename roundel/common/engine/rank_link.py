@@ -24,9 +24,10 @@ import time
 from roundel.common.control import channel as control_channel
 from roundel.common.control import codec as control_codec
 from roundel.common.control.messages import Abort, Bye, Deliver, Dispatch, Heartbeat, Submit, Tune, Waits
+from roundel.common.control.records import CachedBatch
 from roundel.common.engine import relay as relays, small_allreduce
 from roundel.common.engine.liveness import BYE_GRACE_S, HEARTBEAT_S, TICK_S, describe_silence
-from roundel.common.engine.requests import CachedBatch, ProcessSetChange
+from roundel.common.engine.requests import ProcessSetChange
 from roundel.common.engine.response_cache import RankCache
 from roundel.errors import RoundelInternalError
 

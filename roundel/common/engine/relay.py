@@ -52,8 +52,8 @@ from typing import Callable
 
 from roundel.common.control import channel as control_channel, codec as control_codec
 from roundel.common.control.messages import Abort, Bye, Deliver, Heartbeat, Joined, Lost, Merged, Relayed, Submit
+from roundel.common.control.records import OpKind
 from roundel.common.engine.liveness import HEARTBEAT_S, describe_silence
-from roundel.common.engine.requests import OpKind
 
 log = logging.getLogger("roundel")
 

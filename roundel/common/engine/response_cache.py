@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 
-from roundel.common.engine.requests import Batch, CachedBatch, Entry
+from roundel.common.control.records import Batch, CachedBatch, Entry
 
 Key = tuple  # (process_set_id, name)
 

@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from roundel.common.engine.requests import OpKind, Request
+from roundel.common.control.records import OpKind, Request
 from roundel.ops import ReduceOp
 from roundel.transport.backend import ARITHMETIC_DTYPES, COMBINE, scale, widened
 
