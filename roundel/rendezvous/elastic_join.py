@@ -39,7 +39,7 @@ from roundel.errors import RoundelInternalError
 from roundel.rendezvous.identity import Identity
 from roundel.rendezvous.store import RendezvousError, RendezvousTimeout
 
-__all__ = ["HOSTS_VERSION_KEY", "TIMEOUT", "WORKER_ID", "Assignment", "GenerationAbandoned", "HostUpdate",
+__all__ = ["HOSTS_VERSION_KEY", "JOIN_GRACE_S", "TIMEOUT", "WORKER_ID", "Assignment", "GenerationAbandoned", "HostUpdate",
            "JoinError", "WorkerRemoved", "abandoned_key", "assign_key", "connect_within", "host_update_notice",
            "hosts_update_key", "hosts_version", "join", "join_key", "key_prefix", "read_host_update_notice",
            "removal", "worker_id"]
@@ -49,6 +49,11 @@ WORKER_ID = "ROUNDEL_ELASTIC_WORKER_ID"
 
 TIMEOUT = "ROUNDEL_ELASTIC_TIMEOUT"
 """Environment variable: seconds a joining worker waits for the driver to form a generation."""
+
+JOIN_GRACE_S = 10.0
+"""How much longer than the driver's own bound (``--elastic-timeout``, or ``--start-timeout`` for the first
+generation) a worker waits for its place: the driver decides first and ends the job saying why; a worker gives
+up by itself only when the driver no longer answers."""
 
 HOSTS_VERSION_KEY = "elastic/hosts_version"
 
@@ -142,8 +147,9 @@ def join(client, worker_id: str, timeout_s: float) -> Assignment:
         answer = json.loads(client.get(assign_key(worker_id, count), timeout_s))
     except Exception as exc:
         raise JoinError(
-            f"elastic worker {worker_id} was not given a place in the job within {timeout_s:g} s "
-            f"(--elastic-timeout): {exc}") from exc
+            f"elastic worker {worker_id} was not given a place in the job within {timeout_s:g} s (roundelrun's "
+            f"--elastic-timeout, or --start-timeout for the first generation, and {JOIN_GRACE_S:g} s more): "
+            f"{exc}") from exc
     if "removed" in answer:
         print(f"roundel: elastic worker {worker_id} leaves the job: {answer['removed']}", file=sys.stderr,
               flush=True)

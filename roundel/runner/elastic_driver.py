@@ -227,7 +227,8 @@ class _Driver:
         env.update(self.s.settings_env)
         env["PYTHONUNBUFFERED"] = "1"
         env[protocol.WORKER_ID] = _worker_id(label, serial)
-        env[protocol.TIMEOUT] = repr(self.s.elastic_timeout_s)
+        # the worker's own bound on its join outlasts the driver's, whose decision (with its reason) comes first
+        env[protocol.TIMEOUT] = repr(max(self.s.elastic_timeout_s, self.s.start_timeout_s) + protocol.JOIN_GRACE_S)
         if self.s.start_worker is not None:
             worker = self.s.start_worker(slot, env, label)
         elif is_local_host(host):
