@@ -46,13 +46,20 @@ def _commits_after(job: ElasticJob, after: float) -> int:
     return sum(1 for t, line in list(job.lines) if t > after and "COMMIT" in line)
 
 
-def _recovered(job: ElasticJob, killed: dict, generation: str) -> float:
-    """Seconds from the second kill to the launcher's line for the generation after it."""
+def _recovers_and_finishes(tmp_path, job: ElasticJob, killed: dict, generation: str, generations: int) -> str:
+    """Assert that ``generation`` (the launcher's line for the generation after the second kill) formed
+    within RECOVERY_S of that kill, that training went on and ended with nothing lost; return the output."""
     job.wait_count(generation, 1, timeout=90)
     assert "at" in killed, f"the second kill never happened\n{job.describe()}"
     seconds = job.time_of(generation) - killed["at"]
     print(f"the generation after the second kill formed {seconds:.2f} s after it")
-    return seconds
+    job.wait_for(lambda lines: _commits_after(job, killed["at"]) >= 3, timeout=60, what="training after the kills")
+    (tmp_path / "stop").touch()
+    assert job.finish(timeout=120) == 0, job.describe()
+    assert seconds < RECOVERY_S, f"the next generation formed {seconds:.2f} s after the second kill\n{job.describe()}"
+    text = job.text()
+    check_training(text, None, SAMPLES, BATCH, 2 * 2 * BATCH * 3 + generations * 3)
+    return text
 
 
 def test_second_failure_on_another_host_while_the_next_generation_forms(tmp_path):
@@ -60,15 +67,10 @@ def test_second_failure_on_another_host_while_the_next_generation_forms(tmp_path
     job.wait_count("COMMIT", 3, timeout=120)
     killed = _kill_on(job, "generation 1:", "127.0.0.3:0")
     job.kill("127.0.0.2:0")
-    seconds = _recovered(job, killed, "generation 2: 2 worker(s), ranks 127.0.0.4:0=0, 127.0.0.4:1=1")
-    job.wait_for(lambda lines: _commits_after(job, killed["at"]) >= 3, timeout=60, what="training after the kills")
-    (tmp_path / "stop").touch()
-    assert job.finish(timeout=120) == 0, job.describe()
-    text = job.text()
+    text = _recovers_and_finishes(tmp_path, job, killed,
+                                  "generation 2: 2 worker(s), ranks 127.0.0.4:0=0, 127.0.0.4:1=1", generations=3)
     assert "generation 1: 4 worker(s)" in text, job.describe()
     assert "worker 127.0.0.3:0 was killed by signal SIGKILL; host 127.0.0.3 blacklisted" in text, job.describe()
-    assert seconds < RECOVERY_S, f"the next generation formed {seconds:.2f} s after the second kill\n{job.describe()}"
-    check_training(text, None, SAMPLES, BATCH, 2 * 2 * BATCH * 3 + 3 * 3)
 
 
 def test_second_failure_among_workers_of_a_host_that_came_back(tmp_path):
@@ -81,11 +83,6 @@ def test_second_failure_among_workers_of_a_host_that_came_back(tmp_path):
     job.wait_count("generation 1: 2 worker(s)", 1, timeout=60)
     job.wait_count("started worker 127.0.0.2:0", 2, timeout=60)  # host .2 is back after its cooldown
     killed = _kill_on(job, "generation 2:", "127.0.0.2:0")
-    seconds = _recovered(job, killed, "generation 3: 2 worker(s), ranks 127.0.0.3:0=0, 127.0.0.3:1=1")
-    job.wait_for(lambda lines: _commits_after(job, killed["at"]) >= 3, timeout=60, what="training after the kills")
-    (tmp_path / "stop").touch()
-    assert job.finish(timeout=120) == 0, job.describe()
-    text = job.text()
+    text = _recovers_and_finishes(tmp_path, job, killed,
+                                  "generation 3: 2 worker(s), ranks 127.0.0.3:0=0, 127.0.0.3:1=1", generations=6)
     assert "generation 2: 4 worker(s)" in text, job.describe()
-    assert seconds < RECOVERY_S, f"the next generation formed {seconds:.2f} s after the second kill\n{job.describe()}"
-    check_training(text, None, SAMPLES, BATCH, 2 * 2 * BATCH * 3 + 6 * 3)

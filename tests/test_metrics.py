@@ -5,7 +5,6 @@ one mismatched allreduce; the test scrapes ``--metrics-port`` while it runs
 and parses the text with ``prometheus_client``'s own parser.
 """
 
-import os
 import socket
 import subprocess
 import sys
@@ -24,9 +23,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_rank_zero_serves_the_jobs_counters_in_prometheus_text_format(tmp_path):
-    flag, port = tmp_path / "scrape-now", _free_port()
-    command = [*LAUNCHER, "--metrics-port", f"127.0.0.1:{port}", "-np", "2", sys.executable,
+def _scrape_a_job(tmp_path, metrics_port: str, url_host: str) -> tuple[str, str]:
+    """Run tests/workers/torch_metrics.py at 2 ranks with ``--metrics-port metrics_port``, scrape it at
+    ``url_host`` while it runs; return (the scrape, the launcher's stderr), asserting the job ended with 0."""
+    flag, port = tmp_path / "scrape-now", metrics_port.rsplit(":", 1)[-1]
+    command = [*LAUNCHER, "--metrics-port", metrics_port, "-np", "2", sys.executable,
                _script_path("torch_metrics.py"), str(flag)]
     job = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -34,11 +35,17 @@ def test_rank_zero_serves_the_jobs_counters_in_prometheus_text_format(tmp_path):
         while not flag.exists():
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()
             time.sleep(0.1)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        text = urllib.request.urlopen(f"http://{url_host}:{port}/metrics", timeout=10).read().decode()
     finally:
         (tmp_path / "scrape-now.done").touch()
         out, err = job.communicate(timeout=120)
     assert job.returncode == 0, out + err
+    return text, err
+
+
+def test_rank_zero_serves_the_jobs_counters_in_prometheus_text_format(tmp_path):
+    port = _free_port()
+    text, err = _scrape_a_job(tmp_path, f"127.0.0.1:{port}", "127.0.0.1")
     families = {family.name: family for family in text_string_to_metric_families(text)}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
     assert samples[("roundel_collectives_total", (("kind", "allreduce"), ("outcome", "ok")))] >= 20
@@ -57,20 +64,8 @@ def test_rank_zero_serves_the_jobs_counters_in_prometheus_text_format(tmp_path):
 
 
 def test_a_port_alone_serves_on_every_interface_and_says_where(tmp_path):
-    flag, port = tmp_path / "scrape-now", _free_port()
-    command = [*LAUNCHER, "--metrics-port", str(port), "-np", "2", sys.executable,
-               _script_path("torch_metrics.py"), str(flag)]
-    job = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not flag.exists():
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-            time.sleep(0.1)
-        text = urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10).read().decode()
-    finally:
-        (tmp_path / "scrape-now.done").touch()
-        out, err = job.communicate(timeout=120)
-    assert job.returncode == 0, out + err
+    port = _free_port()
+    text, err = _scrape_a_job(tmp_path, str(port), "localhost")
     line = f"[0]<stderr>:roundel: Prometheus metrics at http://localhost:{port}/metrics (listening on every interface)"
     assert line in err.splitlines(), err
     assert "roundel_deadlocks_total 0" in text.splitlines(), text

@@ -100,7 +100,8 @@ def _reraise(exc: Exception):
 
 
 class _OnGpu:
-    """A CUDA batch queued on its GPU; its handles complete once ``done`` (a blocking event after it) fires."""
+    """A CUDA batch queued on its GPU; its handles complete (``Executor._land``) once ``done``, a blocking event
+    after it, fires."""
 
     __slots__ = ("batch", "works", "results", "done", "names")
 
@@ -215,16 +216,10 @@ class Executor:
             item = self._queue.get()
             if item is None:
                 for flight in list(self._in_flight):
-                    if isinstance(flight, _OnGpu):
-                        self._land_from_gpu(flight)
-                    else:
-                        self._land(flight)
+                    self._land(flight)
                 return
-            if isinstance(item, _InFlight):  # its transport calls are done
+            if isinstance(item, (_InFlight, _OnGpu)):  # its transport calls, or its GPU work, are done
                 self._land(item)
-                continue
-            if isinstance(item, _OnGpu):  # its GPU work is done
-                self._land_from_gpu(item)
                 continue
             if isinstance(item, TunedParams):
                 job = self._process_sets[0][1]
@@ -336,19 +331,11 @@ class Executor:
         done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
         done.add_done_callback(lambda _: self._queue.put(flight))  # on the transport's thread
 
-    def _land(self, flight: _InFlight) -> None:
-        """Finish a batch started in the background (waiting for its calls first, when stopping)."""
+    def _land(self, flight: _InFlight | _OnGpu) -> None:
+        """Finish a batch started in the background or queued on its GPU (waiting for it first, when stopping)."""
         self._in_flight.remove(flight)
-
-        def results() -> list:
-            try:
-                torch.futures.wait_all(flight.futures)
-            except RuntimeError as exc:
-                self._raise_from_transport(flight.batch, flight.backend, exc)
-            self._names = flight.names
-            self._allreduce_results(flight.parts, flight.post)
-            return flight.outputs
-
+        results = functools.partial(self._gpu_results if isinstance(flight, _OnGpu) else self._transport_results,
+                                    flight)
         try:
             finished = self._complete(flight.works, results)
             if flight.names is not None:
@@ -356,6 +343,15 @@ class Executor:
         finally:
             self._names = None
             self._finished_one(flight.works)
+
+    def _transport_results(self, flight: _InFlight) -> list:
+        try:
+            torch.futures.wait_all(flight.futures)
+        except RuntimeError as exc:
+            self._raise_from_transport(flight.batch, flight.backend, exc)
+        self._names = flight.names
+        self._allreduce_results(flight.parts, flight.post)
+        return flight.outputs
 
     @staticmethod
     def _fail(works, exc) -> None:
@@ -390,7 +386,7 @@ class Executor:
     # ------------------------------------------------------------------- GPU
     @staticmethod
     def _runs_on_gpu(batch: Batch) -> bool:
-        """Whether ``batch`` moves CUDA tensors (a transport call on a GPU, completed by ``_land_from_gpu``)."""
+        """Whether ``batch`` moves CUDA tensors (a transport call on a GPU, completed by ``_land``)."""
         return (batch.entries[0].request.device != "cpu" and not batch.error and batch.reduced is None
                 and batch.kind not in (OpKind.BARRIER, OpKind.JOIN))
 
@@ -431,20 +427,10 @@ class Executor:
             finally:
                 self._queue.put(flight)
 
-    def _land_from_gpu(self, flight: _OnGpu) -> None:
-        """Complete a CUDA batch's handles (waiting for its event first, when stopping)."""
-        self._in_flight.remove(flight)
-
-        def results() -> list:
-            flight.done.synchronize()
-            return flight.results
-
-        try:
-            finished = self._complete(flight.works, results)
-            if flight.names is not None:
-                self._timeline.end(flight.names, finished)
-        finally:
-            self._finished_one(flight.works)
+    @staticmethod
+    def _gpu_results(flight: _OnGpu) -> list:
+        flight.done.synchronize()
+        return flight.results
 
     def _cuda_device(self, works: list) -> torch.device:
         """The GPU a CUDA batch runs on: its tensors' (for a batch this rank joined, the last one seen or
