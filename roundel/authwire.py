@@ -66,6 +66,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from roundel.retry import Backoff
+
 __all__ = [
     "HEADER", "NONCE_BYTES", "TAG_BYTES", "Incomplete", "HandshakeError", "NotThisProtocol", "PendingConnections",
     "ProofFailed", "RateLimitedLog", "Refused", "Session", "TimedOut", "Unwelcome", "accept_loop", "answer",
@@ -418,7 +420,7 @@ def accept_loop(listening: socket.socket, pending: PendingConnections, serve: Ca
     start a thread, pause accepting briefly (doubling up to half a second).
     Refusals and troubles are logged through the rate-limited logs.
     """
-    backoff = _BACKOFF_S[0]
+    backoff = Backoff(*_BACKOFF_S)
     while not stopped():
         try:
             sock, address = listening.accept()
@@ -435,10 +437,9 @@ def accept_loop(listening: socket.socket, pending: PendingConnections, serve: Ca
                     continue
             else:
                 troubles.note("accept failed", str(exc))
-            time.sleep(backoff)
-            backoff = min(backoff * 2, _BACKOFF_S[1])
+            backoff.pause()
             continue
-        backoff = _BACKOFF_S[0]
+        backoff.reset()
         peer = peer_name(address)
         if stopped():
             sock.close()

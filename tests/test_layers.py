@@ -4,7 +4,8 @@
     core       roundel.common   (its control wire, roundel.common.control, stands below its engine:
                                  the standard library and the ground modules only)
     below it   roundel.transport · roundel.rendezvous               (not each other)
-    ground     roundel.errors · roundel.excepthook · roundel.ops · roundel.authwire · the roundel package itself
+    ground     roundel.errors · roundel.excepthook · roundel.ops · roundel.authwire · roundel.retry ·
+               the roundel package itself
     trainers   roundel.lightning (a trainer's strategy on top of the torch adapter)
     launcher   roundel.runner (may use everything but the adapters; no worker needs it)
     drivers    roundel.spark · roundel.ray (launchers inside Spark and on Ray: use roundel.runner)
@@ -24,7 +25,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "roundel"
 
-GROUND = ("roundel", "roundel.authwire", "roundel.errors", "roundel.excepthook", "roundel.ops")
+GROUND = ("roundel", "roundel.authwire", "roundel.errors", "roundel.excepthook", "roundel.ops", "roundel.retry")
 LEVELS = {
     "ground": 0,
     "roundel.transport": 1, "roundel.rendezvous": 1,
@@ -51,9 +52,9 @@ SIDEWAYS = {
 ROOMS = ("roundel.common.engine", "roundel.common.control")
 # The control wire (its records, messages, codec and channel) stands below the engine and the face: of roundel
 # it imports only itself and these ground modules, which need nothing but the standard library (the frame
-# tags, the reduction operators, the errors); of the rest, only the standard library (no NumPy, no torch).
+# tags, the reduction operators, the errors, the retry pauses); of the rest, only the standard library (no NumPy, no torch).
 CONTROL = "roundel.common.control"
-CONTROL_MAY_IMPORT = ("roundel.authwire", "roundel.errors", "roundel.ops")
+CONTROL_MAY_IMPORT = ("roundel.authwire", "roundel.errors", "roundel.ops", "roundel.retry")
 # The top-level package's lazy attributes (roundel.run) reach the launcher.
 LAZY = {("roundel", "roundel.runner.run_api")}
 # Imports inside a function, each for a reason other than a cycle.

@@ -51,6 +51,7 @@ from typing import Callable
 from roundel import authwire
 from roundel.errors import RoundelError
 from roundel.rendezvous import wire
+from roundel.retry import Backoff
 
 __all__ = [
     "RendezvousClient",
@@ -351,17 +352,15 @@ class RendezvousClient:
         """
         seconds = min(self._connect_timeout, RESPONSE_GRACE_S) if self._was_connected else self._connect_timeout
         deadline = time.monotonic() + seconds
-        delay = 0.05
+        backoff = Backoff(0.05, 1.0, deadline)
         while True:
             try:
                 channel = self._open(deadline)
                 self._was_connected = True
                 return channel
             except OSError as exc:  # refused, reset, timed out, or closed by a busy server
-                if time.monotonic() + delay >= deadline:
+                if not backoff.pause():
                     raise self._unreachable(seconds, exc) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
 
     def _open(self, deadline: float) -> wire.Channel:
         """One attempt at connecting and authenticating; OSError means it is worth another try."""

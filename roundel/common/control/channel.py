@@ -41,7 +41,6 @@ connects over TCP.
 from __future__ import annotations
 
 import logging
-import random
 import secrets
 import select
 import selectors
@@ -53,6 +52,7 @@ from typing import Callable
 
 from roundel import authwire
 from roundel.common.control import codec as control_codec
+from roundel.retry import Backoff
 
 log = logging.getLogger("roundel")
 
@@ -314,17 +314,15 @@ def connect(host: str, port: int, secret: bytes, rank: int, timeout: float,
                                  secret, rank, deadline, send_timeout_s)
         except OSError as exc:  # ChannelError and AuthenticationError too: TCP proves the coordinator again
             log.debug("roundel could not reach the coordinator's local socket (%s); connecting over TCP", exc)
-    delay = 0.05
+    backoff = Backoff(0.05, 1.0, deadline, jitter=0.5)
     while True:
         try:
             return _connect_once(lambda: socket.create_connection((host, port), timeout=max(
                 0.1, deadline - time.monotonic())), f"{host}:{port}", secret, rank, deadline, send_timeout_s)
         except _Busy as exc:
-            if time.monotonic() + delay >= deadline:
+            if not backoff.pause():
                 raise ChannelError(f"could not join the coordinator at {host}:{port} within {timeout:.0f} s: "
                                    f"{exc}; it may be flooded with connections or overloaded") from None
-            time.sleep(delay * random.uniform(0.5, 1.5))
-            delay = min(delay * 2, 1.0)
 
 
 def _local_connection(name: str, timeout: float) -> socket.socket:
