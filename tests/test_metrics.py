@@ -5,6 +5,7 @@ one mismatched allreduce; the test scrapes ``--metrics-port`` while it runs
 and parses the text with ``prometheus_client``'s own parser.
 """
 
+import http.server
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from launch_util import LAUNCHER, clean_env, _script_path
-from roundel.common.engine.metrics import Metrics
+from roundel.common.engine.metrics import Metrics, MetricsServer
 
 
 def _free_port() -> int:
@@ -84,3 +85,24 @@ def test_the_text_format_of_counters_histograms_and_gauges():
     assert buckets["0.0005"] == 1 and buckets["0.005"] == 2 and buckets["30"] == 2 and buckets["+Inf"] == 3
     assert families["roundel_deadlocks"].samples[0].value == 1
     assert families["roundel_rank_lag_seconds"].samples[0].labels == {"rank": "1"}
+
+
+def test_label_values_are_escaped_and_the_standard_library_server_class_is_left_alone():
+    """A label value with a backslash, a double quote and a newline scrapes back unchanged; serving sets
+    allow_reuse_address on roundel's own server class, not on the standard library's."""
+    stdlib = {cls: dict(vars(cls)) for cls in (http.server.HTTPServer, http.server.ThreadingHTTPServer)}
+    value = 'C:\\jobs\\"nightly"\nsecond line'
+    metrics = Metrics()
+    metrics.count("roundel_collectives_total", kind=value, outcome="ok")
+    server = MetricsServer("127.0.0.1:0", metrics)
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
+        reuse = server._server.socket.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+    finally:
+        server.close()
+    assert 'kind="C:\\\\jobs\\\\\\"nightly\\"\\nsecond line"' in text, text
+    samples = {f.name: f.samples for f in text_string_to_metric_families(text)}["roundel_collectives"]
+    assert [s.labels for s in samples] == [{"kind": value, "outcome": "ok"}], samples
+    assert reuse != 0, "the metrics server's socket is not SO_REUSEADDR"
+    for cls, before in stdlib.items():
+        assert dict(vars(cls)) == before, f"starting the metrics server changed http.server.{cls.__name__}"

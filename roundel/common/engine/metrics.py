@@ -50,8 +50,13 @@ _HELP = {
 _UNLABELED_COUNTERS = ("roundel_stall_warnings_total", "roundel_deadlocks_total", "roundel_elastic_resets_total")
 
 
+def _escaped(value) -> str:
+    """A label value as the text format writes it: backslash, double quote and newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _labels(labels: tuple) -> str:
-    return "{" + ",".join(f'{key}="{value}"' for key, value in labels) + "}" if labels else ""
+    return "{" + ",".join(f'{key}="{_escaped(value)}"' for key, value in labels) + "}" if labels else ""
 
 
 class Metrics:
@@ -108,6 +113,14 @@ METRICS = Metrics()
 _announced: set[str] = set()
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    """The metrics' own HTTP server class: serving again after an elastic reset binds the port at once
+    (the old server's connections may still be in TIME_WAIT); a scrape's thread never holds the process."""
+
+    allow_reuse_address = True
+    daemon_threads = True
+
+
 class MetricsServer:
     """Serves ``metrics.exposition()`` over HTTP on ``address`` ("[HOST:]PORT") from a daemon thread."""
 
@@ -127,9 +140,7 @@ class MetricsServer:
             def log_message(self, format, *args):  # noqa: A002 - quiet: no line per scrape
                 pass
 
-        http.server.ThreadingHTTPServer.allow_reuse_address = True
-        self._server = http.server.ThreadingHTTPServer((host or "0.0.0.0", int(port)), Handler)
-        self._server.daemon_threads = True
+        self._server = _Server((host or "0.0.0.0", int(port)), Handler)
         self.port = self._server.server_address[1]
         self.host = host
         self._thread = threading.Thread(target=self._server.serve_forever, name="roundel-metrics", daemon=True)
