@@ -138,13 +138,13 @@ def test_flags_become_worker_settings():
 
 
 def test_ignored_flags_print_one_line_and_the_job_runs():
-    result = roundelrun("-np", 2, "--num-nccl-streams", 2, "--thread-affinity", 1, "--binding-args", "x",
+    result = roundelrun("-np", 2, "--thread-affinity", 1, "--binding-args", "x",
                         "--mpi-threads-disable", "--jsrun", "--tcp", sys.executable, "-c", "print('ran')")
     assert result.returncode == 0, describe(result)
     assert sorted(rank_lines(result.stdout)) == ["ran", "ran"]
     notes = [line for line in result.stderr.splitlines() if "no effect" in line]
     assert notes == ["roundelrun: note: no effect here (hardware or libraries roundel does not drive): "
-                     "--mpi-threads-disable, --num-nccl-streams, --thread-affinity, --tcp, --binding-args, "
+                     "--mpi-threads-disable, --thread-affinity, --tcp, --binding-args, "
                      "--jsrun"], describe(result)
 
 
@@ -215,7 +215,7 @@ def test_config_file_takes_every_horovod_section(tmp_path):
         "           bayes_opt_max_samples: 3, gaussian_process_noise: 0.5}\n"
         "timeline: {filename: /tmp/tl.json, mark_cycles: true}\n"
         "stall_check: {enabled: false, warning_time_seconds: 7, shutdown_time_seconds: 9}\n"
-        "library_options: {mpi_threads_disable: true, num_nccl_streams: 2, thread_affinity: 1,\n"
+        "library_options: {mpi_threads_disable: true, num_nccl_streams: 1, thread_affinity: 1,\n"
         "                  gloo_timeout_seconds: 13}\n"
         "logging: {level: INFO, with_timestamp: false}\n")
     result = roundelrun("-np", 1, "--config-file", config, "--cycle-time-ms", 6, sys.executable, "-c", DUMP)
@@ -229,7 +229,7 @@ def test_config_file_takes_every_horovod_section(tmp_path):
                 "ROUNDEL_TIMELINE": "/tmp/tl.json", "ROUNDEL_TIMELINE_MARK_CYCLES": "1",
                 "ROUNDEL_STALL_CHECK_DISABLE": "1", "ROUNDEL_STALL_CHECK_TIME_SECONDS": "7.0",
                 "ROUNDEL_STALL_SHUTDOWN_TIME_SECONDS": "9.0", "ROUNDEL_MPI_THREADS_DISABLE": "1",
-                "ROUNDEL_NUM_NCCL_STREAMS": "2", "ROUNDEL_THREAD_AFFINITY": "1",
+                "ROUNDEL_NUM_NCCL_STREAMS": "1", "ROUNDEL_THREAD_AFFINITY": "1",
                 "ROUNDEL_GLOO_TIMEOUT_SECONDS": "13.0", "ROUNDEL_LOG_LEVEL": "info", "ROUNDEL_LOG_HIDE_TIME": "1"}
     assert {k: env.get(k) for k in expected} == expected
     config.write_text("controller: tcp\n")

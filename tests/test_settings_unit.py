@@ -42,6 +42,7 @@ VARIABLES = [
     ("metrics_port", "METRICS_PORT", "", ("0.0.0.0:9100", "0.0.0.0:9100"), ["http", "70000", "host:"]),
     ("relay_from_ranks", "RELAY_FROM_RANKS", 64, ("0", 0), ["-1", "many"]),
     ("relay_fanout", "RELAY_FANOUT", 4, ("2", 2), ["0", "x"]),
+    ("num_nccl_streams", "NUM_NCCL_STREAMS", 1, ("1", 1), ["2", "0", "x"]),
 ]
 IDS = [row[1] for row in VARIABLES]
 

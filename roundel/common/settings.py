@@ -64,6 +64,7 @@ class Settings:
     metrics_port: str = ""
     relay_from_ranks: int = 64
     relay_fanout: int = 4
+    num_nccl_streams: int = 1
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -259,6 +260,14 @@ def _whole(var: str, raw: str) -> int:
     return _int(0, "1")(var, raw)
 
 
+def _one_nccl_stream(var: str, raw: str) -> int:
+    if _int(1, "1")(var, raw) != 1:
+        raise SettingsError(f"{var}={raw!r}: roundel runs each rank's NCCL collectives in order on one CUDA stream "
+                            "of its own (beside the training's streams) and takes no other number of streams; "
+                            "set it to 1 or unset it")
+    return 1
+
+
 def _mib_to_bytes(value: float) -> str:
     return str(int(value * MIB))
 
@@ -428,10 +437,11 @@ SPECS = (
          "accepted and handed to the workers; no effect in roundel (it drives no MPI threads)",
          _flag("--mpi-threads-disable", off=("--no-mpi-threads-disable",), config="library_options.mpi_threads_disable",
                group="library", help="no effect in roundel")),
-    Spec(None, "NUM_NCCL_STREAMS", _whole,
-         "accepted and handed to the workers; no effect in roundel (NCCL runs through torch.distributed)",
+    Spec("num_nccl_streams", "NUM_NCCL_STREAMS", _one_nccl_stream,
+         "CUDA streams for NCCL collectives per rank: 1, the only value roundel takes (its collectives run in "
+         "order on one stream of roundel's own, beside the training's streams)",
          _flag("--num-nccl-streams", type=int, config="library_options.num_nccl_streams", group="library",
-               help="no effect in roundel")),
+               help="must be 1: roundel runs NCCL collectives on one stream of its own per rank")),
     Spec(None, "THREAD_AFFINITY", _whole,
          "accepted and handed to the workers; no effect in roundel",
          _flag("--thread-affinity", type=int, config="library_options.thread_affinity", group="library",
