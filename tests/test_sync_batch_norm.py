@@ -11,7 +11,7 @@ import pytest
 
 from launch_util import assert_checks_passed, run_job
 
-SCENARIOS = ("shapes", "empty_batch", "float32_training", "bad_input")
+SCENARIOS = ("shapes", "empty_batch", "float32_training", "bad_input", "no_host_reads")
 
 
 @pytest.mark.parametrize("np_", [2, 3])

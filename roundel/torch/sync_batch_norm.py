@@ -67,8 +67,10 @@ def _global_stats(x: torch.Tensor, name: str, process_set):
     Each rank packs ``[count, sum, sum of squares]`` in float64; the sum of
     squares is built from the local mean and centred second moment, so the
     subtraction that turns it back into a variance loses only float64 digits,
-    not the local data's. Returns ``(mean, var, count)`` with ``mean`` and
-    ``var`` in float64.
+    not the local data's. Returns ``(mean, var, count)``, all float64 tensors
+    on ``x``'s device (``count`` of one element): nothing here waits for the
+    device, except on a rank whose own batch has at most one value per channel,
+    which reads the total to check it.
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
@@ -77,13 +79,15 @@ def _global_stats(x: torch.Tensor, name: str, process_set):
         mean, var = mean.double(), var.double()
     else:  # this rank's batch is empty: it contributes nothing but still takes part
         mean = var = torch.zeros(channels, dtype=torch.float64, device=x.device)
-    packed = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=x.device),
+    packed = torch.cat([torch.full((1,), float(count), dtype=torch.float64, device=x.device),
                         mean * count, (var + mean * mean) * count])
     total = _sum_across(packed, name, process_set)
-    total_count = total[0].item()
-    if total_count <= 1:
-        raise ValueError(f"SyncBatchNorm expected more than 1 value per channel when training, got "
-                         f"{int(total_count)} over all ranks (this rank's input has size {list(x.shape)})")
+    total_count = total[:1]
+    if count <= 1:  # with more values here the total has more too, and need not be read
+        seen = total[0].item()
+        if seen <= 1:
+            raise ValueError(f"SyncBatchNorm expected more than 1 value per channel when training, got "
+                             f"{int(seen)} over all ranks (this rank's input has size {list(x.shape)})")
     mean = total[1:channels + 1] / total_count
     var = (total[channels + 1:] / total_count - mean * mean).clamp_(min=0)
     return mean, var, total_count

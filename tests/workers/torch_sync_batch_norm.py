@@ -106,6 +106,30 @@ def scenario_float32_training():
         check(p, q.detach().numpy(), f"trained {name}")
 
 
+def scenario_no_host_reads():
+    """Training steps read nothing back from the device (no ``.item()``), and too few values over all ranks are
+    still refused on every rank."""
+    reads = []
+    item = torch.Tensor.item
+
+    def counted(tensor):
+        reads.append(tuple(tensor.shape))
+        return item(tensor)
+
+    layer = hvd.SyncBatchNorm(3).double()
+    torch.Tensor.item = counted
+    try:
+        for step in range(2):
+            x = make_float(RANK, f"reads.{step}", (RANK + 2, 3, 2)).requires_grad_()
+            layer(x).sum().backward()
+        assert reads == [], f"SyncBatchNorm read {len(reads)} value(s) back from the device: {reads}"
+        lone = torch.zeros((1 if RANK == 0 else 0, 3), dtype=torch.float64)
+        expect_raises(ValueError, lambda: layer(lone), "more than 1 value per channel", "got 1 over all ranks",
+                      what="one value per channel over all ranks")
+    finally:
+        torch.Tensor.item = item
+
+
 def scenario_bad_input():
     layer = hvd.SyncBatchNorm(3)
     for bad, expected in ((torch.zeros(4), "2D or higher"), (torch.zeros(2, 5), "3 features")):
@@ -117,6 +141,7 @@ SCENARIOS = {
     "empty_batch": scenario_empty_batch,
     "float32_training": scenario_float32_training,
     "bad_input": scenario_bad_input,
+    "no_host_reads": scenario_no_host_reads,
 }
 
 if __name__ == "__main__":
