@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from launch_util import WORKERS_DIR, describe, rank_lines, run_command, run_job
+from launch_util import LAUNCHER, WORKERS_DIR, describe, rank_lines, run_command, run_job
 from test_external_launchers import BIN, MPI_ENV, checks_passed, require
 
 COLLECTIVE_SCENARIOS = "allreduce,grouped,allgather,broadcast,alltoall,reducescatter,barrier,join,ordering,autograd"
@@ -72,6 +72,22 @@ def test_hierarchical_collectives_over_mpi():
     assert result.returncode == 0 and checks_passed(result.stdout, 4, "hierarchical"), describe(result)
     assert transports(result.stdout) == over_mpi(4), describe(result)
     assert result.stderr.count("stays flat: the job runs on one host") == 4, describe(result)
+
+
+# Each rank in a UTS namespace of its own named host<rank % 2>, so that the ranks meet as 2 hosts x 2 (host names
+# are what roundel groups ranks by); Open MPI's local ranks, which count the 4 on this one machine, unset.
+AS_TWO_HOSTS = ('hostname "host$((OMPI_COMM_WORLD_RANK % 2))" && '
+                'unset OMPI_COMM_WORLD_LOCAL_RANK OMPI_COMM_WORLD_LOCAL_SIZE && exec "$@"')
+
+
+def test_process_sets_beside_hierarchical_allreduce_over_mpi():
+    """Adding a process set to a job whose MPI communicator is hierarchical gives the set its own communicator."""
+    require("mpirun", "mpi4py", "unshare")
+    command = [*LAUNCHER, "--mpi", "--hierarchical-allreduce", "-np", "4", "unshare", "--uts", "sh", "-c",
+               AS_TWO_HOSTS, "sh", sys.executable, str(WORKERS_DIR / "torch_mpi_backend.py"), "hierarchical_sets"]
+    result = run_command(command, env={"PATH": MPI_ENV["PATH"]}, timeout=180)
+    assert result.returncode == 0 and checks_passed(result.stdout, 4, "hierarchical_sets"), describe(result)
+    assert transports(result.stdout) == over_mpi(4), describe(result)
 
 
 def test_roundelrun_mpi_moves_data_over_mpi():

@@ -121,8 +121,8 @@ def process_set_backend(choice: Choice, job: Backend, store, ranks: tuple[int, .
                         hostname: str) -> Backend:
     """The communicator of a process set of job ranks ``ranks`` (built by its members only)."""
     if choice.cpu_operations == "mpi":
-        # Only MPIBackend has subset: a HierarchicalBackend over MPI (several hosts with hierarchical
-        # collectives or autotune) has none, and fails here with AttributeError (a known gap, kept as it is).
+        # The job's MPI communicator, flat (MPIBackend) or hierarchical (HierarchicalBackend over one), makes
+        # the set's communicator from its own members; the set's collectives go flat.
         backend = job.subset(ranks)  # type: ignore[attr-defined]
     else:
         backend = GlooBackend(store, ranks.index(job.rank), len(ranks), choice.timeout_s, hostname)

@@ -96,6 +96,19 @@ class HierarchicalBackend(Backend):
         if self._order is not None:
             torch.index_select(gathered.view(self.size, width), 0, self._order, out=output.view(self.size, width))
 
+    def subset(self, members) -> Backend:
+        """A communicator of some of the job's ranks (``members``; called by those members only), for a
+        process set: the flat communicator's subset, so a set's collectives go flat, as over Gloo.
+
+        Only a transport whose communicators make subsets of themselves (MPI) has one; over another
+        (Gloo, whose process sets meet through the store) raises NotImplementedError.
+        """
+        subset = getattr(self.flat, "subset", None)
+        if subset is None:
+            raise NotImplementedError(f"the {self.flat.name} communicator makes no subsets of itself: "
+                                      "build the process set's communicator from the store instead")
+        return subset(members)
+
     def broadcast(self, tensor, root: int) -> None:
         self.flat.broadcast(tensor, root)
 

@@ -15,6 +15,11 @@ torch_collectives.py's scenarios, then prints the TRANSPORT line below.
   allreduce and allgather over MPI sub-communicators, checked against
   NumPy-style expectations for several dtypes and ops; then a real
   ``hvd.init()`` with both flags on this one host stays flat.
+- ``hierarchical_sets``: 4 ranks under ``roundelrun --mpi
+  --hierarchical-allreduce``, each told by the test that its host is
+  ``host<rank % 2>``: the job's communicator is hierarchical, and process
+  sets (one across both hosts, one on one host) reduce and gather among
+  their own members, the job's allreduce still correct beside them.
 """
 
 from __future__ import annotations
@@ -115,8 +120,33 @@ def scenario_hierarchical():
     print(_transport_line(), flush=True)
 
 
+def scenario_hierarchical_sets():
+    from roundel.common import basics
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    assert size == 4, "run with roundelrun --mpi -np 4"
+    job = basics.runtime().process_sets[0][1]
+    assert type(job).__name__ == "HierarchicalBackend" and job.hierarchical_allreduce, job
+    assert (hvd.local_rank(), hvd.cross_rank()) == (rank // 2, rank % 2), (hvd.local_rank(), hvd.cross_rank())
+    across, one_host = hvd.add_process_set([1, 2, 3]), hvd.add_process_set([0, 2])
+    for process_set, members in ((across, [1, 2, 3]), (one_host, [0, 2])):
+        if rank not in members:
+            assert not process_set.included(), process_set
+            continue
+        total = hvd.allreduce(torch.full((5,), float(rank + 1)), op=hvd.Sum, name="set.sum", process_set=process_set)
+        check(total, torch.full((5,), float(sum(m + 1 for m in members))), f"sum in {members}")
+        gathered = hvd.allgather(torch.full((2,), rank), name="set.gather", process_set=process_set)
+        check(gathered, torch.tensor(members).repeat_interleave(2), f"allgather in {members}")
+    total = hvd.allreduce(torch.full((3,), float(rank)), op=hvd.Sum, name="job.sum")
+    check(total, torch.full((3,), float(sum(range(size)))), "the job's hierarchical sum beside the sets")
+    hvd.remove_process_set(across)
+    hvd.remove_process_set(one_host)
+    print(_transport_line(), flush=True)
+
+
 SCENARIOS = {"transport": scenario_transport, "train": scenario_train, "subcomm": scenario_subcomm,
-             "hierarchical": scenario_hierarchical}
+             "hierarchical": scenario_hierarchical, "hierarchical_sets": scenario_hierarchical_sets}
 
 if __name__ == "__main__":
     if sys.argv[1] == "collectives":
