@@ -27,7 +27,7 @@ FLAG_TABLE = [
     (("-cb", "--check-build"), [], "check_build", True),
     (("--disable-cache",), [], "disable_cache", True),
     (("--start-timeout",), ["45"], "start_timeout", 45.0),
-    (("--network-interfaces", "--network-interface"), ["eth0,ib0"], "nics", ["eth0", "ib0"]),
+    (("--network-interfaces", "--network-interface"), ["eth0, ib0"], "network_interfaces", "eth0,ib0"),
     (("--output-filename",), ["/tmp/out"], "output_filename", "/tmp/out"),
     (("--verbose",), [], "verbose", True),
     (("--config-file",), ["c.yaml"], "config_file", "c.yaml"),

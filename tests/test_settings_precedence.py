@@ -12,6 +12,7 @@ import yaml
 from roundel.common.settings import SPECS, Settings
 from roundel.runner import config as configlib
 from roundel.runner import flags
+from roundel.runner.options import LaunchOptions
 
 FLAGGED = [spec for spec in SPECS if spec.flag is not None]
 
@@ -58,14 +59,14 @@ def worker_environ(monkeypatch, tmp_path, environ, argv, config=None):
     args = flags.parser().parse_args(argv)
     if args.config_file:
         configlib.apply(args, configlib.load(args.config_file), flags.given_flags(argv))
-    return {**environ, **flags.settings_env(args)}
+    return {**environ, **flags.settings_env(LaunchOptions.from_args(args))}
 
 
 def seen(spec, env):
     """What the worker makes of ``spec`` in ``env``: its ``Settings`` field, or the variable's text
     (``ROUNDEL_`` first) where it has no field."""
     if spec.field is None:
-        return next(env[name] for name in (spec.var, "HOROVOD_" + spec.suffix) if env.get(name, "").strip())
+        return next(env[name] for name in (spec.var, spec.horovod_var) if env.get(name, "").strip())
     return getattr(Settings.from_env(env), spec.field)
 
 
@@ -77,7 +78,7 @@ def expect(spec, value):
 @pytest.mark.parametrize("spec", FLAGGED, ids=[spec.suffix for spec in FLAGGED])
 def test_flag_beats_config_beats_environment(spec, monkeypatch, tmp_path):
     in_env, in_config, on_line = samples(spec.flag)
-    environ = {"HOROVOD_" + spec.suffix: spec.flag.env_value(in_env)}
+    environ = {spec.horovod_var: spec.flag.env_value(in_env)}
     assert seen(spec, worker_environ(monkeypatch, tmp_path, environ, [])) == expect(spec, in_env)
     config = config_text(spec.flag, in_config)
     assert seen(spec, worker_environ(monkeypatch, tmp_path, environ, [], config)) == expect(spec, in_config)

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from roundel.errors import SettingsError
-from roundel.common.settings import MIB, Settings
+from roundel.common.settings import MIB, SPECS, Settings
 
 # field, variable suffix, default, (raw, parsed) accepted, raws refused
 VARIABLES = [
@@ -43,8 +43,15 @@ VARIABLES = [
     ("relay_from_ranks", "RELAY_FROM_RANKS", 64, ("0", 0), ["-1", "many"]),
     ("relay_fanout", "RELAY_FANOUT", 4, ("2", 2), ["0", "x"]),
     ("num_nccl_streams", "NUM_NCCL_STREAMS", 1, ("1", 1), ["2", "0", "x"]),
+    ("network_interface", "NETWORK_INTERFACE", "", ("eth0, ib0", "eth0,ib0"), [",", ",,"]),
 ]
 IDS = [row[1] for row in VARIABLES]
+
+
+def name(prefix: str, suffix: str) -> str:
+    """The variable of a setting under ``prefix``: Horovod's own name where it is not HOROVOD_ + suffix."""
+    spec = next(s for s in SPECS if s.suffix == suffix)
+    return spec.var if prefix == "ROUNDEL_" else spec.horovod_var
 
 
 def test_every_setting_is_covered_here():
@@ -62,14 +69,14 @@ def test_an_empty_environment_gives_every_default():
 @pytest.mark.parametrize("prefix", ["ROUNDEL_", "HOROVOD_"])
 def test_each_variable_is_read_under_both_prefixes(prefix, field, suffix, default, good, bad):
     raw, parsed = good
-    assert getattr(Settings.from_env({prefix + suffix: f" {raw} "}), field) == parsed
+    assert getattr(Settings.from_env({name(prefix, suffix): f" {raw} "}), field) == parsed
 
 
 @pytest.mark.parametrize("field, suffix, default, good, bad", VARIABLES, ids=IDS)
 def test_the_roundel_variable_wins_over_the_horovod_one(field, suffix, default, good, bad):
     raw, parsed = good
     other = bad[0] if bad else "ignored-value"
-    environ = {"ROUNDEL_" + suffix: raw, "HOROVOD_" + suffix: other}
+    environ = {"ROUNDEL_" + suffix: raw, name("HOROVOD_", suffix): other}
     assert getattr(Settings.from_env(environ), field) == parsed
 
 
@@ -77,7 +84,7 @@ def test_the_roundel_variable_wins_over_the_horovod_one(field, suffix, default, 
 def test_an_empty_variable_counts_as_unset(field, suffix, default, good, bad):
     raw, parsed = good
     assert getattr(Settings.from_env({"ROUNDEL_" + suffix: "  "}), field) == default
-    assert getattr(Settings.from_env({"ROUNDEL_" + suffix: "", "HOROVOD_" + suffix: raw}), field) == parsed
+    assert getattr(Settings.from_env({"ROUNDEL_" + suffix: "", name("HOROVOD_", suffix): raw}), field) == parsed
 
 
 BAD_VALUES = [(prefix, suffix, raw) for _, suffix, _, _, bad in VARIABLES for raw in bad
@@ -85,13 +92,14 @@ BAD_VALUES = [(prefix, suffix, raw) for _, suffix, _, _, bad in VARIABLES for ra
 
 
 @pytest.mark.parametrize("prefix, suffix, raw", BAD_VALUES,
-                         ids=[f"{p}{s}={r}" for p, s, r in BAD_VALUES])
+                         ids=[f"{name(p, s)}={r}" for p, s, r in BAD_VALUES])
 def test_a_bad_value_raises_naming_the_variable_and_the_value(prefix, suffix, raw):
+    var = name(prefix, suffix)
     with pytest.raises(SettingsError) as info:
-        Settings.from_env({prefix + suffix: raw})
+        Settings.from_env({var: raw})
     message = str(info.value)
-    assert message.startswith(f"{prefix}{suffix}={raw!r}")
-    assert len(message) > len(f"{prefix}{suffix}={raw!r}") + 10  # says what to use instead
+    assert message.startswith(f"{var}={raw!r}")
+    assert len(message) > len(f"{var}={raw!r}") + 10  # says what to use instead
 
 
 def test_settings_error_is_a_value_error():

@@ -142,7 +142,7 @@ def init(comm=None, process_sets=None) -> None:
         _init_count += 1
         raise_open_file_limit()  # stray connections to Gloo's port must not exhaust the descriptors
         # roundelrun's variables, or torchrun's / mpirun's / srun's (rank 0 then serves the store)
-        boot = bootstrap.discover(prefix, settings.start_timeout_s)
+        boot = bootstrap.discover(prefix, settings.start_timeout_s, nics=settings.network_interface)
         host, port, secret, server = boot.host, boot.port, boot.secret, boot.server
         try:
             client = RendezvousClient(host, port, secret, connect_timeout=settings.start_timeout_s,
@@ -153,7 +153,7 @@ def init(comm=None, process_sets=None) -> None:
                 server.stop()
             raise
         try:
-            ident = boot.complete(client, prefix, settings.start_timeout_s)
+            ident = boot.complete(client, prefix, settings.start_timeout_s, settings.elastic_timeout_s)
             if boot.elastic:  # scripts read HOROVOD_RANK, HOROVOD_HOSTNAME, ...: this generation's identity
                 os.environ.update(ident.to_env())
             members = communicator.member_ranks(comm, ident.rank, ident.size)
@@ -169,7 +169,7 @@ def init(comm=None, process_sets=None) -> None:
             raise
         if boot.elastic:  # every member of this generation, old or new, uses the same keys
             prefix = f"gen{boot.generation}/"
-        advertise = bootstrap.advertise_address(host, port)
+        advertise = bootstrap.advertise_address(host, port, settings.network_interface)
         timeline = Timeline()  # started before the engine, so the first requests are recorded
         if settings.timeline_filename and settings.timeline_filename != "DYNAMIC":
             try:  # resumed after an elastic reset: the same file goes on

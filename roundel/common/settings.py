@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 from roundel.errors import SettingsError
 
@@ -54,6 +54,7 @@ class Settings:
     elastic_timeout_s: float = 600.0
     log_level: str = "warning"
     log_hide_time: bool = False
+    network_interface: str = ""
     cpu_operations: str = "gloo"
     gpu_operations: str = "nccl"
     bucket_cap_mb: float = 25.0
@@ -67,14 +68,15 @@ class Settings:
     num_nccl_streams: int = 1
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
-        """Read and validate every setting; raise SettingsError naming the bad variable."""
+    def from_env(cls, environ: Mapping[str, str] | None = None, only: Collection[str] | None = None) -> "Settings":
+        """Read and validate every setting (``only``: just these fields, the others keep their defaults);
+        raise SettingsError naming the bad variable."""
         env = os.environ if environ is None else environ
-        values = {}
+        values: dict[str, Any] = {}
         for spec in SPECS:
-            if spec.field is None:
-                continue  # handed to the workers, never read
-            raw, var = _lookup(env, spec.suffix)
+            if spec.field is None or (only is not None and spec.field not in only):
+                continue  # fieldless: handed to the workers, never read
+            raw, var = spec.lookup(env)
             if raw is None:
                 continue
             values[spec.field] = spec.parse(var, raw)
@@ -92,7 +94,8 @@ class Flag:
     ``config`` is the key in Horovod's config file (``section.key``; ``config_negated``: the key says
     the opposite of the flag); the flag's ``dest`` is a top-level key too. ``implied_by`` is
     ``(dest, value)`` of another flag that, given alone, sets this one (``--verbose``: debug).
-    ``group`` names the ``--help`` section.
+    ``group`` names the ``--help`` section. A ``repeat`` flag may be given again: its values join
+    into one comma-separated list. ``help`` leaves the default out: ``--help`` adds the table's.
     """
 
     names: tuple[str, ...]
@@ -107,6 +110,7 @@ class Flag:
     config: str | None = None
     config_negated: bool = False
     implied_by: tuple[str, object] | None = None
+    repeat: bool = False
 
     @property
     def dest(self) -> str:
@@ -130,9 +134,9 @@ class Flag:
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """One setting: its ``Settings`` field (None: accepted and handed to the workers, no effect in roundel),
-    its variable (``ROUNDEL_``/``HOROVOD_`` + ``suffix``), how its value is read, what it means (for the
-    settings reference page), its ``roundelrun`` flag and config key, and whether roundel does not act on
-    it yet although it reads it."""
+    its variable (``ROUNDEL_``/``HOROVOD_`` + ``suffix``; ``horovod``: Horovod's own name where it differs),
+    how its value is read, what it means (for the settings reference page), its ``roundelrun`` flag and
+    config key, and whether roundel does not act on it yet although it reads it."""
 
     field: str | None
     suffix: str
@@ -140,20 +144,55 @@ class Spec:
     meaning: str
     flag: Flag | None = None
     not_yet: bool = False
+    horovod: str | None = None
 
     @property
     def var(self) -> str:
         """The variable ``roundelrun`` hands to the workers (``ROUNDEL_`` + suffix)."""
         return "ROUNDEL_" + self.suffix
 
+    @property
+    def horovod_var(self) -> str:
+        """The name Horovod's job scripts set (``HOROVOD_`` + suffix unless ``horovod`` names another)."""
+        return self.horovod or "HOROVOD_" + self.suffix
 
-def _lookup(env: Mapping[str, str], suffix: str) -> tuple[str | None, str]:
-    for prefix in ("ROUNDEL_", "HOROVOD_"):
-        var = prefix + suffix
-        raw = env.get(var)
-        if raw is not None and raw.strip() != "":
-            return raw.strip(), var
-    return None, "ROUNDEL_" + suffix
+    def lookup(self, env: Mapping[str, str]) -> tuple[str | None, str]:
+        """``(value, variable)`` of the first of :attr:`var` and :attr:`horovod_var` set (not blank) in
+        ``env``, its value stripped; ``(None, var)`` when neither is."""
+        for var in (self.var, self.horovod_var):
+            raw = env.get(var)
+            if raw is not None and raw.strip() != "":
+                return raw.strip(), var
+        return None, self.var
+
+    @property
+    def default(self) -> object:
+        """The ``Settings`` default (None for a setting without a field)."""
+        return None if self.field is None else _DEFAULTS[self.field]
+
+    def default_text(self) -> str:
+        """The default as the variable would say it ("unset" when it has none)."""
+        value = self.default
+        if value is None or value == "":
+            return "unset"
+        if self.suffix.endswith("_DISABLE"):  # the variable says the opposite of the field
+            value = not value
+        if isinstance(value, bool):
+            return "1" if value else "0"
+        if isinstance(value, int) and value >= MIB and value % MIB == 0:
+            return f"{value // MIB} MiB"
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
+
+
+def setting(field: str) -> Spec:
+    """The table's row of ``Settings`` field ``field``; KeyError names a field the table lacks."""
+    for spec in SPECS:
+        if spec.field == field:
+            return spec
+    raise KeyError(f"no setting has the field {field!r}; the fields are those of roundel.common.settings.Settings")
 
 
 def _int(minimum: int, example: str) -> Callable[[str, str], int]:
@@ -268,6 +307,14 @@ def _one_nccl_stream(var: str, raw: str) -> int:
     return 1
 
 
+def _interfaces(var: str, raw: str) -> str:
+    names = [name.strip() for name in raw.split(",") if name.strip()]
+    if not names:
+        raise SettingsError(f"{var}={raw!r} names no network interface; set it to a name such as eth0, or "
+                            "names such as eth0,ib0, or unset it")
+    return ",".join(names)
+
+
 def _mib_to_bytes(value: float) -> str:
     return str(int(value * MIB))
 
@@ -284,7 +331,7 @@ SPECS = (
     Spec("fusion_threshold", "FUSION_THRESHOLD", _int(0, "134217728 (128 MiB; 0 disables fusion)"),
          "largest fused buffer in bytes; 0 disables fusion",
          _flag("--fusion-threshold-mb", type=float, to_env=_mib_to_bytes, config="params.fusion_threshold_mb",
-               group="params", help="fuse tensors up to this many MiB (0 disables)")),
+               group="params", help="fuse tensors up to this many MiB; 0 disables fusion")),
     Spec("cycle_time_ms", "CYCLE_TIME", _float(0.0, "1 (milliseconds)"),
          "while a reduction is running, how long ready tensors wait (milliseconds) to be fused together",
          _flag("--cycle-time-ms", type=float, config="params.cycle_time_ms", group="params",
@@ -292,12 +339,11 @@ SPECS = (
     Spec("cache_capacity", "CACHE_CAPACITY", _int(0, "1024 (0 disables the response cache)"),
          "names remembered for one-bit negotiation; 0 disables the response cache",
          _flag("--cache-capacity", type=int, config="params.cache_capacity", group="params",
-               help="entries in the response cache (0 turns it off)")),
+               help="entries in the response cache; 0 turns it off")),
     Spec("stall_check_time_s", "STALL_CHECK_TIME_SECONDS", _float(0.0, "60", strictly_above=True),
          "seconds a collective may wait for some ranks before the stall warning",
          _flag("--stall-check-warning-time-seconds", type=float, config="stall_check.warning_time_seconds",
-               group="stall", help="warn about ranks missing from a collective after this many seconds "
-                                   "(default 60)")),
+               group="stall", help="warn about ranks missing from a collective after this many seconds")),
     Spec("stall_check_enabled", "STALL_CHECK_DISABLE", _not_bool,
          "1 turns the stall warning off",
          _flag("--no-stall-check", off=("--stall-check",), config="stall_check.enabled", config_negated=True,
@@ -305,20 +351,20 @@ SPECS = (
     Spec("stall_shutdown_time_s", "STALL_SHUTDOWN_TIME_SECONDS", _float(0.0, "600 (0 never shuts down)"),
          "fail a collective that stalled this many seconds (0: never)",
          _flag("--stall-check-shutdown-time-seconds", type=float, config="stall_check.shutdown_time_seconds",
-               group="stall", help="fail a collective that stalled this many seconds (default 0: never)")),
+               group="stall", help="fail a collective that stalled this many seconds; 0: never")),
     Spec("collective_timeout_s", "GLOO_TIMEOUT_SECONDS", _float(0.0, "60", strictly_above=True),
          "longest wait inside one transfer, in seconds (Horovod: 30; a stopped or lost peer is caught by "
          "the heartbeat)",
          _flag("--gloo-timeout-seconds", type=float, config="library_options.gloo_timeout_seconds",
-               group="library", help="seconds a collective may wait for its peers (default 60)")),
+               group="library", help="seconds a collective may wait for its peers")),
     Spec("start_timeout_s", "START_TIMEOUT", _float(0.0, "30", strictly_above=True),
          "how long ranks wait for each other at init(), in seconds",
          _flag("--start-timeout", type=float, group="",
-               help="seconds workers wait for each other at start (default HOROVOD_START_TIMEOUT or 30)")),
+               help="seconds workers wait for each other at start")),
     Spec("heartbeat_timeout_s", "HEARTBEAT_TIMEOUT_SECONDS", _float(0.0, "15", strictly_above=True),
          "a rank silent this many seconds is declared lost (roundel only)",
          _flag("--heartbeat-timeout-seconds", type=float, group="library",
-               help="declare a rank lost after this many seconds of silence (default 15)")),
+               help="declare a rank lost after this many seconds of silence")),
     Spec("timeline_filename", "TIMELINE", _text,
          "write a timeline to this file (DYNAMIC: start it later with hvd.start_timeline)",
          _flag("--timeline-filename", config="timeline.filename", group="timeline",
@@ -369,49 +415,54 @@ SPECS = (
     Spec("elastic_timeout_s", "ELASTIC_TIMEOUT", _float(0.0, "600", strictly_above=True),
          "elastic: how long to wait for --min-np slots, in seconds",
          _flag("--elastic-timeout", type=float, group="elastic",
-               help="seconds to wait for --min-np slots or for workers to rejoin "
-                    "(default HOROVOD_ELASTIC_TIMEOUT or 600)")),
+               help="seconds to wait for --min-np slots or for workers to rejoin")),
     Spec("log_level", "LOG_LEVEL", _log_level,
          "trace, debug, info, warning, error or fatal",
          _flag("--log-level", type=str.upper, choices=tuple(level.upper() for level in _LOG_LEVELS),
                to_env=str.lower, implied_by=("verbose", "DEBUG"), config="logging.level", group="logging",
-               help="the workers' log level (default WARNING)")),
+               help="the workers' log level")),
     Spec("log_hide_time", "LOG_HIDE_TIME", _bool,
          "1 drops the time from roundel's log lines",
          _flag("--log-with-timestamp", "--no-log-hide-timestamp",
                off=("--log-without-timestamp", "--log-hide-timestamp"),
                off_help="leave the time off the workers' log lines", to_env=_bit_not,
                config="logging.with_timestamp", group="logging",
-               help="put the time on the workers' log lines (the default)")),
+               help="put the time on the workers' log lines")),
+    Spec("network_interface", "NETWORK_INTERFACE", _interfaces,
+         "network interfaces the hosts reach each other on, such as eth0 or eth0,ib0: each host uses the first of "
+         "them it has for the rendezvous store and the ranks' connections (Horovod's name: HOROVOD_GLOO_IFACE)",
+         _flag("--network-interfaces", "--network-interface", metavar="NICS", repeat=True, group="",
+               help="comma-separated network interfaces the hosts reach each other on; each host uses the first "
+                    "of them that it has"),
+         horovod="HOROVOD_GLOO_IFACE"),
     Spec("cpu_operations", "CPU_OPERATIONS", _cpu_operations,
          "transport of CPU tensors: gloo, or mpi under mpirun (`roundelrun --mpi` chooses mpi when mpi4py "
          "is installed)"),
     Spec("gpu_operations", "GPU_OPERATIONS", _gpu_operations,
          "transport of CUDA tensors: nccl, or gloo/mpi through host memory",
          _flag("--gpu-operations", type=str.lower, choices=("nccl", "gloo", "mpi"), group="library",
-               help="what moves CUDA tensors: nccl (the default), or gloo/mpi through host memory")),
+               help="what moves CUDA tensors: nccl, or gloo/mpi through host memory")),
     Spec("bucket_cap_mb", "BUCKET_CAP_MB", _float(0.0, "25 (MiB per gradient bucket; 0 reduces each gradient alone)"),
          "default gradient bucket size (MiB) of the torch DistributedOptimizer; 0 reduces each gradient "
          "alone (roundel only)",
          _flag("--bucket-cap-mb", type=float, group="params",
-               help="torch DistributedOptimizer's default gradient bucket size in MiB (default 25; 0: none)")),
+               help="torch DistributedOptimizer's default gradient bucket size in MiB; 0: none")),
     Spec("coordinator_reduce_bytes", "COORDINATOR_REDUCE_BYTES", _coordinator_reduce_bytes,
          "CPU allreduces up to this many bytes are reduced by rank 0's coordinator from data sent with the "
          "requests; 0 sends all over the transport; at most 65536 (roundel only)",
          _flag("--coordinator-reduce-bytes", type=int, group="params",
-               help="CPU allreduces up to this many bytes ride with the requests to rank 0 (0: none; "
-                    "at most 65536)")),
+               help="CPU allreduces up to this many bytes ride with the requests to rank 0; 0: none, "
+                    "at most 65536")),
     Spec("shared_memory", "SHARED_MEMORY", _bool,
          "on one host, collectives go through shared memory; 0 keeps them on Gloo (roundel only)",
          _flag("--shared-memory", off=("--no-shared-memory",), off_help="keep collectives on one host on Gloo",
-               group="library", help="collectives among the ranks of one host go through shared memory "
-                                     "(the default)")),
+               group="library", help="collectives among the ranks of one host go through shared memory")),
     Spec("straggler_report", "STRAGGLER_REPORT", _straggler_report,
          "1: each rank's lag behind the others is reported when the job ends; auto: when it ran longer "
          "than a minute (roundel only)",
          _flag("--straggler-report", off=("--no-straggler-report",), off_help="never print the straggler table",
-               group="observability", help="print each rank's lag behind the others when the job ends "
-                                           "(default: when the job ran longer than a minute)")),
+               group="observability", help="print each rank's lag behind the others when the job ends, even when it "
+                                           "ran for less than a minute")),
     Spec("metrics_port", "METRICS_PORT", _metrics_port,
          "[HOST:]PORT where rank 0 serves the job's counters for Prometheus (roundel only)",
          _flag("--metrics-port", metavar="[HOST:]PORT", group="observability",
@@ -426,13 +477,13 @@ SPECS = (
          "relays the control messages of its host's other ranks to rank 0, merging their cache bits; "
          "0: never (roundel only)",
          _flag("--relay-from-ranks", type=int, group="params",
-               help="relay control messages through one rank per host in jobs of at least this many ranks "
-                    "(default 64; 0: never)")),
+               help="relay control messages through one rank per host in jobs of at least this many ranks; "
+                    "0: never")),
     Spec("relay_fanout", "RELAY_FANOUT", _int(1, "4"),
          "with relays, at most this many hosts' relays report to each relay; rank 0's host's relay is the top "
          "(roundel only)",
          _flag("--relay-fanout", type=int, group="params",
-               help="hosts' relays under each relay; rank 0's host's relay is the top (default 4)")),
+               help="hosts' relays under each relay; rank 0's host's relay is the top")),
     Spec(None, "MPI_THREADS_DISABLE", _bool,
          "accepted and handed to the workers; no effect in roundel (it drives no MPI threads)",
          _flag("--mpi-threads-disable", off=("--no-mpi-threads-disable",), config="library_options.mpi_threads_disable",

@@ -32,9 +32,10 @@ random one from rank 0, over MPI under ``mpirun``, and under ``srun`` and
 ``torchrun`` through a private file in the shared home directory
 (:mod:`roundel.rendezvous.secret_file`), removed once every rank has joined.
 
-Rank 0's store listens on the job's address only (the first host's, or the
-interface ``ROUNDEL_NETWORK_INTERFACE`` names); ``ROUNDEL_RENDEZVOUS_BIND``
-(for example ``0.0.0.0``) chooses another.
+Rank 0's store listens on the job's address only (the first host's, or that
+of the job's network interface setting, which the caller reads from the
+settings table and passes as ``nics``); ``ROUNDEL_RENDEZVOUS_BIND`` (for
+example ``0.0.0.0``) chooses another.
 
 An elastic worker (``roundelrun --host-discovery-script``) has no rank in
 its environment, only ``ROUNDEL_ELASTIC_WORKER_ID``: it joins the driver's
@@ -105,13 +106,14 @@ class Bootstrap:
     def elastic(self) -> bool:
         return self.worker_id is not None
 
-    def complete(self, client: RendezvousClient, prefix: str, timeout_s: float) -> Identity:
+    def complete(self, client: RendezvousClient, prefix: str, timeout_s: float, elastic_timeout_s: float) -> Identity:
         """The full Identity; for another launcher's worker, exchange host names and local ranks
-        through the store (a collective over all ranks). Raises RoundelInternalError on timeout."""
+        through the store (a collective over all ranks); an elastic worker waits up to
+        ``elastic_timeout_s`` for its place in the next generation. Raises RoundelInternalError on timeout."""
         if self.identity is not None:
             return self.identity
         if self.worker_id is not None:  # elastic
-            assignment = elastic_join.join(client, self.worker_id, _elastic_timeout())
+            assignment = elastic_join.join(client, self.worker_id, elastic_timeout_s)
             self.generation, self.hosts_version = assignment.generation, assignment.hosts_version
             return assignment.identity
         info = self.launcher
@@ -174,14 +176,6 @@ def _roundelrun_store(env: Mapping[str, str]) -> tuple[str, int, bytes]:
             "with roundelrun") from None
 
 
-def _elastic_timeout() -> float:
-    try:
-        return float(os.environ.get(elastic_join.TIMEOUT, "600"))
-    except ValueError:
-        raise SettingsError(f"{elastic_join.TIMEOUT}={os.environ[elastic_join.TIMEOUT]!r} "
-                            "must be a number of seconds") from None
-
-
 def _start_server(bind: str, port: int, secret: bytes) -> RendezvousServer:
     server = RendezvousServer(secret, bind, port)
     server.start()
@@ -204,7 +198,7 @@ def _explicit(env: Mapping[str, str]) -> tuple[str, int, bytes] | None:
     return None
 
 
-def _torchrun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s: float):
+def _torchrun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s: float, nics: str):
     try:
         from torch.distributed import TCPStore
     except ImportError:
@@ -226,7 +220,7 @@ def _torchrun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeo
     try:
         if info.rank == 0:
             local_only = info.local_size is not None and info.local_size == info.size
-            host = "127.0.0.1" if local_only else network.reachable_address(master, env)
+            host = "127.0.0.1" if local_only else network.reachable_address(master, nics)
             secret = exported or new_secret()
             server = _start_server(_bind_address(env, host), int(env.get(identity_env.RENDEZVOUS_PORT, 0)), secret)
             port = server.port
@@ -289,7 +283,7 @@ def _torchrun_secret_from_file(info: LauncherIdentity, run: str, master: str, ma
     return secret_file.read(path, timeout_s, f"rank {info.rank} of {info.size} (started by torchrun)")
 
 
-def _mpi(info: LauncherIdentity, env: Mapping[str, str]):
+def _mpi(info: LauncherIdentity, env: Mapping[str, str], nics: str):
     try:
         from mpi4py import MPI
     except ImportError:
@@ -308,7 +302,7 @@ def _mpi(info: LauncherIdentity, env: Mapping[str, str]):
     if info.rank == 0:
         try:
             local_only = info.local_size is not None and info.local_size == info.size
-            host = "127.0.0.1" if local_only else network.reachable_address(None, env)
+            host = "127.0.0.1" if local_only else network.reachable_address(None, nics)
             secret = secret_file.exported_secret(env) or new_secret()
             server = _start_server(_bind_address(env, host), int(env.get(identity_env.RENDEZVOUS_PORT, 0)), secret)
             message = ("ok", host, server.port, secret.hex())
@@ -340,20 +334,20 @@ def _is_own_address(addr: str) -> bool:
                for entries in psutil.net_if_addrs().values() for entry in entries)
 
 
-def _own_listen_address(host: str | None, env: Mapping[str, str]) -> str:
-    """The address rank 0's store listens on, which the other ranks reach: the interface
-    ``ROUNDEL_NETWORK_INTERFACE`` names; else the address of ``host`` (``ROUNDEL_RENDEZVOUS_ADDR``) or of
-    this node's name (Slurm's, else the host name) when it is this machine's (loopback only for a
-    one-node Slurm step); else this machine's reachable address."""
-    if any(env.get(var) for var in network.INTERFACE_VARS):
-        return network.reachable_address(None, env)
+def _own_listen_address(host: str | None, env: Mapping[str, str], nics: str) -> str:
+    """The address rank 0's store listens on, which the other ranks reach: that of the interfaces ``nics``
+    names; else the address of ``host`` (``ROUNDEL_RENDEZVOUS_ADDR``) or of this node's name (Slurm's,
+    else the host name) when it is this machine's (loopback only for a one-node Slurm step); else this
+    machine's reachable address."""
+    if nics:
+        return network.interface_address(nics)
     try:
         addr = network.resolve(host or slurm.this_node(env) or socket.gethostname())
     except ValueError:
         addr = None
     if addr and _is_own_address(addr) and (not network.is_loopback(addr) or slurm.single_node(env)):
         return addr
-    return network.reachable_address(None, env)
+    return network.reachable_address()
 
 
 _SRUN_FIX = ("export ROUNDEL_SECRET=$(openssl rand -hex 32) and ROUNDEL_RENDEZVOUS_PORT=<a free port of rank "
@@ -362,7 +356,7 @@ _SRUN_FIX = ("export ROUNDEL_SECRET=$(openssl rand -hex 32) and ROUNDEL_RENDEZVO
              "ROUNDEL_SECRET_DIR (a home directory shared by the hosts)")
 
 
-def _srun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s: float):
+def _srun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s: float, nics: str):
     """Rank 0 serves the store on its own node. Its address, port and the secret reach the others through
     the private file, except what every rank already knows: an exported secret and port, and the address
     when ROUNDEL_RENDEZVOUS_ADDR names it or Slurm places task 0 on the step's first node."""
@@ -389,7 +383,7 @@ def _srun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s
                 f"{identity_env.RENDEZVOUS_PORT} unset so that rank 0 publishes its address in the private file")
     secret = secret or new_secret()
     try:
-        listen = _own_listen_address(named, env)
+        listen = _own_listen_address(named, env, nics)
     except ValueError as exc:
         raise RoundelInternalError(f"rank 0 cannot choose the address to listen on: {exc}") from None
     host = named or listen
@@ -399,7 +393,7 @@ def _srun(info: LauncherIdentity, env: Mapping[str, str], prefix: str, timeout_s
     return host, server.port, secret, server, path
 
 
-def _indexed_job(info: LauncherIdentity, env: Mapping[str, str]):
+def _indexed_job(info: LauncherIdentity, env: Mapping[str, str], nics: str):
     """A pod of a Kubernetes Indexed Job: index 0 serves the store on ``ROUNDEL_RENDEZVOUS_PORT``; the others
     reach it at ``ROUNDEL_RENDEZVOUS_ADDR`` (index 0's stable name under the Job's headless Service) with the
     ``ROUNDEL_SECRET`` every pod gets from a Kubernetes Secret: pods share no file system to pass one."""
@@ -416,7 +410,7 @@ def _indexed_job(info: LauncherIdentity, env: Mapping[str, str]):
         return host, port, secret, None, None
     assert secret is not None  # ROUNDEL_SECRET is set: checked above
     try:  # index 0's own name may not be in the cluster's DNS yet: its address then comes from its interfaces
-        listen = _own_listen_address(host, env)
+        listen = _own_listen_address(host, env, nics)
     except ValueError as exc:
         raise RoundelInternalError(f"rank 0 cannot choose the address to listen on: {exc}") from None
     server = secret_file.serve(secret, _bind_address(env, listen), port, host, None,
@@ -424,10 +418,11 @@ def _indexed_job(info: LauncherIdentity, env: Mapping[str, str]):
     return host, server.port, secret, server, None
 
 
-def discover(prefix: str, timeout_s: float, environ: Mapping[str, str] | None = None) -> Bootstrap:
+def discover(prefix: str, timeout_s: float, environ: Mapping[str, str] | None = None, nics: str = "") -> Bootstrap:
     """Find this worker's identity and rendezvous store (starting the store on rank 0 where needed).
 
-    With no launcher at all, a job of one process with its own store.
+    ``nics``: the job's network interface setting (comma-separated names; rank 0's store listens on the
+    first of them this host has). With no launcher at all, a job of one process with its own store.
     Raises SettingsError for malformed launcher variables and
     RoundelInternalError when the ranks cannot agree on a store.
     """
@@ -454,24 +449,24 @@ def discover(prefix: str, timeout_s: float, environ: Mapping[str, str] | None = 
     elif info.launcher == "horovod":  # Horovod's Gloo variables, set by another tool or by hand
         host, port, secret, server, path = horovod_gloo.store(info, env, prefix, timeout_s)
     elif info.launcher == "torchrun":
-        host, port, secret, server, path = _torchrun(info, env, prefix, timeout_s)
+        host, port, secret, server, path = _torchrun(info, env, prefix, timeout_s, nics)
     elif info.by_mpi:
-        info, (host, port, secret, server, path) = _mpi(info, env)
+        info, (host, port, secret, server, path) = _mpi(info, env, nics)
     elif info.launcher == "kubernetes":
-        host, port, secret, server, path = _indexed_job(info, env)
+        host, port, secret, server, path = _indexed_job(info, env, nics)
     else:
-        host, port, secret, server, path = _srun(info, env, prefix, timeout_s)
+        host, port, secret, server, path = _srun(info, env, prefix, timeout_s, nics)
     served_by = "roundelrun" if explicit is not None else f"rank 0 of the job (started by {info.launcher})"
     return Bootstrap(host, port, secret, server, None, info, secret_path=path, served_by=served_by)
 
 
-def advertise_address(rendezvous_host: str, rendezvous_port: int) -> str:
-    """The address this worker gives its peers for Gloo: that of ``ROUNDEL_NETWORK_INTERFACE``
-    (or ``HOROVOD_GLOO_IFACE``) when set, else that of the interface routing to the store."""
-    for var in network.INTERFACE_VARS:
-        if os.environ.get(var):
-            try:
-                return network.interface_address(os.environ[var])
-            except ValueError as exc:
-                raise RoundelInternalError(f"{var}: {exc}") from None
+def advertise_address(rendezvous_host: str, rendezvous_port: int, nics: str = "") -> str:
+    """The address this worker gives its peers for Gloo: that of the interfaces ``nics`` names (the job's
+    network interface setting) when given, else that of the interface routing to the store."""
+    if nics:
+        try:
+            return network.interface_address(nics)
+        except ValueError as exc:
+            raise RoundelInternalError(f"{exc}; name one this host has with ROUNDEL_NETWORK_INTERFACE "
+                                       "(roundelrun --network-interfaces)") from None
     return network.route_source(rendezvous_host, rendezvous_port) or "127.0.0.1"

@@ -39,16 +39,13 @@ from roundel.errors import RoundelInternalError
 from roundel.rendezvous.identity import Identity
 from roundel.rendezvous.store import RendezvousError, RendezvousTimeout
 
-__all__ = ["HOSTS_VERSION_KEY", "JOIN_GRACE_S", "TIMEOUT", "WORKER_ID", "Assignment", "GenerationAbandoned", "HostUpdate",
+__all__ = ["HOSTS_VERSION_KEY", "JOIN_GRACE_S", "WORKER_ID", "Assignment", "GenerationAbandoned", "HostUpdate",
            "JoinError", "WorkerRemoved", "abandoned_key", "assign_key", "connect_within", "host_update_notice",
            "hosts_update_key", "hosts_version", "join", "join_key", "key_prefix", "read_host_update_notice",
            "removal", "worker_id"]
 
 WORKER_ID = "ROUNDEL_ELASTIC_WORKER_ID"
 """Environment variable naming an elastic worker (its presence makes ``init()`` join a generation)."""
-
-TIMEOUT = "ROUNDEL_ELASTIC_TIMEOUT"
-"""Environment variable: seconds a joining worker waits for the driver to form a generation."""
 
 JOIN_GRACE_S = 10.0
 """How much longer than the driver's own bound (``--elastic-timeout``, or ``--start-timeout`` for the first

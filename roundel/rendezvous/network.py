@@ -9,15 +9,11 @@ asked which local address the kernel chose.
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
-from typing import Mapping
 
 import psutil
 
 __all__ = ["interface_address", "is_loopback", "resolve", "route_source", "reachable_address"]
-
-INTERFACE_VARS = ("ROUNDEL_NETWORK_INTERFACE", "HOROVOD_GLOO_IFACE")
 
 
 def interface_address(names: str) -> str:
@@ -80,18 +76,17 @@ def _first_non_loopback() -> str | None:
     return None
 
 
-def reachable_address(towards: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+def reachable_address(towards: str | None = None, nics: str = "") -> str:
     """An address of this machine that other hosts of the job can reach.
 
-    In order: the interface named by ``ROUNDEL_NETWORK_INTERFACE`` (or
-    ``HOROVOD_GLOO_IFACE``); the interface routing to ``towards``; the address
-    this host's name resolves to; the first non-loopback IPv4 address;
-    127.0.0.1. Raises ValueError for an interface that does not exist.
+    In order: that of the interfaces ``nics`` names (the job's network
+    interface setting, as :func:`interface_address` takes it); the interface
+    routing to ``towards``; the address this host's name resolves to; the
+    first non-loopback IPv4 address; 127.0.0.1. Raises ValueError when none
+    of ``nics`` exists here.
     """
-    env = os.environ if environ is None else environ
-    for var in INTERFACE_VARS:
-        if env.get(var):
-            return interface_address(env[var])
+    if nics:
+        return interface_address(nics)
     if towards:
         source = route_source(towards)
         if source:

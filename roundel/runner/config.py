@@ -29,6 +29,7 @@ import argparse
 import yaml
 
 from roundel.common.settings import SPECS, Flag
+from roundel.runner.flags import join_list
 
 __all__ = ["ConfigError", "apply", "load"]
 
@@ -50,12 +51,13 @@ def _kind(flag: Flag) -> type:
 # dest -> type of the value, for the top-level keys of the launcher's own flags (a setting's flag is one too)
 _FLAGS = {
     "disable_cache": bool, "verbose": bool, "ssh_port": int, "ssh_identity_file": str,
-    "ssh_strict_host_key_checking": str, "network_interfaces": str, "network_interface": str,
-    "output_filename": str, "mpi_args": str, "prefix_output_with_timestamp": bool,
+    "ssh_strict_host_key_checking": str, "output_filename": str, "mpi_args": str,
+    "prefix_output_with_timestamp": bool,
 }
-_NICS = ("network_interfaces", "network_interface")
 _CONTROLLERS = {"gloo": "gloo", "mpi": "mpi"}
-_BY_DEST = {flag.dest: flag for flag in _SETTING_FLAGS}
+# a setting flag's long names (its dest among them) -> the flag: each is a top-level key
+_BY_NAME = {name.lstrip("-").replace("-", "_"): flag for flag in _SETTING_FLAGS for name in flag.names
+            if name.startswith("--")}
 
 
 def _sections() -> dict[str, dict[str, Flag]]:
@@ -94,7 +96,7 @@ def _setting(flag: Flag, value, where: str, negated: bool = False):
         typed = flag.type(typed)  # str.upper, str.lower: the spelling the flag gives
     if flag.choices is not None and typed not in flag.choices:
         raise ConfigError(f"{where}: {value!r} is not one of {', '.join(flag.choices)}")
-    return typed
+    return join_list(typed) if flag.repeat else typed
 
 
 def load(path: str) -> dict:
@@ -110,7 +112,7 @@ def load(path: str) -> dict:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"--config-file {path}: expected a mapping of settings at the top level")
-    flags = {}
+    flags: dict[str, object] = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         where = f"--config-file {path}: {key}"
@@ -119,9 +121,7 @@ def load(path: str) -> dict:
             if controller is None:
                 raise ConfigError(f"{where}: {value!r} is not a controller; use gloo or mpi")
             flags[controller] = True
-        elif name in _NICS:
-            flags["nics"] = [n.strip() for n in _typed(value, str, where).split(",") if n.strip()]
-        elif name in _SECTIONS and (isinstance(value, dict) or name not in _BY_DEST):
+        elif name in _SECTIONS and (isinstance(value, dict) or name not in _BY_NAME):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: expected a mapping")
             for sub, subvalue in value.items():
@@ -130,12 +130,13 @@ def load(path: str) -> dict:
                 if flag is None:
                     raise ConfigError(f"{subwhere}: unknown setting (known: {', '.join(_SECTIONS[name])})")
                 flags[flag.dest] = _setting(flag, subvalue, subwhere, negated=flag.config_negated)
-        elif name in _BY_DEST:  # `autotune: true` is the flag, `autotune: {...}` Horovod's section
-            flags[name] = _setting(_BY_DEST[name], value, where)
+        elif name in _BY_NAME:  # `autotune: true` is the flag, `autotune: {...}` Horovod's section
+            flag = _BY_NAME[name]
+            flags[flag.dest] = _setting(flag, value, where)
         elif name in _FLAGS:
             flags[name] = _typed(value, _FLAGS[name], where)
         else:
-            known = ", ".join(sorted({*_FLAGS, *_BY_DEST}))
+            known = ", ".join(sorted({*_FLAGS, *_BY_NAME}))
             raise ConfigError(f"{where}: unknown setting (known: controller, {known}, "
                               f"{', '.join(_SECTIONS)})")
     return flags
@@ -150,7 +151,7 @@ def apply(args: argparse.Namespace, config: dict, given: set[str]) -> None:
     for dest, value in config.items():
         if dest in _CONTROLLERS and (args.gloo or args.mpi):
             continue  # a controller chosen on the command line wins
-        flag = _BY_DEST.get(dest)
+        flag = next((f for f in _SETTING_FLAGS if f.dest == dest), None)
         implied_by = flag.implied_by[0] if flag is not None and flag.implied_by else None
         if dest in given or implied_by in given:
             continue

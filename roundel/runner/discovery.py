@@ -11,11 +11,12 @@ from __future__ import annotations
 import random
 import subprocess
 import time
+from typing import Protocol
 
 from roundel.runner import spawn
 from roundel.runner.hosts import parse_hosts
 
-__all__ = ["Blacklist", "DiscoveryError", "FixedHosts", "HostDiscovery", "parse_discovery_output"]
+__all__ = ["Blacklist", "DiscoveryError", "FixedHosts", "HostDiscovery", "HostSource", "parse_discovery_output"]
 
 
 class DiscoveryError(Exception):
@@ -38,6 +39,14 @@ def parse_discovery_output(text: str, default_slots: int) -> dict[str, int]:
             raise DiscoveryError(f"line {lineno}: host {name!r} is listed twice")
         hosts[name] = slots
     return hosts
+
+
+class HostSource(Protocol):
+    """Where an elastic job's hosts come from: a script, fixed hosts, Ray's nodes, Spark's tasks."""
+
+    def poll(self) -> dict[str, int]:
+        """The usable hosts now, ``{host: slots}``."""
+        ...
 
 
 class HostDiscovery:

@@ -38,16 +38,19 @@ import threading
 import time
 from typing import Callable
 
+from roundel.common.settings import setting
 from roundel.rendezvous.identity import cross_ranks, rendezvous_env
 from roundel.rendezvous import elastic_join as protocol
 from roundel.runner import spawn
-from roundel.runner.discovery import Blacklist, FixedHosts, HostDiscovery
+from roundel.runner.discovery import Blacklist, FixedHosts, HostSource
 from roundel.runner.hosts import SlotInfo, is_local_host
 from roundel.runner.lost_ranks import EXIT_GRACE_S, describe_lost, lost_ranks
 from roundel.runner.worker import Worker
 from roundel.rendezvous.store import RendezvousServer
 
 __all__ = ["ElasticSettings", "IllegalTransition", "MemberEvent", "MemberState", "run"]
+
+_ELASTIC_TIMEOUT_VAR = setting("elastic_timeout_s").var
 
 _TICK_S = 0.1
 DISCOVERY_INTERVAL_S = 1.0
@@ -60,7 +63,7 @@ class ElasticSettings:
     command: list[str]
     min_np: int
     max_np: int | None
-    discovery: HostDiscovery
+    discovery: HostSource
     blacklist: Blacklist
     elastic_timeout_s: float
     reset_limit: int | None
@@ -227,8 +230,9 @@ class _Driver:
         env.update(self.s.settings_env)
         env["PYTHONUNBUFFERED"] = "1"
         env[protocol.WORKER_ID] = _worker_id(label, serial)
-        # the worker's own bound on its join outlasts the driver's, whose decision (with its reason) comes first
-        env[protocol.TIMEOUT] = repr(max(self.s.elastic_timeout_s, self.s.start_timeout_s) + protocol.JOIN_GRACE_S)
+        # the worker's own bound on its join (its elastic timeout) outlasts the driver's, whose decision
+        # (with its reason) comes first
+        env[_ELASTIC_TIMEOUT_VAR] = repr(max(self.s.elastic_timeout_s, self.s.start_timeout_s) + protocol.JOIN_GRACE_S)
         if self.s.start_worker is not None:
             worker = self.s.start_worker(slot, env, label)
         elif is_local_host(host):

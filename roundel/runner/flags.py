@@ -2,12 +2,14 @@
 
 The parser accepts Horovod's flags with their short forms and aliases. The
 flags that set a setting are made from the settings table
-(:data:`roundel.common.settings.SPECS`); the others (ranks, hosts, ssh,
-elastic discovery, output, controller) are declared here.
-:func:`settings_env` turns the parsed flags into the workers' ``ROUNDEL_*``
-settings variables (as Horovod's launcher turns them into ``HOROVOD_*``
-ones); :func:`ignored_flags` names the flags given that have no effect in
-roundel, for the launcher's one-line notice.
+(:data:`roundel.common.settings.SPECS`, their help and default too); the
+others (ranks, hosts, ssh, elastic discovery, output, controller) are
+declared here. The parsed flags become a
+:class:`roundel.runner.options.LaunchOptions`; :func:`settings_env` turns
+those into the workers' ``ROUNDEL_*`` settings variables (as Horovod's
+launcher turns them into ``HOROVOD_*`` ones); :func:`ignored_flags` names
+the flags given that have no effect in roundel, for the launcher's one-line
+notice.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import os
 
 from roundel import __version__
 from roundel.errors import SettingsError
-from roundel.common.settings import SPECS, Flag, Settings
+from roundel.common.settings import SPECS, Settings, Spec
+from roundel.runner.options import LaunchOptions
 from roundel.runner.spawn import FORWARD_VARS, REMOTE_ENV, REMOTE_ENV_MODES, STRICT_HOST_KEY_CHECKING
 
-__all__ = ["NO_EFFECT", "NOT_YET", "UsageError", "exports", "given_flags", "ignored_flags", "parser",
+__all__ = ["NO_EFFECT", "NOT_YET", "UsageError", "exports", "given_flags", "ignored_flags", "join_list", "parser",
            "settings_env"]
 
 NO_EFFECT = {
@@ -55,7 +58,7 @@ class UsageError(Exception):
 
 def _ranks(raw: str) -> frozenset:
     """``0,2-3`` -> {0, 2, 3}."""
-    ranks = set()
+    ranks: set[int] = set()
     try:
         for part in raw.split(","):
             first, _, last = part.strip().partition("-")
@@ -67,27 +70,50 @@ def _ranks(raw: str) -> frozenset:
     return frozenset(ranks)
 
 
-class _NicsAction(argparse.Action):
-    """``--network-interfaces eth0,ib0`` (may repeat): a list of interface names."""
+class _JoinAction(argparse.Action):
+    """A repeat flag (``--network-interfaces eth0,ib0``, given again): one comma-separated list of them all."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        nics = list(getattr(namespace, self.dest) or [])
-        nics += [name.strip() for name in values.split(",") if name.strip()]
-        setattr(namespace, self.dest, nics)
+        setattr(namespace, self.dest, join_list(getattr(namespace, self.dest, None) or "", str(values)))
 
 
-def _add_setting_flag(group, flag: Flag) -> None:
-    """Add ``flag`` (from the settings table) to ``group``; its ``dest`` stays None when it is not given.
+def join_list(*values: str) -> str:
+    """Comma-separated ``values`` as one list, blank entries dropped (``"a, b", "c"``: ``"a,b,c"``)."""
+    return ",".join(name.strip() for value in values for name in value.split(",") if name.strip())
+
+
+def _helps(spec: Spec) -> tuple[str, str | None]:
+    """The ``--help`` lines of ``spec``'s flag and of its off strings (None: not listed), with the table's
+    default: a value flag's in brackets, a switch's on the side that gives it."""
+    flag = spec.flag
+    assert flag is not None
+    if spec.field is None:
+        return flag.help, flag.off_help
+    if not flag.switch:
+        default = spec.default_text()
+        return (flag.help if default == "unset" else f"{flag.help} (default {default})"), None
+    on, off = (spec.parse(spec.var, flag.env_value(side)) == spec.default for side in (True, False))
+    return (f"{flag.help} (the default)" if on else flag.help,
+            f"{flag.off_help} (the default)" if off and flag.off_help else flag.off_help)
+
+
+def _add_setting_flag(group, spec: Spec) -> None:
+    """Add ``spec``'s flag (from the settings table) to ``group``; its ``dest`` stays None when it is not given.
     A switch's on and off strings exclude each other."""
+    flag = spec.flag
+    assert flag is not None
+    on_help, off_help = _helps(spec)
     if flag.switch:
         both = group.add_mutually_exclusive_group()
         both.add_argument(*flag.names, dest=flag.dest, action="store_const", const=True, default=None,
-                          help=flag.help)
+                          help=on_help)
         both.add_argument(*flag.off, dest=flag.dest, action="store_const", const=False,
-                          help=flag.off_help or argparse.SUPPRESS)
+                          help=off_help or argparse.SUPPRESS)
+    elif flag.repeat:
+        group.add_argument(*flag.names, dest=flag.dest, action=_JoinAction, metavar=flag.metavar, help=on_help)
     else:
         group.add_argument(*flag.names, dest=flag.dest, type=flag.type, choices=flag.choices,
-                           metavar=flag.metavar, help=flag.help)
+                           metavar=flag.metavar, help=on_help)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,7 +137,9 @@ def parser() -> argparse.ArgumentParser:
     A flag that sets a setting leaves its ``dest`` None when it is not given."""
     p = _Parser(
         prog="roundelrun",
-        description="Run a command as the ranks of a roundel (Horovod-style) distributed job.",
+        description="Run a command as the ranks of a roundel (Horovod-style) distributed job. A setting's flag "
+                    "that is not given leaves the workers its ROUNDEL_/HOROVOD_ variable, where this environment "
+                    "has one, else the default shown.",
         allow_abbrev=False,
     )
     p.add_argument("-v", "--version", action="version", version=__version__, help="print roundel's version")
@@ -121,9 +149,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-cache", action="store_true",
                    help="do not cache host checks (roundel never caches them; the response cache is "
                         "turned off with --cache-capacity 0)")
-    p.add_argument("--network-interfaces", "--network-interface", dest="nics", action=_NicsAction,
-                   metavar="NICS", help="comma-separated network interfaces the hosts reach each other on; "
-                                        "each host uses the first of them that it has")
     p.add_argument("--output-filename", metavar="DIR",
                    help="also write each rank's output to DIR/rank.<N>/stdout and stderr")
     p.add_argument("--ranks-filter", type=_ranks, metavar="RANKS",
@@ -142,7 +167,7 @@ def parser() -> argparse.ArgumentParser:
     groups = {"": p, **{key: p.add_argument_group(title) for key, title in _GROUPS.items()}}
     for spec in SPECS:
         if spec.flag is not None:
-            _add_setting_flag(groups[spec.flag.group], spec.flag)
+            _add_setting_flag(groups[spec.flag.group], spec)
     elastic = groups["elastic"]
     elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
                          help="fewest workers to train with (default -np); with -H/--hostfile it makes the job elastic "
@@ -195,23 +220,18 @@ def exports(names: list[str]) -> dict[str, str]:
     return env
 
 
-def settings_env(args: argparse.Namespace) -> dict[str, str]:
+def settings_env(options: LaunchOptions) -> dict[str, str]:
     """The workers' settings variables for the flags given, plus the ``-x`` exports (and their names in
     ``ROUNDEL_FORWARD_ENV`` so that ssh forwards them); raise UsageError naming a bad flag.
 
-    Each setting a flag (or the config file, through ``args``) sets is handed over under its ``ROUNDEL_``
-    name, and under its ``HOROVOD_`` name too where this environment has that one, so that the
-    environment's value cannot win. The whole worker environment (this one, overridden by these) is
-    validated too."""
+    Each setting a flag (or the config file) sets is handed over under its ``ROUNDEL_`` name, and under
+    its Horovod name too where this environment has that one, so that the environment's value cannot
+    win. The whole worker environment (this one, overridden by these) is validated too."""
     env: dict[str, str] = {}
     for spec in SPECS:
         flag = spec.flag
-        if flag is None:
-            continue
-        value = getattr(args, flag.dest, None)
-        if value is None and flag.implied_by is not None and getattr(args, flag.implied_by[0], None):
-            value = flag.implied_by[1]
-        if value is None:
+        value = None if flag is None else options.setting_flags.get(flag.dest)
+        if flag is None or value is None:
             continue
         name = flag.names[0]
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
@@ -223,18 +243,16 @@ def settings_env(args: argparse.Namespace) -> dict[str, str]:
             except SettingsError as exc:
                 raise UsageError(f"{name} {value}: {exc}") from None
         env[spec.var] = text
-        if "HOROVOD_" + spec.suffix in os.environ:
-            env["HOROVOD_" + spec.suffix] = text
-    if args.tcp_flag:
+        if spec.horovod_var in os.environ:
+            env[spec.horovod_var] = text
+    if options.tcp:
         env["NCCL_IB_DISABLE"] = "1"
-    if args.nics:
-        env["ROUNDEL_NETWORK_INTERFACE"] = ",".join(args.nics)
-    if getattr(args, "remote_env", None):
-        env[REMOTE_ENV] = args.remote_env
+    if options.remote_env:
+        env[REMOTE_ENV] = options.remote_env
     mode = env.get(REMOTE_ENV) or os.environ.get(REMOTE_ENV)
     if mode and mode not in REMOTE_ENV_MODES:
         raise UsageError(f"{REMOTE_ENV}={mode!r}: use one of {', '.join(REMOTE_ENV_MODES)}")
-    exported = exports(args.export)
+    exported = exports(list(options.exports))
     env.update(exported)
     if exported:
         env[FORWARD_VARS] = ",".join(exported)

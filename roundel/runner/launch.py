@@ -35,19 +35,20 @@ import shlex
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Callable, cast
 
 from roundel import __version__ as roundel_version
 from roundel.common import launcher_reports
-from roundel.common.settings import Settings
+from roundel.common.settings import Settings, setting
 from roundel.errors import SettingsError
 from roundel.rendezvous import network
 from roundel.rendezvous.store import RendezvousServer, new_secret
 from roundel.runner import config as configlib
 from roundel.runner import elastic_driver, flags, lost_ranks, spawn
 from roundel.runner import hosts as hostlib
-from roundel.runner.discovery import Blacklist, FixedHosts, HostDiscovery
+from roundel.runner.discovery import Blacklist, FixedHosts, HostDiscovery, HostSource
 from roundel.runner.flags import UsageError
+from roundel.runner.options import LaunchOptions
 from roundel.runner.worker import Worker
 
 __all__ = ["StoreHook", "main", "run"]
@@ -55,48 +56,42 @@ __all__ = ["StoreHook", "main", "run"]
 StoreHook = Callable[[RendezvousServer], None]
 
 
-def _host_list(args: argparse.Namespace) -> list[tuple[str, int]]:
-    if args.hostfile:
+def _host_list(options: LaunchOptions) -> list[tuple[str, int]]:
+    if options.hostfile:
         try:
-            return hostlib.parse_hostfile(args.hostfile)
+            return hostlib.parse_hostfile(options.hostfile)
         except OSError as exc:
             raise UsageError(f"cannot read hostfile: {exc}") from None
-    return hostlib.parse_hosts(args.hosts or f"localhost:{args.np}")
+    return hostlib.parse_hosts(options.hosts or f"localhost:{options.np}")
 
 
-def _ssh_args(args: argparse.Namespace) -> str:
+def _ssh_args(options: LaunchOptions) -> str:
     """The extra ssh words: ``--ssh-strict-host-key-checking``'s option first (ssh keeps the first value
     of an option, so it wins), then ``ROUNDEL_SSH_ARGS``."""
-    return " ".join(filter(None, (spawn.strict_host_key_args(args.ssh_strict_host_key_checking),
+    return " ".join(filter(None, (spawn.strict_host_key_args(options.ssh_strict_host_key_checking),
                                   os.environ.get("ROUNDEL_SSH_ARGS", ""))))
-
-
-def _nics(args: argparse.Namespace) -> str | None:
-    return ",".join(args.nics) if args.nics else None
 
 
 class _Plan:
     """Where each rank runs and where the rendezvous store listens."""
 
-    def __init__(self, slots: list[hostlib.SlotInfo], settings_env: dict[str, str], remote: set[str],
-                 bind: str, addresses: dict[str, str]):
+    def __init__(self, slots: list[hostlib.SlotInfo], settings_env: dict[str, str], settings: Settings,
+                 remote: set[str], bind: str, addresses: dict[str, str]):
         self.slots = slots
         self.settings_env = settings_env
+        self.settings = settings  # the workers' settings: this environment overridden by settings_env
         self.remote = remote  # host names that are not this machine
         self.bind = bind  # where the store listens
         self.addresses = addresses  # host name -> store address that host is told
 
 
-def _addresses(args: argparse.Namespace, hostnames: list[str], remote: set[str]) -> tuple[str, dict[str, str]]:
+def _addresses(options: LaunchOptions, hostnames: list[str], remote: set[str]) -> tuple[str, dict[str, str]]:
     """Where to bind the store and which address each host is told; raise UsageError."""
-    if not remote:
-        if args.nics:
-            addr = network.interface_address(_nics(args))
-            return addr, {h: addr for h in hostnames}
-        return "127.0.0.1", {h: "127.0.0.1" for h in hostnames}
-    if args.nics:
-        addr = network.interface_address(_nics(args))
+    if options.nics:
+        addr = network.interface_address(options.nics)
         return addr, {h: addr for h in hostnames}
+    if not remote:
+        return "127.0.0.1", {h: "127.0.0.1" for h in hostnames}
     towards = {}
     for host in hostnames:
         if host in remote:
@@ -111,31 +106,31 @@ def _addresses(args: argparse.Namespace, hostnames: list[str], remote: set[str])
     return (first if len(distinct) == 1 else "0.0.0.0"), towards
 
 
-def _plan(args: argparse.Namespace) -> _Plan:
+def _plan(options: LaunchOptions) -> _Plan:
     """The slots to start, the settings environment, and the store's addresses;
     raise UsageError, ValueError or SettingsError."""
-    if args.np is None:
+    if options.np is None:
         raise UsageError("-np is required: the number of ranks to start")
-    if args.np < 1:
-        raise UsageError(f"-np must be at least 1, not {args.np}")
-    settings_env = flags.settings_env(args)
-    if args.ranks_filter and max(args.ranks_filter) >= args.np:
-        raise UsageError(f"--ranks-filter names rank {max(args.ranks_filter)}, but -np {args.np} has ranks "
-                         f"0 to {args.np - 1}")
-    if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
-        raise UsageError(f"--ssh-identity-file {args.ssh_identity_file}: no such file")
-    if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
-        raise UsageError(f"--ssh-port {args.ssh_port} is not a port number")
-    _ssh_args(args)  # ValueError for a policy from a config file that ssh does not know
-    slots = hostlib.assign_slots(_host_list(args), args.np)
+    if options.np < 1:
+        raise UsageError(f"-np must be at least 1, not {options.np}")
+    settings_env = flags.settings_env(options)
+    if options.ranks_filter and max(options.ranks_filter) >= options.np:
+        raise UsageError(f"--ranks-filter names rank {max(options.ranks_filter)}, but -np {options.np} has ranks "
+                         f"0 to {options.np - 1}")
+    if options.ssh_identity_file and not os.path.isfile(options.ssh_identity_file):
+        raise UsageError(f"--ssh-identity-file {options.ssh_identity_file}: no such file")
+    if options.ssh_port is not None and not 0 < options.ssh_port < 65536:
+        raise UsageError(f"--ssh-port {options.ssh_port} is not a port number")
+    _ssh_args(options)  # ValueError for a policy from a config file that ssh does not know
+    slots = hostlib.assign_slots(_host_list(options), options.np)
     hostnames = list(dict.fromkeys(s.hostname for s in slots))
     remote = set()
     for host in hostnames:
         if not hostlib.is_local_host(host):
             network.resolve(host)  # ValueError naming the host when it does not resolve
             remote.add(host)
-    bind, addresses = _addresses(args, hostnames, remote)
-    return _Plan(slots, settings_env, remote, bind, addresses)
+    bind, addresses = _addresses(options, hostnames, remote)
+    return _Plan(slots, settings_env, Settings.from_env({**os.environ, **settings_env}), remote, bind, addresses)
 
 
 def _check_command(command: list[str]) -> tuple[int, str] | None:
@@ -203,28 +198,21 @@ def _report_joins(server: RendezvousServer, size: int) -> None:
     server.on_set = on_set
 
 
-def _start_timeout(args: argparse.Namespace, settings_env: dict[str, str]) -> float:
-    try:
-        return Settings.from_env({**os.environ, **settings_env}).start_timeout_s
-    except SettingsError:
-        return 30.0
-
-
-def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -> int:
+def _launch(options: LaunchOptions, plan: _Plan, on_store: StoreHook | None) -> int:
     job = spawn.WorkerGroup()
     handled = (signal.SIGINT, signal.SIGTERM)
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, job.on_signal) for s in handled} if in_main else {}
     secret = new_secret()
     server = RendezvousServer(secret, host=plan.bind)
-    start_timeout = _start_timeout(args, plan.settings_env)
+    start_timeout = plan.settings.start_timeout_s
     try:
         port = server.start()
         server.set(launcher_reports.PRINTS_REPORTS, b"1")  # rank 0's end-of-job report comes here, printed last
         if on_store is not None:
             on_store(server)
-        if args.verbose:
-            _print_plan(plan.slots, args.command, port, plan)
+        if options.verbose:
+            _print_plan(plan.slots, list(options.command), port, plan)
             _report_joins(server, len(plan.slots))
         for slot in plan.slots:
             addr = plan.addresses[slot.hostname]
@@ -232,12 +220,12 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
             try:
                 if slot.hostname in plan.remote:
                     job.add(spawn.start_remote(
-                        slot, args.command, env, (addr, port), start_timeout, args.ssh_port,
-                        args.ssh_identity_file, args.output_filename,
-                        extra_ssh_args=_ssh_args(args)))
+                        slot, list(options.command), env, (addr, port), start_timeout, options.ssh_port,
+                        options.ssh_identity_file, options.output_filename,
+                        extra_ssh_args=_ssh_args(options)))
                 else:
-                    job.add(spawn.start_local(slot, args.command, env, args.output_filename))
-                if args.verbose:
+                    job.add(spawn.start_local(slot, list(options.command), env, options.output_filename))
+                if options.verbose:
                     spawn.say(f"roundelrun: started rank {slot.rank} on {slot.hostname} ({job.workers[-1].where})")
             except OSError as exc:
                 job.stop()
@@ -264,22 +252,24 @@ def _launch(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -
         job.stop()
         job.drain_output()
         _print_reports(server)
-        kind, item = outcome
+        kind, what = outcome  # WorkerGroup.watch: ("signal", num), ("lost"/"timeout", [workers]), ("exit", worker)
         if kind == "signal":
-            spawn.say(f"roundelrun: received {spawn.signal_name(item)}; stopped all ranks")
-            return 128 + item
+            signum = cast(int, what)
+            spawn.say(f"roundelrun: received {spawn.signal_name(signum)}; stopped all ranks")
+            return 128 + signum
         if kind == "lost":  # the others handled the error and exited 0; the job still failed
-            for record in lost_ranks.lost_ranks(server, [w.rank for w in item]):
+            for record in lost_ranks.lost_ranks(server, [w.rank for w in cast(list[Worker], what)]):
                 spawn.say(f"roundelrun: {lost_ranks.describe_lost(record)}; it was killed")
             return 1
         if kind == "timeout":
-            hosts = sorted({w.host for w in item})
+            late = cast(list[Worker], what)
+            hosts = sorted({w.host for w in late})
             spawn.say(f"roundelrun: host(s) {', '.join(hosts)} did not reach the rendezvous server within "
-                      f"{2 * start_timeout + 10:g} s (ranks {', '.join(str(w.rank) for w in item)}); "
+                      f"{2 * start_timeout + 10:g} s (ranks {', '.join(str(w.rank) for w in late)}); "
                       "stopped all ranks")
             return 1
         others = "; stopped the other ranks" if len(job.workers) > 1 else ""
-        item, why = _blame(server, by_rank, item, exited)
+        item, why = _blame(server, by_rank, cast(Worker, what), exited)
         if why is not None:
             _show_hidden_tail(item)
             failed = "failed first" if len(job.workers) > 1 else "failed"
@@ -350,20 +340,21 @@ def _show_hidden_tail(worker: Worker) -> None:
         spawn.say(f"[{worker.rank}]<stderr>:{line.decode(errors='replace').rstrip()}")
 
 
-def _elastic_settings(args: argparse.Namespace) -> elastic_driver.ElasticSettings:
+def _elastic_settings(options: LaunchOptions) -> elastic_driver.ElasticSettings:
     """The elastic job's settings from the command line; raise UsageError for a bad combination.
 
     The hosts come from ``--host-discovery-script``, or, as in horovodrun, are the fixed ``-H``/``--hostfile``
     hosts of a job given ``--min-np`` (at least two of them: a failure takes its whole host out)."""
-    script = args.host_discovery_script
-    if args.mpi:
+    script = options.host_discovery_script
+    discovery: HostSource
+    if options.mpi:
         raise UsageError("elastic training (--host-discovery-script or --min-np) starts workers itself; drop --mpi")
     if script is not None:
         if not (os.path.isfile(script) and os.access(script, os.X_OK)):
             raise UsageError(f"--host-discovery-script {script}: not an executable file (chmod +x it)")
-        discovery = HostDiscovery(os.path.abspath(script), args.slots)
+        discovery = HostDiscovery(os.path.abspath(script), options.slots)
     else:
-        fixed = dict(_host_list(args)) if args.hosts or args.hostfile else {"localhost": args.np or 0}
+        fixed = dict(_host_list(options)) if options.hosts or options.hostfile else {"localhost": options.np or 0}
         if len(fixed) < 2:
             raise UsageError(f"an elastic job on fixed hosts (--min-np with -H/--hostfile) needs at least 2 hosts, "
                              f"as in horovodrun (a failure takes its whole host out); got {', '.join(fixed)}")
@@ -371,33 +362,33 @@ def _elastic_settings(args: argparse.Namespace) -> elastic_driver.ElasticSetting
             if not hostlib.is_local_host(host):
                 network.resolve(host)  # ValueError naming the host when it does not resolve
         discovery = FixedHosts(fixed)
-    min_np = args.min_np if args.min_np is not None else args.np
+    min_np = options.min_np if options.min_np is not None else options.np
     if min_np is None:
         raise UsageError("elastic training needs -np or --min-np: the fewest workers to train with")
     if min_np < 1:
         raise UsageError(f"--min-np must be at least 1, not {min_np}")
-    if args.max_np is not None and args.max_np < max(min_np, args.np or 0):
-        raise UsageError(f"--max-np {args.max_np} is below -np/--min-np {max(min_np, args.np or 0)}")
-    if args.slots < 1:
-        raise UsageError(f"--slots must be at least 1, not {args.slots}")
-    if args.reset_limit is not None and args.reset_limit < 0:
-        raise UsageError(f"--reset-limit must be >= 0, not {args.reset_limit}")
-    cooldown = args.blacklist_cooldown_range
+    if options.max_np is not None and options.max_np < max(min_np, options.np or 0):
+        raise UsageError(f"--max-np {options.max_np} is below -np/--min-np {max(min_np, options.np or 0)}")
+    if options.slots < 1:
+        raise UsageError(f"--slots must be at least 1, not {options.slots}")
+    if options.reset_limit is not None and options.reset_limit < 0:
+        raise UsageError(f"--reset-limit must be >= 0, not {options.reset_limit}")
+    cooldown = options.blacklist_cooldown_range
     if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
         raise UsageError(f"--blacklist-cooldown-range {cooldown[0]:g} {cooldown[1]:g}: need 0 <= LO <= HI")
-    settings_env = flags.settings_env(args)
+    settings_env = flags.settings_env(options)
     settings = Settings.from_env({**os.environ, **settings_env})
     return elastic_driver.ElasticSettings(
-        command=list(args.command), min_np=min_np, max_np=args.max_np,
+        command=list(options.command), min_np=min_np, max_np=options.max_np,
         discovery=discovery,
-        blacklist=Blacklist(tuple(cooldown) if cooldown else None),
-        elastic_timeout_s=settings.elastic_timeout_s, reset_limit=args.reset_limit, settings_env=settings_env,
-        start_timeout_s=settings.start_timeout_s, output_dir=args.output_filename,
-        ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file,
-        ssh_args=_ssh_args(args))
+        blacklist=Blacklist(cooldown),
+        elastic_timeout_s=settings.elastic_timeout_s, reset_limit=options.reset_limit, settings_env=settings_env,
+        start_timeout_s=settings.start_timeout_s, output_dir=options.output_filename,
+        ssh_port=options.ssh_port, ssh_identity_file=options.ssh_identity_file,
+        ssh_args=_ssh_args(options))
 
 
-def _launch_elastic(args: argparse.Namespace, settings: elastic_driver.ElasticSettings,
+def _launch_elastic(options: LaunchOptions, settings: elastic_driver.ElasticSettings,
                     on_store: StoreHook | None) -> int:
     """Run an elastic job. The store's address is chosen from the first discovered hosts: loopback
     when all are on this machine (a remote host appearing later then needs --network-interface)."""
@@ -407,7 +398,7 @@ def _launch_elastic(args: argparse.Namespace, settings: elastic_driver.ElasticSe
     if problem is not None:  # every worker on this machine would fail to start
         print(f"roundelrun: error: {problem[1]}", file=sys.stderr)
         return problem[0]
-    bind, addresses = _addresses(args, list(first) or ["localhost"], remote)
+    bind, addresses = _addresses(options, list(first) or ["localhost"], remote)
 
     def address_for(host: str) -> str:
         if host not in addresses:
@@ -432,7 +423,7 @@ def _launch_elastic(args: argparse.Namespace, settings: elastic_driver.ElasticSe
         server.stop()
 
 
-def _mpi_command(args: argparse.Namespace, plan: _Plan, env_names: list[str]) -> list[str]:
+def _mpi_command(options: LaunchOptions, plan: _Plan, env_names: list[str]) -> list[str]:
     """The mpirun (Open MPI) or mpiexec (MPICH) command line for ``--mpi``; raise UsageError."""
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
     if mpirun is None:
@@ -446,12 +437,12 @@ def _mpi_command(args: argparse.Namespace, plan: _Plan, env_names: list[str]) ->
     hosts = ",".join(f"{h}:{sum(1 for s in plan.slots if s.hostname == h)}"
                      for h in dict.fromkeys(s.hostname for s in plan.slots))
     ssh = []
-    if args.ssh_port is not None:
-        ssh += ["-p", str(args.ssh_port)]
-    if args.ssh_identity_file:
-        ssh += ["-i", args.ssh_identity_file]
+    if options.ssh_port is not None:
+        ssh += ["-p", str(options.ssh_port)]
+    if options.ssh_identity_file:
+        ssh += ["-i", options.ssh_identity_file]
     if "Open MPI" in version or "OpenRTE" in version:
-        cmd = [mpirun, "-np", str(args.np), "-H", hosts, "--bind-to", "none", "--map-by", "slot", "--tag-output"]
+        cmd = [mpirun, "-np", str(options.np), "-H", hosts, "--bind-to", "none", "--map-by", "slot", "--tag-output"]
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         if ssh:
@@ -459,20 +450,22 @@ def _mpi_command(args: argparse.Namespace, plan: _Plan, env_names: list[str]) ->
         for name in env_names:
             cmd += ["-x", name]
     else:  # MPICH's Hydra
-        cmd = [mpirun, "-n", str(args.np), "-hosts", hosts, "-prepend-rank", "-genvlist", ",".join(env_names)]
+        cmd = [mpirun, "-n", str(options.np), "-hosts", hosts, "-prepend-rank", "-genvlist", ",".join(env_names)]
         if ssh:
             cmd += ["-launcher-exec", shlex.join(["ssh", *ssh])]
-    return cmd + shlex.split(args.mpi_args) + list(args.command)
+    return cmd + shlex.split(options.mpi_args) + list(options.command)
+
+
+_CPU_OPERATIONS = setting("cpu_operations")
 
 
 def _mpi_data_path_wanted(settings_env: dict[str, str]) -> bool:
     """Under --mpi, data moves over MPI when mpi4py is installed and no CPU transport was chosen."""
-    chosen = any(f"{prefix}CPU_OPERATIONS" in env for env in (os.environ, settings_env)
-                 for prefix in ("ROUNDEL_", "HOROVOD_"))
+    chosen = _CPU_OPERATIONS.lookup({**os.environ, **settings_env})[0] is not None
     return not chosen and importlib.util.find_spec("mpi4py") is not None
 
 
-def _launch_mpi(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | None) -> int:
+def _launch_mpi(options: LaunchOptions, plan: _Plan, on_store: StoreHook | None) -> int:
     """Hand the launch to mpirun with roundelrun's store and settings in the ranks' environment."""
     import subprocess
 
@@ -486,12 +479,12 @@ def _launch_mpi(args: argparse.Namespace, plan: _Plan, on_store: StoreHook | Non
             next(iter(set(plan.addresses.values())))
         extra = dict(plan.settings_env)
         if _mpi_data_path_wanted(extra):
-            extra["ROUNDEL_CPU_OPERATIONS"] = "mpi"  # mpirun started the ranks: move the data over MPI too
+            extra[_CPU_OPERATIONS.var] = "mpi"  # mpirun started the ranks: move the data over MPI too
         extra.update({"ROUNDEL_RENDEZVOUS_ADDR": addr, "ROUNDEL_RENDEZVOUS_PORT": str(port),
                       "ROUNDEL_SECRET": secret.hex(), "ROUNDEL_RENDEZVOUS_SERVER": "external",
                       "PYTHONUNBUFFERED": "1"})
-        cmd = _mpi_command(args, plan, sorted(extra))
-        if args.verbose:
+        cmd = _mpi_command(options, plan, sorted(extra))
+        if options.verbose:
             print(f"roundelrun: rendezvous server at {plan.bind}:{port}", file=sys.stderr)
             print(f"roundelrun: {shlex.join(cmd)}", file=sys.stderr)
             sys.stderr.flush()
@@ -635,26 +628,28 @@ def run(argv: list[str], on_store: StoreHook | None = None) -> int:
         if args.mpi and args.gloo:
             raise UsageError("--mpi and --gloo exclude each other")
         _print_ignored(args)
-        if args.verbose:
+        options = LaunchOptions.from_args(args)
+        if options.verbose:
             _show_launcher_debug_log()
-        spawn.prefix_output_with_timestamp(args.prefix_output_with_timestamp)
-        spawn.show_ranks(args.ranks_filter)
-        if args.host_discovery_script or args.min_np is not None:  # horovodrun's rule for an elastic job
-            return _launch_elastic(args, _elastic_settings(args), on_store)
-        if args.max_np is not None:
+        spawn.prefix_output_with_timestamp(options.prefix_output_with_timestamp)
+        spawn.show_ranks(options.ranks_filter)
+        if options.elastic:
+            return _launch_elastic(options, _elastic_settings(options), on_store)
+        if options.max_np is not None:
             print("roundelrun: note: --max-np has no effect without --min-np or --host-discovery-script "
                   "(as in horovodrun)", file=sys.stderr, flush=True)
-        plan = _plan(args)
+        plan = _plan(options)
     except (UsageError, ValueError, SettingsError, configlib.ConfigError) as exc:
         print(f"roundelrun: error: {exc}", file=sys.stderr)
         return 2
-    problem = _check_command(args.command) if len(plan.remote) < len({s.hostname for s in plan.slots}) else None
+    local = len(plan.remote) < len({s.hostname for s in plan.slots})
+    problem = _check_command(list(options.command)) if local else None
     if problem is not None:  # every local rank would fail to start
         print(f"roundelrun: error: {problem[1]}", file=sys.stderr)
         return problem[0]
-    if args.mpi:
-        return _launch_mpi(args, plan, on_store)
-    return _launch(args, plan, on_store)
+    if options.mpi:
+        return _launch_mpi(options, plan, on_store)
+    return _launch(options, plan, on_store)
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """The settings reference page, ``docs/settings.md``, made from the settings' own declarations.
 
 Each row comes from the settings table, ``roundel.common.settings.SPECS``
-(variable, flags, config key, meaning), and the ``Settings`` defaults, so
+(variable, flags, config key, default, meaning), so
 the page cannot drift from the code: ``tests/test_settings_reference.py`` fails when
 the file differs from what this makes. After changing a setting, run
 ``python -m roundel.runner.settings_reference`` to write the page again.
@@ -10,12 +10,10 @@ the file differs from what this makes. After changing a setting, run
 from __future__ import annotations
 
 import argparse
-
-import dataclasses
 import sys
 from pathlib import Path
 
-from roundel.common.settings import MIB, SPECS, Settings
+from roundel.common.settings import SPECS
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 
@@ -43,21 +41,6 @@ is the one of Horovod's config file where it has one; each flag's long name
 """
 
 
-def _default(spec) -> str:
-    if spec.field is None:
-        return "unset"
-    value = {f.name: f.default for f in dataclasses.fields(Settings)}[spec.field]
-    if spec.suffix.endswith("_DISABLE"):  # the variable says the opposite of the field
-        value = not value
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if value == "":
-        return "unset"
-    if isinstance(value, int) and value >= MIB and value % MIB == 0:
-        return f"{value} ({value // MIB} MiB)"
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
 def _flags(spec) -> str:
     flag = spec.flag
     if flag is None:
@@ -74,7 +57,7 @@ def page() -> str:
     rows = []
     for spec in SPECS:
         config = "" if spec.flag is None else f"`{spec.flag.config or spec.flag.dest}`"
-        rows.append(f"| `{spec.suffix}` | {_flags(spec)} | {config} | {_default(spec)} | {spec.meaning} |")
+        rows.append(f"| `{spec.suffix}` | {_flags(spec)} | {config} | {spec.default_text()} | {spec.meaning} |")
     return INTRO + "\n".join(rows) + "\n"
 
 
