@@ -149,6 +149,11 @@ class Backend(abc.ABC):
     make_cuda: Callable[[], Backend | None] | None = None
     #: Whether autotune may switch this communicator between hierarchical and flat collectives (``use``).
     tunable_hierarchy = False
+    #: Whether a call returns once queued on the tensors' device, the device then working on its own (NCCL):
+    #: a large tensor then costs less as a call of its own than copied through a fusion buffer and back.
+    queues_on_device = False
+    #: The host staging of device tensors (made at the first one where ``cuda`` is None), kept for its buffers.
+    _staged: HostStaged | None = None
 
     def __init__(self, rank: int, size: int):
         self.rank = rank
@@ -169,7 +174,11 @@ class Backend(abc.ABC):
         if self.make_cuda is not None:
             make, self.make_cuda = self.make_cuda, None
             self.cuda = make()
-        return self.cuda if self.cuda is not None else HostStaged(self)
+        if self.cuda is not None:
+            return self.cuda
+        if self._staged is None:
+            self._staged = HostStaged(self)
+        return self._staged
 
     @abc.abstractmethod
     def allreduce(self, tensor, op: ReduceOp) -> None:
@@ -231,47 +240,104 @@ class RootedBackend(Backend):
         """Gather ``tensor`` from every member into the root's ``outputs`` (one tensor per member)."""
 
 
-def _host_copy(tensor):
-    """``tensor`` in host memory, outside autograd: a copy of a device tensor that requires grad would
-    otherwise require it too, and the host backend's ``out=`` and in-place ops refuse such tensors."""
-    return tensor.detach().cpu()
+class _PinnedBuffers:
+    """Page-locked host buffers for staging CUDA tensors, one per use ("in", "out") and dtype, grown on demand
+    and reused: the device copies into and out of them without the CPU, and a buffer is handed out again only
+    after the device has finished copying out of it."""
+
+    def __init__(self):
+        self._kept: dict[tuple, torch.Tensor] = {}  # (use, dtype) -> buffer
+        self._copying: dict[tuple, Any] = {}  # (use, dtype) -> an event after its latest copy to the device
+
+    def take(self, use: str, dtype: torch.dtype, shape) -> torch.Tensor:
+        """A pinned host tensor of ``shape`` and ``dtype`` for ``use``, free of earlier copies."""
+        key, numel = (use, dtype), math.prod(shape)
+        copying = self._copying.pop(key, None)
+        if copying is not None:
+            copying.synchronize()  # a blocking event: the thread sleeps
+        buffer = self._kept.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._kept[key] = torch.empty(numel, dtype=dtype, pin_memory=True)
+        return buffer[:numel].view(shape)
+
+    def copied_back(self, use: str, dtype: torch.dtype, stream) -> None:
+        """A copy out of the ``use`` buffer of ``dtype`` was queued on ``stream``: wait for it before the next take."""
+        event = torch.cuda.Event(blocking=True)
+        event.record(stream)
+        self._copying[(use, dtype)] = event
+
+
+def _to_host(tensor, pinned: _PinnedBuffers, use: str):
+    """``tensor`` in host memory, outside autograd (a copy of a device tensor that requires grad would otherwise
+    require it too, and the host backend's ``out=`` and in-place ops refuse such tensors). A CUDA tensor is copied
+    into a pinned buffer on its device's current stream, complete on return; a CPU tensor is itself."""
+    if not tensor.is_cuda:
+        return tensor.detach().cpu()
+    host = pinned.take(use, tensor.dtype, tensor.shape)
+    host.copy_(tensor.detach(), non_blocking=True)
+    copied = torch.cuda.Event(blocking=True)
+    copied.record(torch.cuda.current_stream(tensor.device))
+    copied.synchronize()  # the host backend reads it next
+    return host
+
+
+def _host_output(output, pinned: _PinnedBuffers, use: str):
+    """Host memory for the host backend to write ``output``'s values into."""
+    if not output.is_cuda:
+        return torch.empty(output.shape, dtype=output.dtype)
+    return pinned.take(use, output.dtype, output.shape)
+
+
+def _to_device(tensor, staged, pinned: _PinnedBuffers, use: str) -> None:
+    """Copy ``staged`` (from ``_to_host`` or ``_host_output`` with ``use``) back into ``tensor``; for a CUDA
+    tensor the copy is queued on its device's current stream, and the buffer is not reused before it is done."""
+    if not tensor.is_cuda:
+        tensor.detach().copy_(staged)
+        return
+    tensor.detach().copy_(staged, non_blocking=True)
+    pinned.copied_back(use, tensor.dtype, torch.cuda.current_stream(tensor.device))
 
 
 class HostStaged(Backend):
-    """Device tensors copied to host memory, moved by a host backend, and copied back."""
+    """Device tensors copied to host memory, moved by a host backend, and copied back.
+
+    CUDA tensors go through pinned host buffers kept for the next call; the copies are queued on the device's
+    current stream, the copy to the host waited for (sleeping) before the host backend reads it.
+    """
 
     def __init__(self, host: Backend):
         super().__init__(host.rank, host.size)
         self.host = host
         self.name = host.name
+        self._pinned = _PinnedBuffers()
 
     def carrier(self, op_label: str) -> str:
         return self.host.carrier(op_label)
 
     def allreduce(self, tensor, op):
-        staged = _host_copy(tensor)
+        staged = _to_host(tensor, self._pinned, "in")
         self.host.allreduce(staged, op)
-        tensor.detach().copy_(staged)
+        _to_device(tensor, staged, self._pinned, "in")
 
     def allgather(self, output, tensor):
-        staged = torch.empty(output.shape, dtype=output.dtype)
-        self.host.allgather(staged, _host_copy(tensor))
-        output.detach().copy_(staged)
+        staged = _host_output(output, self._pinned, "out")
+        self.host.allgather(staged, _to_host(tensor, self._pinned, "in"))
+        _to_device(output, staged, self._pinned, "out")
 
     def broadcast(self, tensor, root):
-        staged = _host_copy(tensor)
+        staged = _to_host(tensor, self._pinned, "in")
         self.host.broadcast(staged, root)
-        tensor.detach().copy_(staged)
+        _to_device(tensor, staged, self._pinned, "in")
 
     def alltoall(self, output, tensor, output_splits, input_splits):
-        staged = torch.empty(output.shape, dtype=output.dtype)
-        self.host.alltoall(staged, _host_copy(tensor), output_splits, input_splits)
-        output.detach().copy_(staged)
+        staged = _host_output(output, self._pinned, "out")
+        self.host.alltoall(staged, _to_host(tensor, self._pinned, "in"), output_splits, input_splits)
+        _to_device(output, staged, self._pinned, "out")
 
     def reducescatter(self, output, tensor, op):
-        staged = torch.empty(output.shape, dtype=output.dtype)
-        self.host.reducescatter(staged, _host_copy(tensor), op)
-        output.detach().copy_(staged)
+        staged = _host_output(output, self._pinned, "out")
+        self.host.reducescatter(staged, _to_host(tensor, self._pinned, "in"), op)
+        _to_device(output, staged, self._pinned, "out")
 
     def barrier(self):
         self.host.barrier()

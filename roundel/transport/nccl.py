@@ -7,9 +7,12 @@ device of the tensors it is given, so a script may call
 scripts do. NCCL allows one rank per GPU: two ranks of a job on one GPU fail
 at their first CUDA collective, with an error that says so.
 
-Calls return once the collective is queued on NCCL's stream and the calling
-thread's current stream waits for it; the executor synchronizes that stream
-before it completes the handles (see ``roundel.common.engine.executor``).
+Calls return once the collective is queued on the GPU, without waiting for
+it: torch's process group runs it on NCCL's stream after what the calling
+thread's current stream has queued, and makes that stream wait for it. The
+executor calls them on a stream of roundel's own (``torch.cuda.stream``), so
+packing, NCCL and unpacking are ordered there and the training's streams go
+on (see ``roundel.common.engine.executor``).
 When the job breaks (a peer is lost), the executor aborts the communicators
 (:meth:`NcclBackend.abort`), so no kernel is left waiting on the dead peer.
 """
@@ -40,6 +43,7 @@ class NcclBackend(Backend):
     """Collectives on CUDA tensors over a private ``ProcessGroupNCCL``."""
 
     name = "nccl"
+    queues_on_device = True
 
     def __init__(self, store, rank: int, size: int, timeout_s: float):
         """Members ``rank`` of ``size`` meet through ``store`` (shared with the CPU transport)."""
@@ -54,7 +58,8 @@ class NcclBackend(Backend):
 
     @staticmethod
     def _wait(start) -> None:
-        """Start a collective (``start()`` returns its work) and make the current stream wait for it.
+        """Start a collective (``start()`` returns its work) and make the current stream wait for it (on the
+        GPU: the thread does not wait).
 
         NCCL sets up its communicator at a device's first collective; ranks sharing a GPU fail there, and
         that is raised as a RoundelInternalError that says what to change."""

@@ -17,13 +17,19 @@ A small allreduce the coordinator has already reduced (``Batch.reduced``, see
 nothing is queued ahead of it, that happens on the engine thread that received
 it, without a hop to the executor's.
 
-A batch of CUDA tensors runs on their GPU (made current for it) over the
-backend that ``Backend.for_device`` names, on that GPU's current stream, after
-what the submitting threads had queued on theirs. The executor does not wait
-for the device: it records a blocking CUDA event and goes on to the next
-batch, and a finalizer thread waits on the event (sleeping, not spinning)
-before the executor completes the handles, as Horovod's finalizer does; so
-results are ready on any stream once a handle completes.
+A batch of CUDA tensors runs on its GPU over the backend that
+``Backend.for_device`` names, on a stream of roundel's own there (made at the
+first CUDA batch): packing, the transport call and unpacking are queued on it
+after the events its works were submitted with (what the submitting threads'
+streams had queued), so the training's own streams go on meanwhile. The
+executor does not wait for the device: it records a blocking CUDA event after
+the batch and completes the handles at once; a handle's ``wait()`` makes the
+waiting thread's current stream wait for that event (``_AfterGpu``). The batch's
+tensors stay referenced until a finalizer thread, sleeping on the event (not
+spinning), hands the batch back to be released, as Horovod's finalizer does.
+
+The executor's queue carries one small type per kind of work (``_Run``,
+``_Retune``, ``_InFlight``, ``_OnGpu``, ``_Stop``), each with one handler.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import logging
 import math
 import queue
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -86,22 +92,45 @@ def _runs_side_by_side(backend) -> bool:
     return getattr(backend, "allreduce_async", None) is not None
 
 
-def _runs_alone(request: Request, work: Work | None, entries: int, side_by_side: bool) -> bool:
+def _takes_own_calls(backend) -> bool:
+    """Whether a large allreduce entry costs ``backend`` less as a call of its own than copied through the fusion
+    buffer: it runs calls side by side, or queues them on a device and returns at once (NCCL)."""
+    return backend.queues_on_device or _runs_side_by_side(backend)
+
+
+def _runs_alone(request: Request, work: Work | None, entries: int, own_calls: bool) -> bool:
     """Whether an allreduce entry is reduced in its own output tensor rather than in the fusion buffer."""
     if work is not None and work.output is not None and not work.output.is_contiguous():
         return False
     if entries == 1:
         return True
-    return side_by_side and math.prod(request.shape) * torch_dtype(request.dtype).itemsize >= OWN_CALL_BYTES
+    return own_calls and math.prod(request.shape) * torch_dtype(request.dtype).itemsize >= OWN_CALL_BYTES
 
 
 def _reraise(exc: Exception):
     raise exc
 
 
+class _Run(NamedTuple):
+    """Queue item: a batch ``put`` counted, with this rank's works, run after everything queued before it."""
+
+    batch: Batch
+    works: list
+
+
+class _Retune(NamedTuple):
+    """Queue item: autotune's parameters, applied after the batches put before them."""
+
+    params: TunedParams
+
+
+class _Stop:
+    """Queue item: finish what is in flight, then end the executor's thread."""
+
+
 class _OnGpu:
-    """A CUDA batch queued on its GPU; its handles complete (``Executor._land``) once ``done``, a blocking event
-    after it, fires."""
+    """Queue item once ``done``, a blocking event after a CUDA batch on roundel's stream, has fired: the batch's
+    tensors (its works' and its results) are held until then, and ``Executor._release`` lets them go."""
 
     __slots__ = ("batch", "works", "results", "done", "names")
 
@@ -109,8 +138,28 @@ class _OnGpu:
         self.batch, self.works, self.results, self.done, self.names = batch, works, results, done, names
 
 
+class _AfterGpu:
+    """What each ``wait()`` on a CUDA batch's handle does before returning the result (``Handle.set_result``'s
+    ``then``): the waiting thread's current stream on ``device`` waits for ``done``, the event after the batch on
+    roundel's stream; and the result's CUDA tensors are recorded as used on that stream, so that the caching
+    allocator gives memory allocated on roundel's stream back to it only once the waiting stream is done with it."""
+
+    __slots__ = ("done", "device")
+
+    def __init__(self, done, device: torch.device):
+        self.done, self.device = done, device
+
+    def __call__(self, result) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(self.done)
+        for tensor in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                tensor.record_stream(stream)
+
+
 class _InFlight:
-    """An allreduce batch running on the backend's threads (see ``Executor._start_in_background``)."""
+    """Queue item once the transport calls of an allreduce batch started on the backend's threads are done
+    (see ``Executor._start_in_background``)."""
 
     __slots__ = ("batch", "works", "backend", "parts", "outputs", "post", "futures", "names")
 
@@ -136,10 +185,14 @@ class Executor:
         self._count_lock = threading.Lock()
         self._held: dict[int, list] = {}  # batches put and not yet finished: id -> works
         self._aborted: RoundelInternalError | None = None
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._in_flight: list[_InFlight | _OnGpu] = []  # started in the background, not yet finished
+        self._queue: "queue.SimpleQueue[_Run | _Retune | _InFlight | _OnGpu | _Stop]" = queue.SimpleQueue()
+        self._handlers: dict[type, Callable] = {_Run: self._on_run, _Retune: self._on_retune,
+                                                _InFlight: self._land, _OnGpu: self._release, _Stop: self._on_stop}
+        self._stopped = False  # set by _on_stop, on the executor's thread
+        self._in_flight: list[_InFlight | _OnGpu] = []  # started in the background or on a GPU, not yet finished
         self._gpu_waits: "queue.SimpleQueue[_OnGpu]" = queue.SimpleQueue()  # for the finalizer thread
         self._finalizer: threading.Thread | None = None  # started with the first CUDA batch
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # roundel's stream on each GPU it has used
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._buffer_views = ShapedViews()  # the fusion buffers cut as the batches' tensors
         self.cuda_device: torch.device | None = None  # see _cuda_device; join(device=...) may set it
@@ -163,14 +216,14 @@ class Executor:
         if here:
             self._run_batch(batch, works)
         else:
-            self._queue.put((batch, works))
+            self._queue.put(_Run(batch, works))
 
     def retune(self, params) -> None:
         """Apply autotune's ``TunedParams`` after the batches put so far: the hierarchical switches, and
         the stamp ``tuned_at`` gives every later collective (every rank stamps the same collectives alike)."""
         with self._count_lock:  # pending until applied, so that no later batch runs in put() before it
             self._outstanding += 1
-        self._queue.put(params)
+        self._queue.put(_Retune(params))
 
     def abort(self, error: RoundelInternalError) -> None:
         """Fail every handle queued or running here now, and every batch put later.
@@ -203,7 +256,7 @@ class Executor:
 
     def stop(self, timeout: float) -> bool:
         """Let the thread finish what is queued and end; False if it is still busy after ``timeout`` s."""
-        self._queue.put(None)
+        self._queue.put(_Stop())
         return self.wait_stopped(timeout)
 
     def wait_stopped(self, timeout: float) -> bool:
@@ -212,23 +265,25 @@ class Executor:
         return not self._thread.is_alive()
 
     def _loop(self) -> None:
-        while True:
+        while not self._stopped:
             item = self._queue.get()
-            if item is None:
-                for flight in list(self._in_flight):
-                    self._land(flight)
-                return
-            if isinstance(item, (_InFlight, _OnGpu)):  # its transport calls, or its GPU work, are done
-                self._land(item)
-                continue
-            if isinstance(item, TunedParams):
-                job = self._process_sets[0][1]
-                if job.tunable_hierarchy:
-                    job.use(item.hierarchical_allreduce, item.hierarchical_allgather)
-                self._tuned = (self._tuned[0] + 1, item)
-                self._finished_one(None)
-                continue
-            self._run_batch(*item)
+            self._handlers[type(item)](item)
+
+    def _on_run(self, item: _Run) -> None:
+        self._run_batch(item.batch, item.works)
+
+    def _on_retune(self, item: _Retune) -> None:
+        job = self._process_sets[0][1]
+        if job.tunable_hierarchy:
+            job.use(item.params.hierarchical_allreduce, item.params.hierarchical_allgather)
+        self._tuned = (self._tuned[0] + 1, item.params)
+        self._finished_one(None)
+
+    def _on_stop(self, _: _Stop) -> None:
+        """Finish every batch still in flight (waiting for it) and end the loop."""
+        for flight in list(self._in_flight):
+            self._handlers[type(flight)](flight)
+        self._stopped = True
 
     def _run_batch(self, batch: Batch, works: list) -> None:
         """Run (or start in the background) one batch that ``put`` counted."""
@@ -331,13 +386,12 @@ class Executor:
         done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
         done.add_done_callback(lambda _: self._queue.put(flight))  # on the transport's thread
 
-    def _land(self, flight: _InFlight | _OnGpu) -> None:
-        """Finish a batch started in the background or queued on its GPU (waiting for it first, when stopping)."""
+    def _land(self, flight: _InFlight) -> None:
+        """Finish a batch started in the background once its transport calls are done (waiting for them first,
+        when stopping)."""
         self._in_flight.remove(flight)
-        results = functools.partial(self._gpu_results if isinstance(flight, _OnGpu) else self._transport_results,
-                                    flight)
         try:
-            finished = self._complete(flight.works, results)
+            finished = self._complete(flight.works, functools.partial(self._transport_results, flight))
             if flight.names is not None:
                 self._timeline.end(flight.names, finished)
         finally:
@@ -386,18 +440,20 @@ class Executor:
     # ------------------------------------------------------------------- GPU
     @staticmethod
     def _runs_on_gpu(batch: Batch) -> bool:
-        """Whether ``batch`` moves CUDA tensors (a transport call on a GPU, completed by ``_land``)."""
+        """Whether ``batch`` moves CUDA tensors (queued on roundel's stream, released by ``_release``)."""
         return (batch.entries[0].request.device != "cpu" and not batch.error and batch.reduced is None
                 and batch.kind not in (OpKind.BARRIER, OpKind.JOIN))
 
     def _start_on_gpu(self, batch: Batch, works: list) -> None:
-        """Queue ``batch`` on its GPU, after the events its works were submitted with, and hand it to the
-        finalizer thread; the executor goes on at once."""
+        """Queue ``batch`` on roundel's stream of its GPU, after the events its works were submitted with;
+        complete its handles at once, each ``wait()`` ordered after the batch on the device (``_AfterGpu``); and
+        hand it to the finalizer thread, which returns it to ``_release`` once the GPU has finished it."""
         names = self._names = [e.name for e in batch.entries] if self._timeline.active else None
         self._phase("")  # out of QUEUE
         try:
-            with torch.cuda.device(self._cuda_device(works)):
-                stream = torch.cuda.current_stream()
+            device = self._cuda_device(works)
+            stream = self._cuda_stream(device)
+            with torch.cuda.device(device), torch.cuda.stream(stream):
                 for ready in {id(w.ready): w.ready for w in works if w is not None and w.ready is not None}.values():
                     stream.wait_event(ready)  # the producers the submitting thread had queued
                 results = self._run(batch, works)
@@ -411,12 +467,23 @@ class Executor:
             self._finished_one(works)
             return
         self._names = None
-        flight = _OnGpu(batch, works, results, done, names)
+        then = _AfterGpu(done, device)
+        for work, result in zip(works, results):
+            if work is not None:
+                work.handle.set_result(result, then)
+        flight = _OnGpu(batch, works, results, done, names)  # holds the batch's tensors until `done` fires
         self._in_flight.append(flight)
         if self._finalizer is None:
             self._finalizer = threading.Thread(target=self._finalize, name="roundel-finalizer", daemon=True)
             self._finalizer.start()
         self._gpu_waits.put(flight)
+
+    def _cuda_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """roundel's own stream on ``device``, made at its first CUDA batch there."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
 
     def _finalize(self) -> None:
         """The finalizer thread: wait for each CUDA batch's event in turn, then hand it back to the executor."""
@@ -424,13 +491,27 @@ class Executor:
             flight = self._gpu_waits.get()
             try:
                 flight.done.synchronize()
-            finally:
-                self._queue.put(flight)
+            except RuntimeError:
+                pass  # a CUDA error: _release meets it again and reports it
+            self._queue.put(flight)
 
-    @staticmethod
-    def _gpu_results(flight: _OnGpu) -> list:
-        flight.done.synchronize()
-        return flight.results
+    def _release(self, flight: _OnGpu) -> None:
+        """Let go of a CUDA batch's tensors once the GPU has finished it (waiting for that first, when stopping).
+
+        Its handles completed when it was queued; a CUDA error met here breaks the job, as a transport's does.
+        """
+        self._in_flight.remove(flight)
+        try:
+            flight.done.synchronize()
+        except RuntimeError as exc:
+            names = ", ".join(f"'{e.name}'" for e in flight.batch.entries[:4])
+            self._on_transport_failure(RoundelInternalError(
+                f"{flight.batch.kind.label} of {names} failed on the GPU: {exc}. Its results cannot be trusted; "
+                "see the other ranks' output"))
+        finally:
+            if flight.names is not None:
+                self._timeline.end(flight.names, flight.results)
+            self._finished_one(flight.works)
 
     def _cuda_device(self, works: list) -> torch.device:
         """The GPU a CUDA batch runs on: its tensors' (for a batch this rank joined, the last one seen or
@@ -511,9 +592,9 @@ class Executor:
             backend.allreduce_fused(inputs, outputs, op, request.prescale, post)
             return outputs
         parts = self._allreduce_parts(batch, works, backend, inputs, outputs)
-        (buffer, _), = parts  # a batch that needs several calls runs in the background
         self._phase(transport_activity(backend.carrier("allreduce"), "allreduce"))
-        backend.allreduce(buffer, op)
+        for buffer, _ in parts:  # several only where the backend queues its calls (_takes_own_calls)
+            backend.allreduce(buffer, op)
         self._allreduce_results(parts, post)
         return outputs
 
@@ -531,10 +612,10 @@ class Executor:
         into the fusion buffer.
         """
         request = batch.entries[0].request
-        side_by_side = _runs_side_by_side(backend)
+        own_calls = _takes_own_calls(backend)
         parts, packed_inputs, packed_outputs = [], [], []
         for entry, work, tensor, output in zip(batch.entries, works, inputs, outputs):
-            if _runs_alone(entry.request, work, len(works), side_by_side):
+            if _runs_alone(entry.request, work, len(works), own_calls):
                 if output is not tensor:
                     output.copy_(tensor)
                 parts.append((output, [output]))
@@ -554,9 +635,13 @@ class Executor:
                 self._unpack(buffer, outputs)
 
     def _adasum(self, inputs, outputs, request, backend, n):
-        """Gather every rank's gradients, then combine each tensor with the Adasum tree."""
-        buffer = self._pack(inputs, torch_dtype(request.dtype))
-        scale(buffer, request.prescale)
+        """Gather every rank's gradients, then combine each tensor with the Adasum tree (one contiguous
+        tensor with nothing to prescale is sent from its own memory)."""
+        if len(inputs) == 1 and inputs[0].is_contiguous() and request.prescale == 1.0:
+            buffer = inputs[0].detach().view(-1)
+        else:
+            buffer = self._pack(inputs, torch_dtype(request.dtype))
+            scale(buffer, request.prescale)
         gathered = torch.empty(n * buffer.numel(), dtype=buffer.dtype, device=buffer.device)
         self._phase(transport_activity(backend.carrier("allgather"), "allgather"))
         backend.allgather(gathered, buffer)
@@ -644,13 +729,16 @@ class Executor:
         first, tail = tensor.shape[0], tuple(tensor.shape[1:])
         counts = [first // n + (1 if r < first % n else 0) for r in range(n)]
         chunk = max(counts)
-        self._phase("MEMCPY_IN_FUSION_BUFFER")
-        padded = torch.zeros((chunk * n,) + tail, dtype=tensor.dtype, device=tensor.device)
-        start = 0
-        for r, count in enumerate(counts):
-            padded[r * chunk:r * chunk + count].copy_(tensor[start:start + count])
-            start += count
-        scale(padded, request.prescale)
+        if chunk * n == first and tensor.is_contiguous() and request.prescale == 1.0:
+            padded = tensor.detach()  # already the member-major chunks the transport takes: no copy
+        else:
+            self._phase("MEMCPY_IN_FUSION_BUFFER")
+            padded = torch.zeros((chunk * n,) + tail, dtype=tensor.dtype, device=tensor.device)
+            start = 0
+            for r, count in enumerate(counts):
+                padded[r * chunk:r * chunk + count].copy_(tensor[start:start + count])
+                start += count
+            scale(padded, request.prescale)
         output = torch.empty((chunk,) + tail, dtype=tensor.dtype, device=tensor.device)
         self._phase(transport_activity(backend.carrier("reducescatter"), "reducescatter"))
         backend.reducescatter(output, padded, op)

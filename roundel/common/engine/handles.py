@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 
 class Handle:
@@ -13,7 +14,7 @@ class Handle:
     ``on_done`` is called once when the handle completes, with its error (None on success).
     """
 
-    __slots__ = ("name", "_latch", "_done", "_result", "_error", "_waits", "_what", "_on_done", "_lock",
+    __slots__ = ("name", "_latch", "_done", "_result", "_error", "_then", "_waits", "_what", "_on_done", "_lock",
                  "_finished")
 
     def __init__(self, name: str, waits=None, what: tuple = (), on_done=None):
@@ -25,6 +26,7 @@ class Handle:
         self._done = False
         self._result = None
         self._error: BaseException | None = None
+        self._then: Callable[[object], None] | None = None
         self._waits = waits
         self._what = what
         self._on_done = on_done
@@ -47,20 +49,24 @@ class Handle:
                     self._waits.leave(token)
         if self._error is not None:
             raise self._error
+        if self._then is not None:
+            self._then(self._result)
         return self._result
 
-    def set_result(self, result) -> None:
-        self._complete(result, None)
+    def set_result(self, result, then: Callable[[object], None] | None = None) -> None:
+        """Complete with ``result``; ``then(result)``, where given, runs in every ``wait()`` that returns it (for
+        a result still being computed on a GPU: the waiting thread's stream is ordered after it)."""
+        self._complete(result, None, then)
 
     def set_error(self, error: BaseException) -> None:
         self._complete(None, error)
 
-    def _complete(self, result, error) -> None:
+    def _complete(self, result, error, then=None) -> None:
         with self._lock:  # the executor and the engine thread may both try (an abort racing a result)
             if self._finished:
                 return
             self._finished = True
-            self._result, self._error = result, error
+            self._result, self._error, self._then = result, error, then
         if self._on_done is not None:  # before waking the waiter, who may reuse the name at once
             self._on_done(error)
         self._done = True
