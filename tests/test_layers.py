@@ -1,6 +1,9 @@
 """The package's layers: imports only go down, adapters stay apart, and nothing hides a cycle.
 
-    adapters   roundel.torch · roundel.tensorflow · roundel.keras · roundel.jax · roundel.mxnet   (and roundel.timeline, a tool)
+    faces      roundel.tensorflow   (TensorFlow 2; Horovod's names for the Keras adapter make it stand on Keras's)
+               roundel.keras        (Keras 3 on TensorFlow or PyTorch; on TensorFlow through roundel.tfops)
+    adapters   roundel.torch · roundel.tfops · roundel.jax · roundel.mxnet   (and roundel.timeline, a tool)
+               (roundel.tfops: TensorFlow tensors' collectives as TensorFlow ops)
     core       roundel.common   (its control wire, roundel.common.control, stands below its engine:
                                  the standard library and the ground modules only)
     below it   roundel.transport · roundel.rendezvous               (not each other)
@@ -30,7 +33,8 @@ LEVELS = {
     "ground": 0,
     "roundel.transport": 1, "roundel.rendezvous": 1,
     "roundel.common": 2,
-    "roundel.torch": 3, "roundel.tensorflow": 3, "roundel.keras": 3, "roundel.timeline": 3,
+    "roundel.torch": 3, "roundel.tfops": 3, "roundel.timeline": 3,
+    "roundel.keras": 4, "roundel.tensorflow": 5,
     "roundel.jax": 3,
     "roundel.mxnet": 3,
     "roundel.lightning": 4,
@@ -38,16 +42,12 @@ LEVELS = {
     "roundel.spark": 5,
     "roundel.ray": 5,
 }
-ADAPTERS = ("roundel.torch", "roundel.tensorflow", "roundel.keras", "roundel.jax", "roundel.mxnet")
+ADAPTERS = ("roundel.torch", "roundel.tfops", "roundel.tensorflow", "roundel.keras", "roundel.jax", "roundel.mxnet")
 
-# (importing module, imported package or module) allowed across packages of one layer: Keras runs on
-# TensorFlow; roundel.tensorflow.keras is Horovod's name for the Keras adapter, and the one door from
-# TensorFlow to it (TensorFlow's DistributedOptimizer hands Keras optimizers on through it, as Horovod's does).
-SIDEWAYS = {
-    ("roundel.keras.core", "roundel.tensorflow.gradient_tape"),
-    ("roundel.keras.elastic", "roundel.tensorflow.elastic"),
-    ("roundel.tensorflow.keras", "roundel.keras"),
-}
+# (importing module, imported package or module) allowed across packages of one layer: none. (roundel.keras
+# and roundel.tensorflow were: Keras used TensorFlow's collectives, and TensorFlow's Horovod names the Keras
+# adapter. The collectives now sit below both in roundel.tfops, and roundel.tensorflow stands on roundel.keras.)
+SIDEWAYS: set[tuple[str, str]] = set()
 # Inside roundel.common, the engine and the control wire are rooms of their own; adapters use only the face.
 ROOMS = ("roundel.common.engine", "roundel.common.control")
 # The control wire (its records, messages, codec and channel) stands below the engine and the face: of roundel
@@ -62,8 +62,8 @@ IN_FUNCTION = {
     ("roundel", "roundel.runner.run_api"): "roundel.run loads the launcher only when used",
     ("roundel.transport.factory", "roundel.transport.mpi"): "mpi4py is optional and starts MPI when imported",
     ("roundel.timeline.__main__", "roundel.timeline.plot"): "matplotlib only when a plot is asked for",
-    ("roundel.keras.core", "roundel.tensorflow.gradient_tape"): "TensorFlow backend only",
-    ("roundel.keras.elastic", "roundel.tensorflow.elastic"): "TensorFlow backend only",
+    ("roundel.keras.core", "roundel.tfops.gradients"): "TensorFlow backend only",
+    ("roundel.keras.elastic", "roundel.tfops.tf_errors"): "TensorFlow backend only",
     ("roundel.torch.optimizer", "roundel.torch.sharded_optimizer"):
         "the sharded optimizer builds on the optimizer module's classes: the cycle is broken at call time",
     ("roundel.torch.sharded_optimizer", "roundel.torch.optimizer"):
@@ -185,28 +185,45 @@ def test_imports_inside_functions_are_the_listed_ones():
                                        f"listed but gone: {sorted(set(IN_FUNCTION) - found)}")
 
 
-def test_no_cycle_among_module_level_imports():
-    graph = {m: {t for t, inside in imports if not inside and t in MODULES and t != m}
-             for m, imports in EDGES.items()}
-    # a package's __init__ importing its own submodules is how packages re-export; drop those edges
-    graph = {m: {t for t in targets if not t.startswith(m + ".")} for m, targets in graph.items()}
+def _assert_no_cycle(graph: dict[str, set[str]], what: str) -> None:
+    """Fail naming the first cycle found in ``graph`` (node -> the nodes it imports)."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
     def visit(node):
         state[node] = 1
         stack.append(node)
-        for nxt in graph[node]:
+        for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+                raise AssertionError(f"{what}: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
             if nxt not in state:
                 visit(nxt)
         stack.pop()
         state[node] = 2
 
-    for module in graph:
-        if module not in state:
-            visit(module)
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_no_cycle_among_module_level_imports():
+    graph = {m: {t for t, inside in imports if not inside and t in MODULES and t != m}
+             for m, imports in EDGES.items()}
+    # a package's __init__ importing its own submodules is how packages re-export; drop those edges
+    graph = {m: {t for t in targets if not t.startswith(m + ".")} for m, targets in graph.items()}
+    _assert_no_cycle(graph, "import cycle")
+
+
+def test_no_cycle_between_packages():
+    """Every import, inside functions too, as an edge between the packages of LEVELS: none comes back round
+    (roundel.keras and roundel.tensorflow once did). The top-level package's lazy attributes aside."""
+    graph: dict[str, set[str]] = {}
+    for module, imports in EDGES.items():
+        for target, _ in imports:
+            if (module, target) not in LAZY and _package(module) != _package(target):
+                graph.setdefault(_package(module), set()).add(_package(target))
+    assert {"roundel.keras", "roundel.tfops"} <= graph["roundel.tensorflow"], graph["roundel.tensorflow"]
+    _assert_no_cycle(graph, "import cycle between packages")
 
 
 def _loaded_after(statement: str) -> str:

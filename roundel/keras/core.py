@@ -4,7 +4,7 @@ Value-level helpers (``allreduce``, ``broadcast_variables``, ...) work on any
 backend: they read values with ``keras.ops.convert_to_numpy``, reduce them
 through the engine (:mod:`roundel.common.collectives`), and assign or return
 NumPy arrays. ``DistributedOptimizer`` reduces gradients inside the compiled
-train step: with ``roundel.tensorflow`` ops on the TensorFlow backend, and
+train step: with ``roundel.tfops`` ops on the TensorFlow backend, and
 directly on the gradients (torch tensors, the engine's own buffer type) on
 the PyTorch backend.
 """
@@ -248,7 +248,7 @@ class _DistributedOptimizerMixin:
                     "roundel's DistributedOptimizer cannot run inside an XLA-compiled train step: its "
                     "collectives are Python ops that XLA cannot compile. Pass jit_compile=False to "
                     "model.compile() (Keras enables XLA by default on machines with a GPU).")
-            from roundel.tensorflow.gradient_tape import reduce_gradients
+            from roundel.tfops.gradients import reduce_gradients
             return reduce_gradients(grads, options, name="keras.gradients", index_groups=groups)
         if _backend() == "torch":
             return _reduce_torch(grads, options, groups)

@@ -34,8 +34,8 @@ def run(func):
     HorovodInternalError.
     """
     if keras.backend.backend() == "tensorflow":
-        from roundel.tensorflow.elastic import run as tf_run
-        return tf_run(func)
+        from roundel.tfops.tf_errors import internal_errors_raised
+        func = internal_errors_raised(func)
     return common.run_fn(func)
 
 

@@ -11,12 +11,11 @@ creating it in the training function or in a reset callback.
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 from roundel.common import elastic as common
 from roundel.common.elastic import ObjectState, State
 from roundel.errors import HorovodInternalError, HostsUpdatedInterrupt
 from roundel.tensorflow.functions import broadcast_variables
+from roundel.tfops.tf_errors import internal_errors_raised
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "TensorFlowKerasState",
            "TensorFlowState", "run"]
@@ -31,7 +30,7 @@ def run(func):
     reset callbacks run, every rank takes rank 0's state, and ``func`` is
     called again with the same state.
     """
-    return common.run_fn(common.raising_internal_errors(func, tf.errors.OpError, lambda exc: exc.message))
+    return common.run_fn(internal_errors_raised(func))
 
 
 class TensorFlowState(common.VariablesState):

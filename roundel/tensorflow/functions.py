@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from roundel.common import collectives, objects
 from roundel.common.process_sets import global_process_set
-from roundel.tensorflow import mpi_ops
+from roundel.tfops import mpi_ops
 
 _do_not_convert = tf.autograph.experimental.do_not_convert
 

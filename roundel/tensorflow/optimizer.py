@@ -8,7 +8,7 @@ import tensorflow as tf
 from roundel.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
 from roundel.tensorflow import keras as tf_keras  # Horovod's door to the Keras adapter
-from roundel.tensorflow.compression import Compression
+from roundel.tfops.compression import Compression
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",

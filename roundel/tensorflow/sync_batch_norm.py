@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from roundel.ops import ReduceOp
 from roundel.common.process_sets import global_process_set
-from roundel.tensorflow import mpi_ops
+from roundel.tfops import mpi_ops
 
 
 @keras.saving.register_keras_serializable(package="roundel")

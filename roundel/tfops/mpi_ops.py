@@ -33,7 +33,7 @@ makes its thread pool, for sessions whose config leaves
 ``inter_op_parallelism_threads`` at 0; eager execution uses it too).
 
 Mismatches inside a graph reach the user as ``FailedPreconditionError`` as
-eagerly (see ``roundel.tensorflow.tf_errors`` for how).
+eagerly (see ``roundel.tfops.tf_errors`` for how).
 
 Names: a ``name=`` you pass is used as is. Inside ``tf.function`` a missing
 name is derived from the function's name and the input tensor's graph name
@@ -44,7 +44,7 @@ ranks must then call collectives in the same order (as in Horovod).
 Signatures follow Horovod 0.28.1's positional order; ``ignore_name_scope``
 is accepted wherever Horovod has it and has no effect (names never include
 TensorFlow name scopes here). Mismatched collectives raise Horovod's
-TensorFlow error types (see ``roundel.tensorflow.tf_errors``).
+TensorFlow error types (see ``roundel.tfops.tf_errors``).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ from roundel.common import basics, buffers, collectives
 from roundel.common.process_sets import global_process_set
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError
 from roundel.ops import ReduceOp, resolve_op
-from roundel.tensorflow import tf_errors
-from roundel.tensorflow.compression import Compression
+from roundel.tfops import tf_errors
+from roundel.tfops.compression import Compression
 
 tf_errors.install_graph_errors()
 _INTEROP_THREADS = max(64, os.cpu_count() or 1)

@@ -12,7 +12,7 @@ TensorFlow reports every Python error of such an op with a code of its own:
 ``InvalidArgumentError`` for a ``ValueError`` (which serves for bad splits),
 ``UnknownError`` for anything else. So inside a graph a mismatch is raised as
 :class:`GraphMismatch`, whose message carries a token, and
-:func:`install_graph_errors` (called when ``roundel.tensorflow`` is imported)
+:func:`install_graph_errors` (called when ``roundel.tfops.mpi_ops`` is imported)
 makes ``tf.errors.UnknownError`` build, for a message carrying such a token,
 a :class:`MismatchPreconditionError` with the original message instead. That
 is the class TensorFlow raises at the Python boundary of the graph
@@ -29,6 +29,7 @@ import threading
 
 import tensorflow as tf
 
+from roundel.common.elastic import raising_internal_errors
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelError
 
 
@@ -144,3 +145,9 @@ def install_graph_errors() -> None:
 
     unknown.__new__ = staticmethod(__new__)
     _installed = True
+
+
+def internal_errors_raised(func):
+    """``func`` with a roundel internal error that a collective inside a graph reported as a
+    ``tf.errors.OpError`` raised as RoundelInternalError again, for elastic ``run`` to roll back."""
+    return raising_internal_errors(func, tf.errors.OpError, lambda exc: exc.message)

@@ -188,9 +188,9 @@ def scenario_accumulation():
 def scenario_groups():
     """groups= and num_groups: the gradients go in the allreduce groups asked for; training as one group."""
     if BACKEND == "tensorflow":  # a group of several gradients is concatenated and reduced as one tensor
-        import roundel.tensorflow.gradient_tape as tape_module
-        import roundel.tensorflow.mpi_ops as ops_module
-        spied = [(ops_module, "grouped_allreduce"), (tape_module, "_allreduce_concatenated")]
+        import roundel.tfops.gradients as gradients_module
+        import roundel.tfops.mpi_ops as ops_module
+        spied = [(ops_module, "grouped_allreduce"), (gradients_module, "_allreduce_concatenated")]
     else:  # the torch backend's gradients are the engine's buffers: they go to the engine directly
         import roundel.common.collectives as ops_module
         spied = [(ops_module, "grouped_allreduce_async")]
@@ -241,7 +241,7 @@ def options_flow_to_the_reduction():
     """The GradientOptions DistributedOptimizer checked are the object each step reduces with; the model's
     variables named in groups= stay the model's (not tracked as the optimizer's)."""
     if BACKEND == "tensorflow":
-        import roundel.tensorflow.gradient_tape as module
+        import roundel.tfops.gradients as module
         function = "reduce_gradients"
     else:
         import roundel.keras.core as module
