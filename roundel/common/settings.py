@@ -446,7 +446,8 @@ SPECS = (
          "default gradient bucket size (MiB) of the torch DistributedOptimizer; 0 reduces each gradient "
          "alone (roundel only)",
          _flag("--bucket-cap-mb", type=float, group="params",
-               help="torch DistributedOptimizer's default gradient bucket size in MiB; 0: none")),
+               help="torch DistributedOptimizer's gradient bucket size in MiB where the script sets none; "
+                    "0: none")),
     Spec("coordinator_reduce_bytes", "COORDINATOR_REDUCE_BYTES", _coordinator_reduce_bytes,
          "CPU allreduces up to this many bytes are reduced by rank 0's coordinator from data sent with the "
          "requests; 0 sends all over the transport; at most 65536 (roundel only)",

@@ -41,7 +41,8 @@ class RayExecutor:
     """
 
     @staticmethod
-    def create_settings(timeout_s: float = 30, ssh_identity_file: str | None = None, ssh_str: str | None = None,
+    def create_settings(timeout_s: float = RaySettings.timeout_s, ssh_identity_file: str | None = None,
+                        ssh_str: str | None = None,
                         placement_group_timeout_s: float = 100, nics=None) -> RaySettings:
         """Settings for ``RayExecutor`` (Horovod's signature; ``ssh_identity_file``/``ssh_str`` are not used:
         Ray starts the workers)."""

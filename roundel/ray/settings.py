@@ -6,10 +6,13 @@ import dataclasses
 
 import ray
 
+from roundel.common.settings import Settings, setting
 from roundel.rendezvous import network
 from roundel.rendezvous.store import RendezvousServer, new_secret
 
 __all__ = ["RaySettings", "start_store"]
+
+_DEFAULTS = Settings()  # the settings table's defaults: Horovod's Ray settings read no variables
 
 
 @dataclasses.dataclass
@@ -27,11 +30,11 @@ class RaySettings:
     ``ElasticRayExecutor`` (or by the caller, with ``override_discovery=False``).
     """
 
-    timeout_s: float = 30
+    timeout_s: float = _DEFAULTS.start_timeout_s
     placement_group_timeout_s: float = 100
     nics: tuple[str, ...] | None = None
     ssh_identity_file: str | None = None
-    elastic_timeout_s: float = 600
+    elastic_timeout_s: float = _DEFAULTS.elastic_timeout_s
     min_num_proc: int | None = None
     max_num_proc: int | None = None
     reset_limit: int | None = None
@@ -48,9 +51,9 @@ class RaySettings:
 
     def worker_env(self) -> dict[str, str]:
         """The settings every rank's actor gets in its environment."""
-        env = {"ROUNDEL_START_TIMEOUT": repr(float(self.timeout_s)), "PYTHONUNBUFFERED": "1"}
+        env = {setting("start_timeout_s").var: repr(float(self.timeout_s)), "PYTHONUNBUFFERED": "1"}
         if self.nics:
-            env["ROUNDEL_NETWORK_INTERFACE"] = self.nics[0]
+            env[setting("network_interface").var] = self.nics[0]
         return env
 
     def store_address(self) -> str:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 import cloudpickle
 
+from roundel.common.settings import Settings, setting
 from roundel.rendezvous import elastic_join
 from roundel.rendezvous.store import RendezvousServer, new_secret
 from roundel.runner import elastic_driver, spawn
@@ -42,8 +43,6 @@ __all__ = ["SparkTaskDiscovery", "TaskWorker", "run_elastic"]
 
 log = logging.getLogger("roundel.spark")
 
-ELASTIC_TIMEOUT_VARS = ("ROUNDEL_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT")
-DEFAULT_ELASTIC_TIMEOUT_S = 600.0
 TASK_LOST_S = 10.0
 """A task whose beat counter has not moved for this long counts as gone (its executor died)."""
 
@@ -232,8 +231,8 @@ def run_elastic(fn: Callable, args: Sequence = (), kwargs: dict | None = None, n
     600 s; a TimeoutError then says so); the stage has ``max_num_proc``
     (default ``num_proc``) tasks, and training goes on while at least
     ``min_num_proc`` (default ``num_proc``) of them serve. ``elastic_timeout``
-    (default ``ROUNDEL_ELASTIC_TIMEOUT``/``HOROVOD_ELASTIC_TIMEOUT``, else 600 s)
-    and ``reset_limit`` are ``roundelrun``'s ``--elastic-timeout`` and
+    (default: the ``ELASTIC_TIMEOUT`` setting, docs/settings.md) and
+    ``reset_limit`` are ``roundelrun``'s ``--elastic-timeout`` and
     ``--reset-limit``. ``env``, ``stdout``/``stderr``, ``nics``,
     ``prefix_output_with_timestamp`` and ``executable`` are as in
     :func:`roundel.spark.run`; output lines are prefixed ``[host:slot]``.
@@ -256,12 +255,13 @@ def run_elastic(fn: Callable, args: Sequence = (), kwargs: dict | None = None, n
     if reset_limit is not None:
         _whole("reset_limit", reset_limit, 0)
     start_s = seconds_setting(start_timeout, START_TIMEOUT_VARS, DEFAULT_START_TIMEOUT_S, "start_timeout")
-    elastic_s = seconds_setting(elastic_timeout, ELASTIC_TIMEOUT_VARS, DEFAULT_ELASTIC_TIMEOUT_S, "elastic_timeout")
+    elastic_s = (seconds_setting(elastic_timeout, (), 0.0, "elastic_timeout") if elastic_timeout is not None
+                 else Settings.from_env(only=("elastic_timeout_s",)).elastic_timeout_s)
     nics = nic_list(nics)
     address = store_address(context, nics)
     worker_env = {str(k): str(v) for k, v in (env or {}).items()}
     if nics:
-        worker_env.setdefault("ROUNDEL_NETWORK_INTERFACE", ",".join(nics))
+        worker_env.setdefault(setting("network_interface").var, ",".join(nics))
     payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     secret = new_secret()
     server = RendezvousServer(secret, host=address)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 import cloudpickle
 
+from roundel.common.settings import setting
 from roundel.rendezvous import network
 from roundel.rendezvous.store import RendezvousServer, new_secret
 from roundel.runner.outcome import RankFailedError, RankOutcome
@@ -125,7 +126,7 @@ def run(fn: Callable, args: Sequence = (), kwargs: dict | None = None, num_proc:
     host = store_address(context, nics)
     rank_env = {str(k): str(v) for k, v in (env or {}).items()}
     if nics:
-        rank_env.setdefault("ROUNDEL_NETWORK_INTERFACE", ",".join(nics))
+        rank_env.setdefault(setting("network_interface").var, ",".join(nics))
     payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     secret = new_secret()
     server = RendezvousServer(secret, host=host)
