@@ -27,14 +27,14 @@ from roundel.errors import (
 )
 from roundel.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from roundel.common.process_sets import ProcessSet, global_process_set
-from roundel.tensorflow.compression import Compression
+from roundel.tfops.compression import Compression
 from roundel.tensorflow.functions import (
     allgather_object, broadcast_global_variables, broadcast_object, broadcast_object_fn, broadcast_variables,
 )
-from roundel.tensorflow import elastic, util
+from roundel.tensorflow import compression, elastic, mpi_ops, util  # mpi_ops, compression: Horovod's names
 from roundel.tensorflow.util import _executing_eagerly
 from roundel.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
-from roundel.tensorflow.mpi_ops import (
+from roundel.tfops.mpi_ops import (
     _allreduce, allgather, allreduce, alltoall, barrier, broadcast, broadcast_, grouped_allgather,
     grouped_allreduce, grouped_reducescatter, init, join, local_rank_op, local_size_op, process_set_included_op,
     rank_op, reducescatter, size_op,
@@ -57,3 +57,5 @@ __all__ = [
 ]
 # Private names where Horovod has them (hvd._allreduce: tests/workers/tf_fidelity.py), listed as re-exported
 __all__ += ["_allreduce", "_executing_eagerly"]
+# Horovod's module names, the roundel.tfops modules themselves (hvd.mpi_ops._allreduce in Horovod-era code)
+__all__ += ["compression", "mpi_ops"]
