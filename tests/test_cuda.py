@@ -4,6 +4,8 @@ These need a GPU and skip, saying so, on a machine without one. NCCL allows
 one rank per GPU, so its two-rank tests need two GPUs; with one GPU, NCCL is
 tested in a job of one rank, and two ranks sharing it must fail clearly.
 The collectives worker runs its NumPy-checked scenarios with CUDA inputs.
+The executor's GPU path is also checked in order without a GPU, with fakes
+for torch.cuda's streams and events (``tests/test_executor_streams_unit.py``).
 """
 
 import pytest
@@ -34,9 +36,10 @@ def test_collectives_through_host_memory():
 
 @needs_gpu
 def test_devices_and_training_through_host_memory():
-    result = run_job(2, "torch_cuda.py", "devices,side_stream,training", env={"HOROVOD_GPU_OPERATIONS": "gloo"},
-                     timeout=180)
-    assert_checks_passed(result, 2, "devices", "side_stream", "training")
+    # staged_reuse: the pinned host buffers, reused back to back across sizes and dtypes
+    scenarios = ("devices", "side_stream", "training", "staged_reuse")
+    result = run_job(2, "torch_cuda.py", ",".join(scenarios), env={"HOROVOD_GPU_OPERATIONS": "gloo"}, timeout=180)
+    assert_checks_passed(result, 2, *scenarios)
 
 
 def _over_nccl(np: int, collectives) -> None:
@@ -62,9 +65,33 @@ def test_two_ranks_on_one_gpu_fail_clearly_over_nccl():
     assert_checks_passed(result, 2, "shared_gpu")
 
 
+@needs_two_gpus
+def test_a_rank_that_joins_first_contributes_on_its_own_gpu():
+    result = run_job(2, "torch_cuda.py", "join_device", timeout=180)
+    assert_checks_passed(result, 2, "join_device")
+
+
+STREAMS = ("slow_gpu_cpu", "other_stream_reads", "side_stream", "allocator")
+
+
 @needs_nccl
-def test_waiting_for_a_slow_gpu_sleeps_and_results_read_on_another_stream():
-    # the executor records a blocking event and a finalizer thread waits on it: no core spins for the GPU
+def test_streams_events_and_the_allocator_with_and_without_its_cache():
+    # slow_gpu_cpu: a collective returns without waiting for the GPU, and waiting for its result sleeps;
+    # other_stream_reads: a result synchronized on another stream is complete there, and later work on the
+    # submitting stream does not delay it; side_stream: an input written on a side stream is reduced as written;
+    # allocator: an input dropped right after submission is not reused before the GPU has finished with it
     for env in ({}, {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}):
-        result = run_job(1, "torch_cuda.py", "slow_gpu_cpu,other_stream_reads,side_stream", env=env, timeout=180)
-        assert_checks_passed(result, 1, "slow_gpu_cpu", "other_stream_reads", "side_stream")
+        result = run_job(1, "torch_cuda.py", ",".join(STREAMS), env=env, timeout=180)
+        assert_checks_passed(result, 1, *STREAMS)
+
+
+@needs_nccl
+def test_a_model_captured_as_a_cuda_graph_trains_under_distributed_optimizer():
+    result = run_job(1, "torch_cuda.py", "graphed", timeout=180)
+    assert_checks_passed(result, 1, "graphed")
+
+
+@needs_nccl
+def test_a_compiled_model_trains_on_the_gpu_as_its_eager_twin():
+    result = run_job(1, "torch_compile.py", "compiled_training", env=ON_CUDA, timeout=600)
+    assert_checks_passed(result, 1, "compiled_training")

@@ -83,7 +83,9 @@ def scenario_side_stream():
 
 
 def scenario_slow_gpu_cpu():
-    """Waiting for a collective behind a second of GPU work sleeps: the process's CPU time stays far below it."""
+    """A collective behind a second of GPU work returns at once (no thread waits for the GPU), its result is
+    ordered after that work on the caller's stream, and waiting for it sleeps: the process's CPU time stays far
+    below the wait."""
     gpu = _own_gpu()
     x = torch.ones(1 << 10, device=gpu)
     hvd.allreduce(x, name="slow.warm")  # NCCL's communicator and the executor's first batch
@@ -91,23 +93,85 @@ def scenario_slow_gpu_cpu():
     cpu, wall = time.process_time(), time.monotonic()
     torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead of the collective's input
     out = hvd.allreduce(x, name="slow.ar", op=hvd.Sum)
+    returned = time.monotonic() - wall
+    finished = torch.cuda.Event(blocking=True)
+    finished.record()
+    assert not finished.query(), "the GPU's sleep had ended when allreduce returned: the call waited for it"
+    finished.synchronize()
     cpu, wall = time.process_time() - cpu, time.monotonic() - wall
     check(out[:4], np.full(4, float(SIZE), dtype=np.float32), "allreduce after a slow kernel")
     assert wall > 0.3, f"the GPU's sleep took only {wall:.2f} s: too short to tell waiting from spinning"
+    assert returned < 0.5 * wall, f"allreduce took {returned:.2f} s of a {wall:.2f} s sleep: it waited for the GPU"
     assert cpu < 0.5 * wall, f"{cpu:.2f} s of CPU while waiting {wall:.2f} s for the GPU: something spins"
 
 
 def scenario_other_stream_reads():
-    """A handle's result, once synchronized, is complete for a kernel on another stream."""
+    """A handle synchronized on another stream gives that stream the whole result, without waiting for work
+    queued on the submitting stream after the collective's inputs."""
     gpu = _own_gpu()
     reader = torch.cuda.Stream(gpu)
-    for i in range(5):
+    hvd.allreduce(torch.ones(4, device=gpu), name="reader.warm")
+    for i in range(3):
         x = torch.full((1 << 20,), float(RANK + i), device=gpu)
-        out = hvd.allreduce(x, name=f"reader.ar{i}", op=hvd.Sum)
+        handle = hvd.allreduce_async(x, name=f"reader.ar{i}", op=hvd.Sum)
+        torch.cuda._sleep(2_000_000_000)  # about a second of later work on the submitting stream
+        later = torch.cuda.Event()
+        later.record()
+        start = time.monotonic()
         with torch.cuda.stream(reader):
-            total = float(out.sum())
+            total = float(hvd.synchronize(handle).sum())
+        took = time.monotonic() - start
         expected = (1 << 20) * sum(r + i for r in range(SIZE))
         assert total == expected, f"read on another stream: {total} != {expected}"
+        assert not later.query(), f"the result was read only after the later work ({took:.2f} s): it waited for it"
+        torch.cuda.synchronize(gpu)
+
+
+def scenario_allocator():
+    """An input dropped by the caller right after submission, its memory wanted at once by new tensors, is
+    still reduced as it was: roundel holds it until the GPU has finished with it."""
+    gpu = _own_gpu()
+    hvd.allreduce(torch.ones(4, device=gpu), name="alloc.warm")
+    for i in range(4):
+        torch.cuda._sleep(200_000_000)  # the input is written only after this
+        x = torch.full((1 << 20,), float(RANK + 1 + i), device=gpu)
+        handle = hvd.allreduce_async(x, name=f"alloc.ar{i}", op=hvd.Sum)
+        del x
+        junk = [torch.full((1 << 20,), -1.0, device=gpu) for _ in range(4)]  # would take x's memory if freed
+        out = hvd.synchronize(handle)
+        check(out[-8:], np.full(8, float(sum(r + 1 + i for r in range(SIZE))), dtype=np.float32),
+              f"allreduce {i} of a dropped input")
+        del junk
+
+
+def scenario_staged_reuse():
+    """Through host memory, back to back and without synchronizing: sizes that grow and shrink and several
+    dtypes reuse the pinned host buffers without mixing their values."""
+    gpu = _own_gpu()
+    started = []
+    for i, (length, dtype) in enumerate([(10, torch.float32), (1 << 18, torch.float32), (7, torch.float32),
+                                         (1 << 16, torch.int64), (1 << 18, torch.float64), (3, torch.int64)]):
+        summed = hvd.allreduce_async(torch.full((length,), RANK + i, dtype=dtype, device=gpu),
+                                     name=f"staged.ar{i}", op=hvd.Sum)
+        expected_sum = np.full(length, sum(r + i for r in range(SIZE)))
+        rows = length % 5 + 1
+        gathered = hvd.allgather_async(torch.full((rows, 2), RANK - i, dtype=dtype, device=gpu),
+                                       name=f"staged.ag{i}")
+        expected_rows = np.concatenate([np.full((rows, 2), r - i) for r in range(SIZE)])
+        started += [(summed, expected_sum, dtype, f"allreduce {i}"), (gathered, expected_rows, dtype, f"allgather {i}")]
+    for handle, expected, dtype, what in started:
+        check(hvd.synchronize(handle), expected, f"staged {what}", dtype)
+
+
+def scenario_join_device():
+    """A rank that joins before any CUDA collective contributes its zeros on its own GPU, not on GPU 0."""
+    gpu = _own_gpu()
+    if RANK == SIZE - 1:
+        hvd.join()
+    else:
+        out = hvd.allreduce(torch.full((5,), float(RANK + 1), device=gpu), name="join.ar", op=hvd.Sum)
+        check(out, np.full(5, float(sum(range(1, SIZE))), dtype=np.float32), "allreduce beside a joined rank")
+        hvd.join()
 
 
 def _model(gpu) -> torch.nn.Module:
@@ -145,6 +209,30 @@ def scenario_training():
         check(mine, to_np(expected), f"parameter {name} after 3 steps")
 
 
+def scenario_graphed():
+    """A model captured as a CUDA graph (``torch.cuda.make_graphed_callables``), its gradients reduced by
+    DistributedOptimizer outside the graph, gives the parameters of one process training on every batch."""
+    gpu = _own_gpu()
+    model = _model(gpu)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    everyone = [_batch(r, gpu) for r in range(SIZE)]
+    graphed = torch.cuda.make_graphed_callables(model, (everyone[RANK][0].clone(),))
+    reference = _model(gpu)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        inputs, targets = everyone[RANK]
+        torch.nn.functional.mse_loss(graphed(inputs), targets).backward()
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        (sum(torch.nn.functional.mse_loss(reference(x), y) for x, y in everyone) / SIZE).backward()
+        reference_optimizer.step()
+    for (name, mine), expected in zip(model.named_parameters(), reference.parameters()):
+        check(mine, to_np(expected), f"graphed model's {name} after 3 steps")
+
+
 def scenario_shared_gpu():
     """Two ranks on one GPU over NCCL: every rank gets an error that says what to do, and no hang."""
     torch.cuda.set_device(0)
@@ -154,4 +242,6 @@ def scenario_shared_gpu():
 
 run_scenarios({"devices": scenario_devices, "side_stream": scenario_side_stream, "training": scenario_training,
                "slow_gpu_cpu": scenario_slow_gpu_cpu, "other_stream_reads": scenario_other_stream_reads,
+               "allocator": scenario_allocator, "staged_reuse": scenario_staged_reuse,
+               "join_device": scenario_join_device, "graphed": scenario_graphed,
                "shared_gpu": scenario_shared_gpu}, sys.argv, RANK)
