@@ -64,10 +64,6 @@ IN_FUNCTION = {
     ("roundel.timeline.__main__", "roundel.timeline.plot"): "matplotlib only when a plot is asked for",
     ("roundel.keras.core", "roundel.tfops.gradients"): "TensorFlow backend only",
     ("roundel.keras.elastic", "roundel.tfops.tf_errors"): "TensorFlow backend only",
-    ("roundel.torch.optimizer", "roundel.torch.sharded_optimizer"):
-        "the sharded optimizer builds on the optimizer module's classes: the cycle is broken at call time",
-    ("roundel.torch.sharded_optimizer", "roundel.torch.optimizer"):
-        "the sharded optimizer builds on the optimizer module's classes: the cycle is broken at call time",
 }
 
 

@@ -25,56 +25,25 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import warnings
 import weakref
 
 import torch
 
 from roundel.common import basics, collectives
-from roundel.errors import RoundelError
+from roundel.common.compression import as_compressor
 from roundel.ops import ReduceOp, resolve_op
 from roundel.common.process_sets import global_process_set
 from roundel.common.settings import Settings
 from roundel.torch.compression import Compression
 from roundel.torch.adasum_optimizer import _DistributedAdasumOptimizer
-from roundel.torch.powersgd import PowerSGD
+from roundel.torch.gradient_layout import MIB, GradientSyncError, check_bucket_cap, parameter_names, split_by_size
 from roundel.torch.mpi_ops import (allreduce_async_, broadcast_, grouped_allreduce_async_, sparse_allreduce_async,
                                    synchronize)
+from roundel.torch.sharded_optimizer import sharded_optimizer
 
-_FIRST_BUCKET_BYTES = 1024 * 1024
-_MIB = 1024 * 1024
-_SHARDED_CAP_MB = 8  # default segment size of shard_optimizer_state=True
-
-
-class GradientSyncError(RoundelError, AssertionError):
-    """The training loop called the optimizer in an order that would race with gradient reduction."""
-
-
-def _named_parameters(optimizer_groups, named_parameters) -> dict:
-    """Map each parameter to its name; raise ValueError for bad, duplicate or missing names.
-
-    Without ``named_parameters`` the names are Horovod's: ``allreduce.noname.<group>.<index>``.
-    """
-    if named_parameters is None:
-        return {p: f"allreduce.noname.{g}.{i}" for g, group in enumerate(optimizer_groups)
-                for i, p in enumerate(group["params"])}
-    pairs = list(named_parameters)
-    if any(not (isinstance(pair, tuple) and len(pair) == 2) for pair in pairs):
-        raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, as "
-                         "model.named_parameters() gives")
-    seen, duplicates = set(), set()
-    for name, _ in pairs:
-        (duplicates if name in seen else seen).add(name)
-    if duplicates:
-        raise ValueError(f"named_parameters has duplicate names: {', '.join(sorted(duplicates))}; "
-                         "each parameter needs a unique name")
-    names = {p: name for name, p in pairs}
-    unnamed = [p for group in optimizer_groups for p in group["params"] if p not in names]
-    if unnamed:
-        shapes = ", ".join(str(tuple(p.shape)) for p in unnamed[:5])
-        raise ValueError(f"{len(unnamed)} parameter(s) of the optimizer are missing from named_parameters "
-                         f"(shapes {shapes}); pass model.named_parameters() of the model being optimized")
-    return names
+__all__ = ["DistributedOptimizer", "GradientSyncError"]
 
 
 def _split_groups(params: list, groups) -> list[tuple]:
@@ -102,26 +71,6 @@ def _split_groups(params: list, groups) -> list[tuple]:
                 raise ValueError("groups= lists a parameter more than once; each may be in one group only")
             seen.add(p)
     return [g for g in result if g]
-
-
-def _split_by_size(params: list, cap_bytes: float) -> list[tuple]:
-    """Consecutive parameters (in backward order) in buckets, each closed once it reaches the cap.
-
-    The first bucket closes at 1 MiB, so that communication starts early, as
-    in DDP. A bucket holds one dtype on one device, so that it fits one flat
-    buffer.
-    """
-    buckets, current, size, limit = [], [], 0, min(cap_bytes, _FIRST_BUCKET_BYTES)
-    for p in params:
-        if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
-            buckets.append(tuple(current))
-            current, size = [], 0
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= limit:
-            buckets.append(tuple(current))
-            current, size, limit = [], 0, cap_bytes
-    return buckets + [tuple(current)] if current else buckets
 
 
 class _Bucket:
@@ -176,10 +125,29 @@ def _write_back(targets: list, results) -> None:
             target.copy_(result.view(target.shape))
 
 
+def _land(flat: torch.Tensor, result: torch.Tensor) -> None:
+    """A bucket's reduced flat buffer into ``flat``: nothing to do when it was reduced in place (as it is)."""
+    if result is not flat:
+        flat.copy_(result)
+
+
+class _Slot:
+    """A parameter as its gradient hook sees it: its name, its bucket and its passes left in this round."""
+
+    __slots__ = ("param", "name", "bucket", "round", "left")
+
+    def __init__(self, param, name: str):
+        self.param = param
+        self.name = name
+        self.bucket = None  # set by every layout of the buckets
+        self.round = -1  # the optimizer's round that ``left`` counts in (an older one: no pass counted yet)
+        self.left = 0
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the wrapped optimizer's class by ``DistributedOptimizer``."""
 
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+    def __init__(self, params, named, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, bucket_cap_mb):
         super(self.__class__, self).__init__(params)
         if bucket_cap_mb is None:
@@ -188,10 +156,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
         if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
             raise ValueError("gradient_predivide_factor only applies to op=Average")
-        if isinstance(bucket_cap_mb, bool) or not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb >= 0):
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number >= 0 (megabytes per bucket; "
-                             "0 reduces each gradient on its own)")
-        self._parameter_names = _named_parameters(self.param_groups, named_parameters)
+        check_bucket_cap(bucket_cap_mb)
+        self._parameter_names = parameter_names(self.param_groups, named)
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -202,26 +168,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         explicit = _split_groups(sorted(trainable, key=self._parameter_names.get), groups)  # the same on every rank
         grouped = {p for group in explicit for p in group}
         rest = [p for p in reversed(self._parameter_names) if p in trainable and p not in grouped]  # backward order
-        self._cap = 0 if op == ReduceOp.Adasum else bucket_cap_mb * _MIB  # Adasum combines each gradient alone
+        self._cap = 0 if op == ReduceOp.Adasum else bucket_cap_mb * MIB  # Adasum combines each gradient alone
         self._own_cap = self._cap  # autotune may change _cap; its "as configured" means this one
         self._explicit = [_Bucket(g, self._parameter_names, flat=op != ReduceOp.Adasum) for g in explicit]
         self._sized = rest  # the parameters bucketed by size, in the order of their first buckets
         self._views = compression is Compression.none and op != ReduceOp.Adasum
+        self._slots = {p: _Slot(p, self._parameter_names[p]) for g in explicit for p in g}
+        self._slots.update((p, _Slot(p, self._parameter_names[p])) for p in rest)
+        self._round = 0  # bumped by _reset: a slot's passes counted in an older round are stale
+        self._step_open = False  # whether this step's first gradient hook has run (_open_step)
+        self._idle = False  # this rank is outside the process set this step: it reduces nothing
         self._start_over()
-        self._passes_left = dict.fromkeys(self._bucket_of, backward_passes_per_step)
         self._pending: list = []  # per started reduction: (its bucket or sparse parameter, a function that waits
         #                           and writes the gradients)
         self._densified: list = []  # parameters whose sparse gradient is reduced dense (sparse_as_dense)
         self._synchronized = False
         self._should_synchronize = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, slot))
+                       for p, slot in self._slots.items()]
 
     def _start_over(self) -> None:
         """The first buckets (reverse registration order), to be rebuilt after the next step."""
         flat = self.op != ReduceOp.Adasum
         self._buckets = self._explicit + [_Bucket(g, self._parameter_names, flat)
-                                          for g in _split_by_size(self._sized, self._cap)]
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+                                          for g in split_by_size(self._sized, self._cap)]
+        self._place_slots()
         self._ready_order: list | None = []  # gradients in the order they became final; None once rebuilt
         self._agreed: tuple[list, list] | None = None  # rank 0's ready order and sparse flags, once agreed
         self._runtime = None  # a weak reference to the runtime (the init()) these buckets were agreed in
@@ -237,34 +208,49 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._reset()
             self._cap = self._own_cap
             self._start_over()
-            if isinstance(self._compression, PowerSGD):  # as a joining rank's: plain steps first, new Q, no error
-                self._compression.reset()
+            self._compression.reset()  # as a joining rank's (PowerSGD: plain steps first, new Q, no error)
             self._runtime = weakref.ref(current)
         else:
             return
         if self._own_cap and current.settings.autotune:
             collectives.note_gradient_buckets()
 
+    def _place_slots(self) -> None:
+        """Point each parameter's slot at its bucket of the current layout."""
+        slots = self._slots
+        for bucket in self._buckets:
+            for p in bucket.params:
+                slots[p].bucket = bucket
+
     # ---------------------------------------------------------------- hooks
     def _outside_process_set(self) -> bool:
         """Whether this rank is not a member of the optimizer's process set (it then reduces nothing, as Horovod)."""
         return self._process_set.included() is False
 
-    def _on_grad_ready(self, p) -> None:
+    def _open_step(self) -> None:
+        """At the first gradient of a step: follow an elastic reset, and see whether this rank reduces at all
+        (checked once per step, not in every parameter's hook; ``_reset`` closes the step)."""
         self._follow_runtime()
-        if self._outside_process_set():
+        self._idle = self._outside_process_set()
+        self._step_open = True
+
+    def _on_grad_ready(self, slot: _Slot, _param) -> None:
+        """A gradient is final for this backward pass: count it; start its bucket once all of the bucket's are."""
+        if not self._step_open:
+            self._open_step()
+        if self._idle:
             return
-        left = self._passes_left[p]
+        left = slot.left if slot.round == self._round else self.backward_passes_per_step
         if left <= 0:
             raise GradientSyncError(
-                f"the gradient of '{self._parameter_names[p]}' was computed more than backward_passes_per_step="
+                f"the gradient of '{slot.name}' was computed more than backward_passes_per_step="
                 f"{self.backward_passes_per_step} times before optimizer.step(); raise "
                 "backward_passes_per_step to accumulate more passes locally")
-        self._passes_left[p] = left - 1
+        slot.round, slot.left = self._round, left - 1
         if left == 1:
             if self._ready_order is not None:
-                self._ready_order.append(p)
-            bucket = self._bucket_of[p]
+                self._ready_order.append(slot.param)
+            bucket = slot.bucket
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
                 self._start(bucket)
@@ -300,9 +286,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # a sparse gradient's place in a bucket carries zeros, so that the bucket is the same on every rank
         grads = [torch.zeros_like(p) if t is None else t for p, t in zip(bucket.params, targets)]
         compression = self._compression
-        if isinstance(compression, PowerSGD):
-            finish = compression.start(bucket.name, [self._parameter_names[p] for p in bucket.params], grads,
-                                       self._allreduce_async)
+        if compression.reduces_buckets:
+            finish = compression.reduce_bucket(bucket.name, [self._parameter_names[p] for p in bucket.params],
+                                               grads, self._allreduce_async)
             self._pending.append((bucket, lambda: _write_back(targets, finish())))
             return
         if len(grads) == 1:
@@ -329,20 +315,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Reduce the flat buffer in place; a gradient that is not its view is copied in and re-pointed."""
         with torch.no_grad():
             for p, view in zip(bucket.params, bucket.views):
-                if p.grad is not None:
-                    self._prepare_grad(p)
                 grad = p.grad
-                if grad is not None and grad.is_sparse:  # reduced apart; its place in the bucket is zeros
-                    view.zero_()
-                    self._pending.append((p, self._start_sparse(p)))
+                if grad is view:  # backward accumulated into the bucket: nothing to do
                     continue
                 if grad is None:
                     view.zero_()
-                elif not _is_view(grad, view):
+                elif grad.is_sparse:
+                    if not self._sparse_as_dense:  # reduced apart; its place in the bucket is zeros
+                        view.zero_()
+                        self._pending.append((p, self._start_sparse(p)))
+                        continue
+                    view.copy_(grad.to_dense())
+                    self._densified.append(p)  # handed back to the optimizer sparse, as Horovod does
+                elif not _is_view(grad, view):  # a new gradient (zero_grad set it to None) or one replaced
                     view.copy_(grad)
                 p.grad = view
-        handle = self._allreduce_async(bucket.flat, bucket.name)
-        self._pending.append((bucket, lambda: _write_back(bucket.views, synchronize(handle).split(bucket.sizes))))
+        flat = bucket.flat
+        handle = self._allreduce_async(flat, bucket.name)
+        self._pending.append((bucket, lambda: _land(flat, synchronize(handle))))
 
     def _rebuild_buckets(self) -> None:
         """Re-bucket in the order rank 0's gradients became ready in the first step, then attach views.
@@ -363,8 +353,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             alone = [(p,) for p, on_wire in zip(order, sparse) if on_wire]
             flat = self.op != ReduceOp.Adasum
             self._buckets = self._explicit + [_Bucket(g, self._parameter_names, flat, kind="rebuilt")
-                                              for g in _split_by_size(dense, self._cap) + alone]
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+                                              for g in split_by_size(dense, self._cap) + alone]
+        self._place_slots()
         if self._views:
             for bucket in self._buckets:
                 if bucket.sizes is not None and len(bucket.params) > 1:
@@ -379,7 +369,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         tuned = collectives.tuned_settings([b.name for b in self._buckets], self._process_set)
         if tuned is None:
             return
-        cap = tuned.bucket_cap_mb * _MIB if tuned.bucket_cap_mb else self._own_cap
+        cap = tuned.bucket_cap_mb * MIB if tuned.bucket_cap_mb else self._own_cap
         if cap != self._cap:
             self._cap = cap
             self._lay_out()
@@ -426,6 +416,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         self._follow_runtime()
         if self._outside_process_set():
+            self._reset()  # closes the step, so that the next one checks the process set again
             self._synchronized = True
             return
         try:
@@ -439,8 +430,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     raise _with_context(exc, self._reducing(subject)) from exc
             for p in self._densified:
                 p.grad = p.grad.to_sparse()
-            if isinstance(self._compression, PowerSGD):
-                self._compression.end_step()
+            self._compression.end_step()
             if self._ready_order is not None:
                 self._rebuild_buckets()
             else:
@@ -451,11 +441,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = True
 
     def _reset(self) -> None:
+        """Close the step: nothing pending, no gradient counted (a new round), the next hook opens a step."""
         self._pending.clear()
         self._densified.clear()
         for bucket in self._buckets:
             bucket.ready, bucket.started = 0, False
-        self._passes_left = dict.fromkeys(self._passes_left, self.backward_passes_per_step)
+        self._round += 1
+        self._step_open = False
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -503,7 +495,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if passes < 1:
             raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
         self.backward_passes_per_step = passes
-        self._passes_left = dict.fromkeys(self._passes_left, passes)
+        self._round += 1  # passes counted so far start over at the new count
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
@@ -542,33 +534,19 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     op = resolve_op(op)
     if groups is not None and num_groups:
         raise ValueError("pass groups= or num_groups=, not both")
-    if isinstance(compression, type) and issubclass(compression, PowerSGD):
-        raise ValueError("compression=hvd.PowerSGD needs an instance, e.g. hvd.PowerSGD(rank=4, start_iter=10)")
-    if isinstance(compression, PowerSGD) and op not in (ReduceOp.Average, ReduceOp.Sum):
-        raise ValueError(f"compression=PowerSGD reduces with op=Average or op=Sum, not {op}")
+    compression = as_compressor(compression)
+    if compression.reduce_ops is not None and op not in compression.reduce_ops:
+        accepted = " or ".join(f"op={o.name}" for o in sorted(compression.reduce_ops))
+        raise ValueError(f"compression={compression!r} reduces with {accepted}, not op={op.name}")
     if shard_optimizer_state:
-        from roundel.torch import sharded_optimizer
-        sharded_optimizer.check_supported(optimizer, op, compression, groups if groups is not None else num_groups,
-                                          sparse_as_dense, process_set, Compression.none, global_process_set)
-        if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
-            raise ValueError("gradient_predivide_factor only applies to op=Average")
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
-        cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-                   dict(sharded_optimizer._ShardedOptimizer.__dict__))
-        names = _named_parameters(optimizer.param_groups, named_parameters)
-        if bucket_cap_mb is None:  # smaller than for allreduce: the update of a shard runs faster in cache
-            bucket_cap_mb = min(Settings.from_env().bucket_cap_mb, _SHARDED_CAP_MB)
-        if isinstance(bucket_cap_mb, bool) or not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb >= 0):
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number >= 0")
-        sharded = cls(optimizer.param_groups, names, optimizer, op, gradient_predivide_factor, bucket_cap_mb)
-        sharded.backward_passes_per_step = backward_passes_per_step
-        return sharded
+        return sharded_optimizer(optimizer, named_parameters, op, gradient_predivide_factor, backward_passes_per_step,
+                                 bucket_cap_mb, compression, groups if groups is not None else num_groups,
+                                 sparse_as_dense, process_set)
     if op == ReduceOp.Adasum and basics.size() > 1:
         if gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor only applies to op=Average")
         cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedAdasumOptimizer.__dict__))
-        names = _named_parameters(optimizer.param_groups, named_parameters)
+        names = parameter_names(optimizer.param_groups, named_parameters)
         return cls(optimizer.param_groups, names, compression, backward_passes_per_step, process_set)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,

@@ -27,14 +27,18 @@ over alike (``start_iter`` plain steps, the same first Q, no error).
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
+from roundel.common.compression import Compressor
+from roundel.ops import ReduceOp
 from roundel.torch.mpi_ops import synchronize
 
 __all__ = ["PowerSGD"]
 
 
-class PowerSGD:
+class PowerSGD(Compressor):
     """Low-rank gradient compression with error feedback and warm start; pass it as ``compression=``.
 
     ``rank``: the rank of the approximation (DDP's ``matrix_approximation_rank``);
@@ -43,7 +47,15 @@ class PowerSGD:
     ``warm_start``: reuse last step's Q (else a new random one each step);
     ``seed``: of the random initial Q (the same on every rank).
     Raises ValueError for a rank below 1, a negative ``start_iter`` or a rate below 1.
+
+    Of the ``Compressor`` interface it reduces buckets itself (``reduce_bucket``),
+    keeps state from step to step (``end_step`` counts steps, ``reset`` starts
+    over) and reduces with op=Average or op=Sum.
     """
+
+    reduce_ops = frozenset({ReduceOp.Average, ReduceOp.Sum})
+    stateful = True
+    reduces_buckets = True
 
     def __init__(self, rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
                  warm_start: bool = True, seed: int = 0):
@@ -94,9 +106,9 @@ class PowerSGD:
         """Count one optimizer step (the first ``start_iter`` are plain allreduces)."""
         self.step += 1
 
-    def start(self, key: str, names: list, grads: list, allreduce) -> callable:
+    def reduce_bucket(self, key: str, names: list, grads: list, allreduce) -> callable:
         """Start reducing ``grads`` (a bucket's dense gradients, named ``names``, ``key`` the bucket's name);
-        returns a function that waits and returns the reduced gradients, one per input.
+        returns a function that waits and returns the reduced gradients, one per input, flat.
         ``allreduce(tensor, name)`` starts an in-place allreduce and returns its handle."""
         step = self.step
         if step < self.start_iter:
@@ -161,5 +173,4 @@ class PowerSGD:
 
 def _stable_hash(key) -> int:
     """A hash of ``key`` that is the same in every process (unlike ``hash`` of a str)."""
-    import zlib
     return zlib.crc32(repr(key).encode()) % 1000003

@@ -39,8 +39,14 @@ import weakref
 import torch
 
 from roundel.common import basics
+from roundel.common.process_sets import global_process_set
+from roundel.common.settings import Settings
 from roundel.ops import ReduceOp
+from roundel.torch.compression import Compression
+from roundel.torch.gradient_layout import MIB, GradientSyncError, check_bucket_cap, parameter_names, split_by_size
 from roundel.torch.mpi_ops import allgather_async, allreduce, reducescatter_async, synchronize
+
+_DEFAULT_CAP_MB = 8  # at most: smaller than for allreduce, as the update of a segment runs faster in cache
 
 
 class _Segment:
@@ -86,7 +92,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, names, original, op, gradient_predivide_factor, bucket_cap_mb):
         super(self.__class__, self).__init__(params)
-        self._cap = bucket_cap_mb * 1024 * 1024
+        self._cap = bucket_cap_mb * MIB
         self._parameter_names = names
         self._original_class = original.__class__
         self._original_defaults = dict(original.defaults)
@@ -101,20 +107,24 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         self._segment_of: dict = {}
         self._handles: dict = {}  # per segment started this step: its reduce-scatter's handle
         self._ready: dict = {}  # per segment: gradients final for this step
+        self._step_open = False  # whether this step's first gradient hook checked the job and the layout
         self.backward_passes_per_step = 1
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def _on_grad_ready(self, p) -> None:
         """Start a segment's reduce-scatter as soon as all its gradients are final (one backward pass a step)."""
-        if self.backward_passes_per_step != 1 or not basics.is_initialized():
+        if self.backward_passes_per_step != 1:
             return
-        self._ensure_layout()
+        if not self._step_open:  # once a step, not in every parameter's hook
+            if not basics.is_initialized():
+                return
+            self._ensure_layout()
+            self._step_open = True
         seg = self._segment_of.get(p)
         if seg is None:
             return
         if seg in self._handles:
-            from roundel.torch.optimizer import GradientSyncError
             raise GradientSyncError(
                 f"the gradient of '{self._parameter_names[p]}' was computed again before optimizer.step(); "
                 "pass backward_passes_per_step to accumulate several backward passes")
@@ -143,7 +153,6 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             self._load_full(full)
 
     def _make_layout(self) -> None:
-        from roundel.torch.optimizer import _split_by_size
         size, rank = basics.size(), basics.rank()
         segments = []
         for g, group in enumerate(self.param_groups):
@@ -152,7 +161,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
                 if p.requires_grad:
                     by_kind.setdefault((p.dtype, p.device), []).append(p)
             for params in by_kind.values():
-                for bucket in _split_by_size(params, self._cap):
+                for bucket in split_by_size(params, self._cap):
                     segments.append(_Segment(g, list(bucket), self._parameter_names, size, rank))
         inner_groups = []
         for seg in segments:
@@ -208,7 +217,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             for seg in self._segments:
                 seg.param.grad = synchronize(self._handles[seg])
         finally:
-            self._handles, self._ready = {}, {}
+            self._handles, self._ready, self._step_open = {}, {}, False
         self._synchronized = True
 
     def step(self, closure=None):
@@ -275,7 +284,6 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True):
         """Clear gradients; an error while reduce-scatters of this step are still in flight."""
         if self._handles or self._ready:
-            from roundel.torch.optimizer import GradientSyncError
             raise GradientSyncError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(); the gradient reductions of this step are still in flight")
@@ -356,6 +364,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         for saved, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self._pending_full = state_dict
+        self._step_open = False  # the next gradient lays the state out again
         self._synchronized = False
         if self._inner is not None:
             self._inner.state.clear()
@@ -397,13 +406,34 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             seg.param = group["params"][0]
 
 
-def check_supported(optimizer, op, compression, groups, sparse_as_dense, process_set, none_compression,
-                    global_set) -> None:
+def sharded_optimizer(optimizer, named, op, gradient_predivide_factor, backward_passes_per_step,
+                      bucket_cap_mb, compression, groups, sparse_as_dense, process_set):
+    """``DistributedOptimizer(..., shard_optimizer_state=True)``: ``optimizer``'s class with sharded state.
+
+    ``bucket_cap_mb`` None is ``ROUNDEL_BUCKET_CAP_MB``, at most 8. Raises
+    ValueError for an option it does not support, naming what to change.
+    """
+    _check_supported(optimizer, op, compression, groups, sparse_as_dense, process_set)
+    if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
+        raise ValueError("gradient_predivide_factor only applies to op=Average")
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+    names = parameter_names(optimizer.param_groups, named)
+    if bucket_cap_mb is None:
+        bucket_cap_mb = min(Settings.from_env().bucket_cap_mb, _DEFAULT_CAP_MB)
+    check_bucket_cap(bucket_cap_mb)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_ShardedOptimizer.__dict__))
+    sharded = cls(optimizer.param_groups, names, optimizer, op, gradient_predivide_factor, bucket_cap_mb)
+    sharded.backward_passes_per_step = backward_passes_per_step
+    return sharded
+
+
+def _check_supported(optimizer, op, compression, groups, sparse_as_dense, process_set) -> None:
     """Raise ValueError naming what to change for a combination ``shard_optimizer_state=True`` does not support."""
     if op not in (ReduceOp.Average, ReduceOp.Sum):
         raise ValueError(f"shard_optimizer_state=True reduces gradients with op=Average or op=Sum, not {op}; "
                          "use the unsharded DistributedOptimizer for Adasum and other ops")
-    if compression is not none_compression:
+    if compression is not Compression.none:
         raise ValueError("shard_optimizer_state=True does not support gradient compression; pass "
                          "compression=hvd.Compression.none or drop shard_optimizer_state")
     if groups:
@@ -411,7 +441,7 @@ def check_supported(optimizer, op, compression, groups, sparse_as_dense, process
     if sparse_as_dense:
         raise ValueError("shard_optimizer_state=True does not support sparse gradients (sparse_as_dense); "
                          "use a dense embedding")
-    if process_set is not global_set:
+    if process_set is not global_process_set:
         raise ValueError("shard_optimizer_state=True shards over every rank of the job (the global process "
                          "set); drop process_set= or use the unsharded DistributedOptimizer")
     if isinstance(optimizer, (torch.optim.LBFGS, torch.optim.SparseAdam)):

@@ -122,7 +122,7 @@ def assert_grads_are_bucket_views(opt, model, step):
     if step == 0:
         return
     for name, p in model.named_parameters():
-        bucket = opt._bucket_of[p]
+        bucket = next(b for b in opt._buckets if any(q is p for q in b.params))
         if len(bucket.params) == 1:
             continue
         start = bucket.flat.data_ptr()
