@@ -156,9 +156,9 @@ class ElasticRayExecutor:
 
     @staticmethod
     def create_settings(min_num_proc: int = 1, max_num_proc: int | None = None, reset_limit: int | None = None,
-                        elastic_timeout: float = RaySettings.elastic_timeout_s, timeout_s: float = RaySettings.timeout_s,
-                        ssh_identity_file: str | None = None,
-                        nics=None, min_np: int | None = None, max_np: int | None = None, **_horovod_only) -> RaySettings:
+                        elastic_timeout: float = RaySettings.elastic_timeout_s,
+                        timeout_s: float = RaySettings.timeout_s, ssh_identity_file: str | None = None, nics=None,
+                        min_np: int | None = None, max_np: int | None = None, **_horovod_only) -> RaySettings:
         """Settings for ``ElasticRayExecutor`` (Horovod's signature; ``min_np``/``max_np`` are the old names,
         other Horovod settings are accepted and not used)."""
         return RaySettings(timeout_s=timeout_s, ssh_identity_file=ssh_identity_file, nics=nics,
