@@ -175,7 +175,7 @@ def parser() -> argparse.ArgumentParser:
     elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
                          help="most workers to train with (default: every discovered slot)")
     elastic.add_argument("--slots-per-host", "--slots", dest="slots", type=int, default=1,
-                         help="slots of a discovered host that prints no count (default 1)")
+                         help="slots of a discovered host that prints no count (default %(default)s)")
     elastic.add_argument("--reset-limit", type=int, help="end the job after this many membership resets")
     elastic.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("LO", "HI"),
                          help="re-admit a blacklisted host after a cooldown of LO..HI seconds (default: never)")
