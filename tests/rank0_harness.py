@@ -15,6 +15,7 @@ import threading
 from roundel.common.control import channel as control_channel
 from roundel.common.control.messages import Heartbeat
 from roundel.common.engine.core import Engine
+from roundel.common.engine.process_set_registry import ProcessSetRegistry
 from roundel.common.settings import Settings
 from roundel.transport.backend import Backend
 
@@ -75,7 +76,7 @@ def start_rank0(size: int, **settings) -> tuple[Engine, dict]:
     chosen = dataclasses.replace(chosen, **settings)
     started: dict = {}
     starter = threading.Thread(target=lambda: started.update(engine=Engine(
-        0, size, chosen, secret, store, "", "127.0.0.1", {0: (tuple(range(size)), NoData(0, size))})))
+        0, size, chosen, secret, store, "", "127.0.0.1", ProcessSetRegistry(tuple(range(size)), NoData(0, size)))))
     starter.start()
     host, port = store.get("coordinator").decode().rsplit(":", 1)
     peers = {rank: control_channel.connect(host, int(port), secret, rank, 60.0, send_timeout_s=60.0)

@@ -19,6 +19,7 @@ from datetime import timedelta
 
 from roundel.common import communicator, failures
 from roundel.common.engine.core import Engine
+from roundel.common.engine.process_set_registry import ProcessSetRegistry
 from roundel.common.process_sets import ProcessSet, global_process_set
 from roundel.common.control.records import OpKind, Request
 from roundel.common.engine.requests import ProcessSetChange
@@ -39,7 +40,7 @@ class _Runtime:
     """Everything one ``init()`` built; dropped by ``shutdown()``."""
 
     def __init__(self, ident: Identity, settings: Settings, engine, client, server, prefix: str,
-                 advertise_host: str, process_sets: dict, secret: bytes):
+                 advertise_host: str, process_sets: ProcessSetRegistry, secret: bytes):
         self.identity = ident
         self.settings = settings
         self.engine = engine
@@ -47,7 +48,7 @@ class _Runtime:
         self.server = server
         self.prefix = prefix
         self.advertise_host = advertise_host
-        self.process_sets = process_sets  # id -> (ranks, backend or None)
+        self.process_sets = process_sets
         self.secret = secret
         self.next_process_set_id = 1
         self.barrier_count = 0
@@ -178,7 +179,7 @@ def init(comm=None, process_sets=None) -> None:
             except ValueError as exc:  # as Horovod: the job runs on without a timeline
                 log.error("roundel: %s; the job goes on without a timeline", exc)
 
-        def connect() -> tuple[dict, Engine]:
+        def connect() -> tuple[ProcessSetRegistry, Engine]:
             return _connect(settings, client, prefix, ident, members, advertise, secret, timeline)
 
         try:
@@ -204,9 +205,9 @@ def init(comm=None, process_sets=None) -> None:
 
 
 def _connect(settings: Settings, client: RendezvousClient, prefix: str, ident, members, advertise: str,
-             secret: bytes, timeline: Timeline) -> tuple[dict, Engine]:
-    """Connect this rank to the others: the job's transport, then the engine (the process set table
-    ``{0: (ranks, backend)}`` and the engine). Raises RoundelInternalError when the others cannot be reached."""
+             secret: bytes, timeline: Timeline) -> tuple[ProcessSetRegistry, Engine]:
+    """Connect this rank to the others: the job's transport, then the engine (the process set registry,
+    holding the job's own set, and the engine). Raises RoundelInternalError when the others cannot be reached."""
     store = RendezvousStore(client, prefix + "ps0/", timedelta(seconds=settings.start_timeout_s))
     try:
         backend = factory.job_backend(_transport(settings), store, ident.rank, ident.size, advertise,
@@ -215,7 +216,7 @@ def _connect(settings: Settings, client: RendezvousClient, prefix: str, ident, m
         raise RoundelInternalError(
             f"rank {ident.rank} could not connect to the other {ident.size - 1} rank(s) within "
             f"{settings.start_timeout_s:g} s: {exc}") from exc
-    table = {0: (tuple(range(ident.size)), backend)}
+    table = ProcessSetRegistry(tuple(range(ident.size)), backend)
     try:
         engine = Engine(ident.rank, ident.size, settings, secret, client, prefix, advertise, table, timeline,
                         placement=(ident.local_rank, ident.cross_rank, ident.hostname, ident.local_size))
@@ -228,11 +229,11 @@ def _connect(settings: Settings, client: RendezvousClient, prefix: str, ident, m
     return table, engine
 
 
-def _disconnect(connected: tuple[dict, Engine]) -> None:
+def _disconnect(connected: tuple[ProcessSetRegistry, Engine]) -> None:
     """Close what ``_connect`` made, for a generation given up while it connected."""
     table, engine = connected
     engine.shutdown()
-    factory.close(table[0][1])
+    factory.close(table.job_backend)
 
 
 def shutdown() -> None:
@@ -246,16 +247,15 @@ def shutdown() -> None:
         runtime.engine.timeline.stop()
         # a transfer stuck on a lost rank ends once that rank is killed (the launcher does so at once);
         # a transport torn down with a thread inside it aborts the whole process
-        if not stopped and not runtime.engine.executor.wait_stopped(runtime.settings.heartbeat_timeout_s):
+        stuck = not stopped and not runtime.engine.wait_stopped(runtime.settings.heartbeat_timeout_s)
+        if stuck:
             log.warning("roundel: a transfer with a lost rank is still running; its transport is left open")
             _stuck.append(runtime)
-        else:
-            for _, backend in runtime.process_sets.values():
-                if backend is not None:
-                    factory.close(backend)
         # dropping the last reference closes the transport's sockets, which frees peers still
         # blocked in a transfer with this rank after a failure
-        runtime.process_sets.clear()
+        for registered in runtime.process_sets.clear():
+            if registered.backend is not None and not stuck:
+                factory.close(registered.backend)
         runtime.client.close()
         if runtime.server is not None:
             runtime.server.stop()
@@ -265,7 +265,7 @@ def _shutdown_at_exit() -> None:
     """shutdown() at interpreter exit; if a transfer is still stuck on a lost rank, end the process
     now (status 1, output flushed): finalizing with a thread inside the transport would abort it."""
     shutdown()
-    if any(not rt.engine.executor.wait_stopped(0) for rt in _stuck):
+    if any(not rt.engine.wait_stopped(0) for rt in _stuck):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
@@ -400,7 +400,7 @@ def add_process_set(process_set) -> ProcessSet:
         raise ValueError(f"process set ranks {list(ranks)} must be a non-empty list of ranks in 0..{size_ - 1}")
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set!r} is already registered")
-    if any(existing == ranks for existing, _ in rt.process_sets.values()):
+    if rt.process_sets.id_of(ranks) is not None:
         raise ValueError(f"a process set with ranks {list(ranks)} is already registered")
     with _lock:
         set_id = rt.next_process_set_id
@@ -412,9 +412,9 @@ def add_process_set(process_set) -> ProcessSet:
         if me in ranks:
             store = RendezvousStore(rt.client, f"{rt.prefix}ps{set_id}/",
                                     timedelta(seconds=rt.settings.start_timeout_s))
-            backend = factory.process_set_backend(_transport(rt.settings), rt.process_sets[0][1], store, ranks,
+            backend = factory.process_set_backend(_transport(rt.settings), rt.process_sets.job_backend, store, ranks,
                                                   rt.advertise_host)
-        rt.process_sets[set_id] = (ranks, backend)
+        rt.process_sets.add(set_id, ranks, backend)
         _process_set_barrier(rt, f"added{set_id}", ())
     process_set._bind(set_id, ranks, me)
     return process_set
@@ -427,9 +427,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if set_id is None or set_id == 0 or set_id not in rt.process_sets:
         return False
     with _lock:
-        _process_set_barrier(rt, f"remove{set_id}", rt.process_sets[set_id][0])
+        _process_set_barrier(rt, f"remove{set_id}", rt.process_sets[set_id].ranks)
         rt.engine.control(ProcessSetChange(set_id))
-        _, backend = rt.process_sets.pop(set_id)
+        backend = rt.process_sets.remove(set_id).backend
         if backend is not None:
             factory.close(backend)
         _process_set_barrier(rt, f"removed{set_id}", ())

@@ -82,16 +82,13 @@ def synchronize(handle: int):
 def note_gradient_buckets() -> None:
     """Tell autotune that this job reduces gradients in buckets (``DistributedOptimizer``), so it tunes
     their size."""
-    basics.runtime().engine.bucketed = True
+    basics.runtime().engine.note_gradient_buckets()
 
 
 def tuned_settings(names, process_set=global_process_set):
     """The ``TunedParams`` autotune had put in force when the latest of the finished collectives ``names``
     ran on this rank; None before autotune changed anything. The same on every member of the set."""
-    table = basics.runtime().engine.executor.tuned_at
-    number = set_id(process_set)
-    stamps = [table[(number, name)] for name in names if (number, name) in table]
-    return max(stamps, key=lambda stamp: stamp[0])[1] if stamps else None
+    return basics.runtime().engine.tuned_when_ran(set_id(process_set), names)
 
 
 def set_id(process_set) -> int:
@@ -265,7 +262,8 @@ def alltoall_async(buffer, splits=None, name=None, process_set=global_process_se
 
     The result is ``(received buffer, received splits)``.
     """
-    members = basics.runtime("alltoall").process_sets.get(set_id(process_set), ((),))[0]
+    registered = basics.runtime("alltoall").process_sets.get(set_id(process_set))
+    members = registered.ranks if registered is not None else ()
     source = _checked("alltoall", buffer).contiguous()
     split_list, error = _split_list(source, splits, len(members))
     request = _request("alltoall", OpKind.ALLTOALL, source, name, process_set, splits=split_list, error=error)

@@ -22,18 +22,19 @@ import selectors
 import sys
 import threading
 import time
+from typing import Callable
 
 from roundel.common import launcher_reports
 from roundel.common.control import channel as control_channel, codec as control_codec
 from roundel.common.control.messages import (Abort, Bye, Dispatch, Heartbeat, Joined, Lost, Merged, Relayed, Submit,
                                               Tune, Waits)
 from roundel.common.engine import autotune, deadlock, relay, small_allreduce
+from roundel.common.engine.core_api import EngineCore, EngineTools
 from roundel.common.engine.liveness import BYE_GRACE_S, HEARTBEAT_S, TICK_S, describe_silence
 from roundel.common.engine.metrics import METRICS, MetricsServer
 from roundel.common.engine.negotiation import Negotiator
 from roundel.common.engine.requests import ProcessSetChange
 from roundel.common.engine.stragglers import StragglerTracker
-from roundel.common.settings import Settings
 from roundel.errors import RoundelInternalError
 
 log = logging.getLogger("roundel")
@@ -60,14 +61,20 @@ def _dispatches(version: int, outbox: list, evicted: list, resends: list) -> lis
 
 
 class Coordinator:
-    """Rank 0's coordination of the job; ``engine`` is rank 0's own ``Engine`` (its queue, executor, store)."""
+    """Rank 0's coordination of the job over rank 0's own engine core.
 
-    def __init__(self, engine, size: int, settings: Settings, secret: bytes, advertise_host: str):
+    ``tunable_hierarchy``: whether the job's transport can switch hierarchical operations (autotune's
+    choice); ``bucketed()``: whether gradients are reduced in buckets (autotune then tunes their size).
+    """
+
+    def __init__(self, engine: EngineCore, tools: EngineTools, secret: bytes, advertise_host: str,
+                 tunable_hierarchy: bool, bucketed: Callable[[], bool]):
         self._engine = engine
+        self._tools = tools
+        size, settings = engine.size, engine.settings
         self._negotiator = Negotiator(size, settings.cache_capacity, settings.coordinator_reduce_bytes,
                                       separate_groups=settings.disable_group_fusion)
-        self._autotuner = autotune.Autotuner(settings, engine.job_backend.tunable_hierarchy,
-                                             lambda: engine.bucketed) if settings.autotune else None
+        self._autotuner = autotune.Autotuner(settings, tunable_hierarchy, bucketed) if settings.autotune else None
         self._peers: dict[int, control_channel.Connection] = {}
         self._route: dict[int, int] = {}  # a rank reached through a relay -> the peer it is reached through
         self._below: dict[int, set] = {}  # a peer that relays -> the ranks reached through it
@@ -87,22 +94,28 @@ class Coordinator:
         self._rank_waits: dict[int, tuple] = {}  # peer rank -> (sequence, waits)
         self._deadlock_seen: tuple | None = None  # (since, {rank: sequence}) while a deadlock holds
         self._stragglers = StragglerTracker(size)
-        self.metrics = None  # the Prometheus endpoint, with settings.metrics_port
+        self._metrics: MetricsServer | None = None  # the Prometheus endpoint, with settings.metrics_port
         self._submitted_at: dict[tuple, float] = {}  # rank 0's names -> when it submitted them (for metrics)
         if settings.metrics_port:
-            self.metrics = MetricsServer(settings.metrics_port)
-            self.metrics.announce(engine.host)
+            self._metrics = MetricsServer(settings.metrics_port)
+            self._metrics.announce(engine.host)
             METRICS.collectors.append(self._gauges)
         self._ever_connected: set[int] = set()  # peers may join and leave (bye) before the last joins
         self.all_connected = threading.Event()  # every other rank has joined: init() may return
         if size == 1:
             self.all_connected.set()
-        self.awaiting_idle = False  # ready names held back until the executor is idle
+        self._awaiting_idle = False  # ready names held back until the executor is idle
         self._listener = control_channel.Listener(advertise_host, secret, self._connection_accepted,
                                                   backlog=max(128, size),
                                                   send_timeout_s=settings.heartbeat_timeout_s)
         self.port = self._listener.port
         self.local_name = self._listener.local_name  # its local socket's name, None where there is none
+
+    def wants_idle_wake(self) -> bool:
+        """Called by the executor's thread when it went idle: True (once) if ready names are held back
+        until then, so that the engine thread should wake and dispatch them."""
+        wanted, self._awaiting_idle = self._awaiting_idle, False
+        return wanted
 
     def missing_peers(self) -> list[int]:
         """The ranks that never joined the coordinator."""
@@ -134,8 +147,8 @@ class Coordinator:
         finally:
             if self._autotuner is not None:
                 self._autotuner.close()
-            if self.metrics is not None:
-                self.metrics.close()
+            if self._metrics is not None:
+                self._metrics.close()
                 METRICS.collectors.remove(self._gauges)
             self._listener.close()
             deadline = time.monotonic() + BYE_GRACE_S  # last messages (an abort) go out, unless a peer stops reading
@@ -147,8 +160,8 @@ class Coordinator:
         if self._finishing_since is not None:  # leaving: wait for byes in bounded steps, never block
             return self._finish()
         timeout = self._timeout()
-        self._engine.timeline.cycle()
-        for key, events in self._engine.selector.select(timeout):
+        self._tools.timeline.cycle()
+        for key, events in self._tools.selector.select(timeout):
             if key.data == "wake":
                 self._wake()
             else:
@@ -182,7 +195,7 @@ class Coordinator:
                 continue
             self._peers[rank] = sock
             self._readers[rank] = control_channel.FrameReader(sock)
-            self._engine.selector.register(sock, selectors.EVENT_READ, rank)
+            self._tools.selector.register(sock, selectors.EVENT_READ, rank)
             self._ever_connected.add(rank)
             if len(self._ever_connected) == self._engine.size - 1:
                 self.all_connected.set()
@@ -191,9 +204,9 @@ class Coordinator:
         if self._engine.broken is not None:
             self._engine.fail_inflight(self._engine.broken)
         now = time.monotonic()
-        engine, negotiator, timeline = self._engine, self._negotiator, self._engine.timeline
+        engine, negotiator, timeline = self._engine, self._negotiator, self._tools.timeline
         bit_of, own_bits, submitted = negotiator.cache.bit_of, 0, False  # own cached requests: one mask, as a rank
-        register, counted = engine.register, self.metrics is not None
+        register, counted = engine.register, self._metrics is not None
         for item in items:
             if type(item) is ProcessSetChange:
                 self._submit_own_bits(own_bits, now)
@@ -238,7 +251,7 @@ class Coordinator:
             connection.flush()
         except OSError:
             return  # shut down: select reports it closed, and it is dropped there
-        self._engine.watch_writes(connection, rank)
+        control_channel.watch_writes(self._tools.selector, connection, rank)
 
     def _receive(self, rank: int) -> None:
         sock = self._peers[rank]
@@ -282,14 +295,14 @@ class Coordinator:
                 self._resend_answered(rank)
             self._stragglers.arrived(rank, now)
             version = message.version
-            if self._engine.timeline.active:
+            if self._tools.timeline.active:
                 self._timeline_cached_arrivals(rank, message.bits, version)
             stale = [(version, bit) for bit in negotiator.submit_bits(rank, message.bits, version, now,
                                                                       message.bit_data)]
             full_data = message.full_data if len(message.full_data) == len(message.full) else ()
             for index, request in enumerate(message.full):
-                if self._engine.timeline.active:
-                    self._engine.timeline.rank_ready(request.name, request.kind.label, rank)
+                if self._tools.timeline.active:
+                    self._tools.timeline.rank_ready(request.name, request.kind.label, rank)
                 negotiator.submit(rank, request, now, data=full_data[index] if full_data else None)
             if stale:
                 self._resends.setdefault(rank, []).extend(stale)
@@ -300,7 +313,7 @@ class Coordinator:
     def _merged(self, child: int, message: Merged, now: float) -> None:
         """Steady submissions of ranks below the relay ``child``, grouped by mask."""
         version, route, negotiator = message.version, self._route, self._negotiator
-        timeline = [] if self._engine.timeline.active else None  # (seconds held, rank, mask) of each rank
+        timeline = [] if self._tools.timeline.active else None  # (seconds held, rank, mask) of each rank
         for group in message.groups:
             try:
                 ranks, bits, waited = relay.unpack_group(group)
@@ -360,13 +373,13 @@ class Coordinator:
             cached = self._negotiator.cache.lookup(bit, version) if bits >> bit & 1 else None
             if cached is not None and rank in cached[1]:
                 request = cached[1][rank]
-                self._engine.timeline.rank_ready(request.name, request.kind.label, rank, held_s)
+                self._tools.timeline.rank_ready(request.name, request.kind.label, rank, held_s)
 
     def _drop_peer(self, rank: int, reason: str) -> None:
         """``rank`` is gone (its connection or its relay says so), and so is every rank reached through it."""
         sock = self._peers.pop(rank, None)
         if sock is not None:
-            self._engine.selector.unregister(sock)
+            self._tools.selector.unregister(sock)
             sock.close()
             self._readers.pop(rank, None)
             self._heard.pop(rank, None)
@@ -410,7 +423,7 @@ class Coordinator:
 
     def _lose_peer(self, rank: int, reason: str) -> None:
         host = self._hosts.get(rank, "unknown")
-        self._engine.record_lost(rank, host, reason)
+        self._tools.losses.record(rank, host, reason)
         named = f"rank {rank} (host {host}) {reason}"
         self._drop_peer(rank, named)
         self._break_job(f"{named}; the job's communication is broken")
@@ -475,7 +488,7 @@ class Coordinator:
         accumulate and fuse; an idle executor means nobody gains from waiting.
         """
         negotiator = self._negotiator
-        due = self._engine.executor.idle() or now - self._last_dispatch >= self._engine.tuned.cycle_time_ms / 1000
+        due = self._engine.executor_idle() or now - self._last_dispatch >= self._engine.tuned.cycle_time_ms / 1000
         batches = []
         if due and negotiator.has_ready():
             batches = negotiator.take(self._engine.tuned.fusion_threshold)
@@ -484,13 +497,13 @@ class Coordinator:
                 self._stragglers.cycle(negotiator.live_ranks())
         elif negotiator.has_direct():
             batches = negotiator.take_direct()
-        if self.metrics is not None:
+        if self._metrics is not None:
             self._count_negotiated(batches, now)
-        self.awaiting_idle = negotiator.has_ready()
-        if self._engine.timeline.active:
+        self._awaiting_idle = negotiator.has_ready()
+        if self._tools.timeline.active:
             for _, batch in batches:
                 for entry in batch.entries:
-                    self._engine.timeline.negotiated(entry.name)
+                    self._tools.timeline.negotiated(entry.name)
         evicted = [bit for bit, _ in negotiator.take_evictions()]
         if not (batches or evicted or self._resends):
             return  # nothing to send (most wake-ups: a submission that completed nothing)
@@ -601,7 +614,7 @@ class Coordinator:
         except OSError:
             return  # a closed peer is noticed by select and dropped there
         if connection.pending:
-            self._engine.watch_writes(connection, rank)
+            control_channel.watch_writes(self._tools.selector, connection, rank)
 
     def _break_job(self, message: str) -> None:
         """Break the job on rank 0 and tell every other rank, once: the first error is the one they get
@@ -634,7 +647,7 @@ class Coordinator:
         if wanted == "off" or (wanted == "auto" and time.monotonic() - self._stragglers.started < 60.0):
             return
         lines = self._stragglers.report(self._hosts)
-        if lines and not launcher_reports.hand_over(self._engine.rendezvous, lines):  # roundelrun prints it last
+        if lines and not launcher_reports.hand_over(self._tools.rendezvous, lines):  # roundelrun prints it last
             sys.stderr.write("\n".join(lines) + "\n")
             sys.stderr.flush()
 
@@ -650,7 +663,7 @@ class Coordinator:
         self._heartbeat_peers(time.monotonic())  # the others wait for rank 0's goodbye, not a timeout
         waited = time.monotonic() - self._finishing_since
         if self._peers and waited < BYE_GRACE_S:
-            for key, events in self._engine.selector.select(0.1):
+            for key, events in self._tools.selector.select(0.1):
                 if key.data == "wake":
                     self._engine.drain()
                 else:

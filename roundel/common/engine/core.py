@@ -49,34 +49,27 @@ import time
 
 import torch
 
-from roundel.common.control import channel as control_channel
-from roundel.common.control.records import Entry, Request
+from roundel.common.control.records import Entry, Request, TunedParams
 from roundel.common.engine import autotune, relay, small_allreduce
 from roundel.common.engine.coordinator import Coordinator
+from roundel.common.engine.core_api import EngineTools, QueueItem
 from roundel.common.engine.executor import Executor, Work
 from roundel.common.engine.handles import Handle
-from roundel.common.engine.liveness import BYE_GRACE_S
+from roundel.common.engine.liveness import BYE_GRACE_S, LostRankRecords
 from roundel.common.engine.metrics import METRICS
 from roundel.common.engine.negotiation import entry_bytes
+from roundel.common.engine.process_set_registry import ProcessSetRegistry
 from roundel.common.engine.rank_link import RankLink
 from roundel.common.engine.requests import ProcessSetChange
 from roundel.common.engine.timeline import Timeline
 from roundel.common.engine.wait_state import WaitTracker
 from roundel.common.settings import Settings
 from roundel.errors import RoundelInternalError
+from roundel.transport.backend import Backend
 
 log = logging.getLogger("roundel")
 
 _ABANDON_S = 1.0
-_LOST_KEY_WRITE_S = 2.0
-
-
-def _run_briefly(store_call) -> None:
-    """Run ``store_call`` on a helper thread and wait at most _LOST_KEY_WRITE_S for it (the rendezvous
-    store may be gone with the launcher; the engine thread must not hang on it)."""
-    helper = threading.Thread(target=store_call, name="roundel-lost-key", daemon=True)
-    helper.start()
-    helper.join(_LOST_KEY_WRITE_S)
 
 
 def _ready_event(tensor, recorded: dict):
@@ -96,7 +89,7 @@ class Engine:
     """One rank's engine; create it after the global backend, stop it with ``shutdown()``."""
 
     def __init__(self, rank: int, size: int, settings: Settings, secret: bytes,
-                 rendezvous, key_prefix: str, advertise_host: str, process_sets: dict,
+                 rendezvous, key_prefix: str, advertise_host: str, process_sets: ProcessSetRegistry,
                  timeline: Timeline | None = None, placement: tuple | None = None):
         """``placement``: this rank's (local rank, cross rank, host, local size), for relays (None: no relays)."""
         self.rank = rank
@@ -105,10 +98,10 @@ class Engine:
         if settings.autotune:
             autotune.require_scikit_learn()  # on every rank, before anything starts
         self.tuned = autotune.initial_params(settings)  # what the coordinator applies; rank 0 decides
-        self.bucketed = False  # whether a DistributedOptimizer reduces gradients in buckets (autotune's question)
+        self._bucketed = False  # whether a DistributedOptimizer reduces gradients in buckets (autotune's question)
         self._process_sets = process_sets
         self._lock = threading.Lock()
-        self._queue: list = []
+        self._queue: list[QueueItem] = []
         self._wake_pending = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -119,18 +112,20 @@ class Engine:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self.timeline = timeline or Timeline()  # recorded on rank 0 only, once a file is started
-        self.executor = Executor(process_sets, self._transport_failed, self._executor_idle, self.timeline)
-        self.rendezvous = rendezvous
-        self._key_prefix = key_prefix
+        self.executor = Executor(process_sets, self._transport_failed, self._executor_went_idle, self.timeline)
         self.host = (placement[2] if placement else "") or os.environ.get("ROUNDEL_HOSTNAME") or socket.gethostname()
         self._waits = WaitTracker()
+        self._counted = rank == 0 and bool(settings.metrics_port)  # rank 0 counts collectives for its metrics
+        tools = EngineTools(self.selector, self.timeline, rendezvous, LostRankRecords(rendezvous, key_prefix))
 
         key = key_prefix + "coordinator"
         self._coordinator: Coordinator | None = None
         self._link: RankLink | None = None
         relayed = placement is not None and 0 < settings.relay_from_ranks <= size
         if rank == 0:
-            self._coordinator = Coordinator(self, size, settings, secret, advertise_host)
+            self._coordinator = Coordinator(self, tools, secret, advertise_host,
+                                            tunable_hierarchy=self.job_backend.tunable_hierarchy,
+                                            bucketed=lambda: self._bucketed)
             if self._coordinator.local_name is not None:  # before the address: ranks that read it find this
                 rendezvous.set(key + "/local", json.dumps(
                     {"host": self.host, "name": self._coordinator.local_name}).encode())
@@ -144,11 +139,11 @@ class Engine:
             keys = ()
             if local_rank == relay.relay_local_rank(cross_rank):
                 keys = (relay.host_key(key_prefix, self.host), relay.leader_key(key_prefix, cross_rank))
-            self._link = RankLink(self, secret, key_prefix, relay.parent_key(
+            self._link = RankLink(self, tools, secret, key_prefix, relay.parent_key(
                 key_prefix, self.host, local_rank, cross_rank, settings.relay_fanout), keys, advertise_host)
             target = self._link.run
         else:
-            self._link = RankLink(self, secret, key_prefix, None)
+            self._link = RankLink(self, tools, secret, key_prefix, None)
             target = self._link.run
         self._thread = threading.Thread(target=target, name="roundel-engine", daemon=True)
         self._thread.start()
@@ -189,9 +184,8 @@ class Engine:
             self._names_in_flight.update(keys)
         works = []
         ready: dict = {}  # device -> the event after what this thread's stream there has queued so far
-        counted = self._coordinator is not None and self._coordinator.metrics is not None
         for (request, tensor, output), key in zip(parts, keys):
-            if counted:
+            if self._counted:
                 done = functools.partial(self._counted_done, key, request, time.monotonic())
             else:
                 done = functools.partial(self._name_done, key)
@@ -258,10 +252,14 @@ class Engine:
         os.close(self._wake_w)
         return stopped
 
+    def note_gradient_buckets(self) -> None:
+        """A DistributedOptimizer on this rank reduces gradients in buckets (autotune then tunes their size)."""
+        self._bucketed = True
+
     @property
-    def job_backend(self):
+    def job_backend(self) -> Backend:
         """The communicator of the whole job (the global process set's)."""
-        return self._process_sets[0][1]
+        return self._process_sets.job_backend
 
     @property
     def broken(self) -> RoundelInternalError | None:
@@ -290,7 +288,7 @@ class Engine:
         """What this rank's threads wait for now (see ``wait_state``)."""
         return self._waits.snapshot()
 
-    def drain(self) -> list:
+    def drain(self) -> list[QueueItem]:
         """Take everything queued for the engine thread (requests and process-set changes)."""
         try:
             os.read(self._wake_r, 4096)
@@ -309,14 +307,30 @@ class Engine:
         except OSError:
             pass
 
-    def _executor_idle(self) -> None:
-        coordinator = self._coordinator
-        if coordinator is not None and coordinator.awaiting_idle:
-            coordinator.awaiting_idle = False
+    def _executor_went_idle(self) -> None:
+        """The executor finished its last batch: wake rank 0's engine thread if the coordinator holds
+        ready names back until then."""
+        if self._coordinator is not None and self._coordinator.wants_idle_wake():
             try:
                 os.write(self._wake_w, b"i")
             except OSError:
                 pass
+
+    def executor_idle(self) -> bool:
+        """Whether the executor has nothing queued or running."""
+        return self.executor.idle()
+
+    def wait_stopped(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the executor thread to end (after ``shutdown()`` left it inside a
+        transfer with a lost rank); True once it has."""
+        return self.executor.wait_stopped(timeout)
+
+    def tuned_when_ran(self, process_set_id: int, names) -> TunedParams | None:
+        """The ``TunedParams`` in force when the latest of the finished collectives ``names`` (of one process
+        set) ran on this rank; None before autotune changed anything."""
+        table = self.executor.tuned_at
+        stamps = [table[(process_set_id, name)] for name in names if (process_set_id, name) in table]
+        return max(stamps, key=lambda stamp: stamp[0])[1] if stamps else None
 
     def fail_inflight(self, error: Exception) -> None:
         """Fail every collective this rank has in flight with ``error``."""
@@ -349,10 +363,6 @@ class Engine:
         self.fail_inflight(self._broken)
         self.executor.abort(self._broken)
 
-    def watch_writes(self, connection: control_channel.Connection, data) -> None:
-        """Have select report ``connection`` writable exactly while it holds queued bytes."""
-        control_channel.watch_writes(self.selector, connection, data)
-
     def register(self, work: Work) -> None:
         """Track ``work`` as in flight (submit() keeps names unique among this rank's in-flight work)."""
         self._inflight[(work.request.process_set_id, work.request.name)] = work
@@ -378,30 +388,3 @@ class Engine:
         """Apply the coordinator's tuned parameters (fusion threshold, cycle time, cache) on this rank."""
         self.tuned = params
         self.executor.retune(params)
-
-    def record_lost(self, rank: int, host: str, reason: str) -> None:
-        """Write ``<prefix>lost/<rank>`` to the rendezvous store for the launcher; never waits long."""
-        value = json.dumps({"rank": rank, "host": host, "reason": reason}).encode()
-
-        def write():
-            try:
-                self.rendezvous.set(f"{self._key_prefix}lost/{rank}", value)
-            except Exception as exc:  # best effort: the store may be gone with the launcher
-                log.debug("roundel could not record lost rank %d: %s", rank, exc)
-
-        _run_briefly(write)
-
-    def recorded_loss(self, rank: int) -> dict | None:
-        """What another rank wrote in ``<prefix>lost/<rank>`` (see ``record_lost``), if any; never waits long."""
-        key = f"{self._key_prefix}lost/{rank}"
-        found = []
-
-        def read():
-            try:
-                if self.rendezvous.check([key]):
-                    found.append(json.loads(self.rendezvous.get(key, timeout=_LOST_KEY_WRITE_S)))
-            except Exception as exc:  # best effort: the store may be gone with the launcher
-                log.debug("roundel could not read the record of lost rank %d: %s", rank, exc)
-
-        _run_briefly(read)
-        return found[0] if found and isinstance(found[0], dict) and "reason" in found[0] else None

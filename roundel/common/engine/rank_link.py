@@ -26,6 +26,7 @@ from roundel.common.control import codec as control_codec
 from roundel.common.control.messages import Abort, Bye, Deliver, Dispatch, Heartbeat, Submit, Tune, Waits
 from roundel.common.control.records import CachedBatch
 from roundel.common.engine import relay as relays, small_allreduce
+from roundel.common.engine.core_api import EngineCore, EngineTools
 from roundel.common.engine.liveness import BYE_GRACE_S, HEARTBEAT_S, TICK_S, describe_silence
 from roundel.common.engine.requests import ProcessSetChange
 from roundel.common.engine.response_cache import RankCache
@@ -44,21 +45,22 @@ class RankLink:
     this rank.
     """
 
-    def __init__(self, engine, secret: bytes, key_prefix: str, parent_key: str | None,
-                 relay_keys: tuple = (), advertise_host: str = ""):
+    def __init__(self, engine: EngineCore, tools: EngineTools, secret: bytes, key_prefix: str,
+                 parent_key: str | None, relay_keys: tuple = (), advertise_host: str = ""):
         self._engine = engine
+        self._tools = tools
         settings = engine.settings
         self._cache = RankCache()
         self._sent_bits: dict[tuple, tuple] = {}  # (cache version, bit) -> key, for requests sent as bits
         self._relay: relays.Relay | None = None
         if relay_keys:
-            self._relay = relays.Relay(engine.rank, engine.size, secret, advertise_host, engine.selector,
+            self._relay = relays.Relay(engine.rank, engine.size, secret, advertise_host, tools.selector,
                                        self._send_up, engine.wake, engine.tuned.cycle_time_ms / 1000,
                                        settings.heartbeat_timeout_s, engine.host, self._cache.global_set_bits)
             record = relays.address_record(engine.rank, f"{advertise_host}:{self._relay.listener.port}",
                                            engine.host, self._relay.listener.local_name)
             for key in relay_keys:
-                engine.rendezvous.set(key, record)
+                tools.rendezvous.set(key, record)
         try:
             self._connect_up(secret, key_prefix, parent_key)
         except BaseException:
@@ -73,7 +75,7 @@ class RankLink:
         self._sent_waits_seq = 0
         self._next_tick = 0.0
         self._last_heartbeat = 0.0
-        engine.selector.register(self._connection, selectors.EVENT_READ, "coordinator")
+        tools.selector.register(self._connection, selectors.EVENT_READ, "coordinator")
 
     def _connect_up(self, secret: bytes, key_prefix: str, parent_key: str | None) -> None:
         """Connect to rank 0's coordinator (``parent_key`` None) or to the relay whose address is there."""
@@ -81,10 +83,10 @@ class RankLink:
         timeout = engine.settings.start_timeout_s
         if parent_key is None:
             self._above_rank, what = 0, "rank 0's coordinator"
-            address = engine.rendezvous.get(key_prefix + "coordinator", timeout=timeout).decode()
+            address = self._tools.rendezvous.get(key_prefix + "coordinator", timeout=timeout).decode()
             local = self._local_coordinator(key_prefix + "coordinator/local")
         else:
-            found = json.loads(engine.rendezvous.get(parent_key, timeout=timeout))
+            found = json.loads(self._tools.rendezvous.get(parent_key, timeout=timeout))
             self._above_rank, address = found["rank"], found["address"]
             local = found["local"] if found["host"] == engine.host else None
             what = "rank 0's coordinator" if self._above_rank == 0 else f"the relay on rank {self._above_rank}"
@@ -108,7 +110,7 @@ class RankLink:
 
     def _local_coordinator(self, key: str) -> str | None:
         """The name of the coordinator's local socket when it runs on this rank's host (see control.channel)."""
-        rendezvous = self._engine.rendezvous
+        rendezvous = self._tools.rendezvous
         if not rendezvous.check([key]):
             return None
         try:
@@ -142,7 +144,7 @@ class RankLink:
         held = relay.deadline() if relay is not None else None
         if held is not None:
             timeout = min(timeout, held - time.monotonic())
-        for key, events in engine.selector.select(max(0.0, timeout)):
+        for key, events in self._tools.selector.select(max(0.0, timeout)):
             data = key.data
             if data == "wake":
                 if not forwarding:
@@ -245,7 +247,7 @@ class RankLink:
         if silent > engine.settings.heartbeat_timeout_s:
             self._lost = True
             reason = f"stopped responding: {describe_silence(silent, engine.settings.heartbeat_timeout_s)}"
-            engine.record_lost(self._above_rank, self._above_host, reason)
+            self._tools.losses.record(self._above_rank, self._above_host, reason)
             self._break(f"{self._above_named()} {reason}; the job's communication is broken")
         return False
 
@@ -260,7 +262,7 @@ class RankLink:
         When another rank already found rank 0 stopped responding (the launcher then ends it, which
         closes this connection), that is the error here too.
         """
-        recorded = self._engine.recorded_loss(self._above_rank)
+        recorded = self._tools.losses.recorded(self._above_rank)
         if recorded is None:
             self._break(what)
             return
@@ -286,7 +288,7 @@ class RankLink:
             self._send_failed(exc)
             return
         if self._connection.pending:
-            self._engine.watch_writes(self._connection, "coordinator")
+            control_channel.watch_writes(self._tools.selector, self._connection, "coordinator")
 
     def _flush(self) -> None:
         """Write what the connection to rank 0 holds queued; stop watching for writability once it is out."""
@@ -297,7 +299,7 @@ class RankLink:
         except OSError as exc:
             self._send_failed(exc)
             return
-        self._engine.watch_writes(self._connection, "coordinator")
+        control_channel.watch_writes(self._tools.selector, self._connection, "coordinator")
 
     def _send_failed(self, exc: OSError) -> None:
         self._coordinator_gone(f"lost the connection to {self._above} ({exc}); rank {self._above_rank} "
@@ -310,7 +312,7 @@ class RankLink:
         except OSError:
             data = b""
         if not data:
-            engine.selector.unregister(self._connection)
+            self._tools.selector.unregister(self._connection)
             self._lost = True
             self._coordinator_gone(f"lost the connection to {self._above}: rank {self._above_rank} has shut "
                                    "down or died (see its output)")
