@@ -52,7 +52,7 @@ class _Runtime:
         self.secret = secret
         self.next_process_set_id = 1
         self.barrier_count = 0
-        self.elastic = None  # the Bootstrap of an elastic worker: its generation and hosts version
+        self.elastic: bootstrap.Bootstrap | None = None  # an elastic worker's: its generation and hosts version
         self.unnamed_calls = 0
         self._unnamed_counts: dict[tuple[str, int], int] = {}
         self._unnamed_lock = threading.Lock()
@@ -106,8 +106,7 @@ def _configure_logging(level: str) -> None:
     (Horovod's default and meaning); at debug level the settings in effect are logged first."""
     settings = Settings.from_env()
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        log.addHandler(handler)
+        log.addHandler(logging.StreamHandler(sys.stderr))
         log.propagate = False
     for handler in log.handlers:
         handler.setFormatter(logging.Formatter("%(message)s" if settings.log_hide_time else
@@ -184,6 +183,7 @@ def init(comm=None, process_sets=None) -> None:
 
         try:
             if boot.elastic:  # a peer failing meanwhile sends every member on to the next generation at once
+                assert boot.generation is not None, "complete() numbers an elastic worker's generation"
                 table, engine = elastic_join.connect_within(client, boot.generation, connect, _disconnect)
             else:
                 table, engine = connect()

@@ -263,7 +263,7 @@ def reset() -> None:
 _WRAPPED_INTERNAL_ERROR = re.compile(r"(?:Roundel|Horovod)InternalError: ([^\n]*)")
 
 
-def raising_internal_errors(func, wrapper_type: type, text_of=str):
+def raising_internal_errors(func, wrapper_type: type[BaseException], text_of=str):
     """``func`` with a roundel internal error that compiled code reported as a ``wrapper_type`` (whose
     text, ``text_of(error)``, names it) raised as RoundelInternalError again, so that ``run_fn`` rolls
     back as for an eager one."""

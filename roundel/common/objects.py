@@ -100,12 +100,12 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     collectives.synchronize(collectives.broadcast_async(record, root_rank, seal.size_name, process_set,
                                                         in_place=True))
     if not is_root:
-        message = torch.empty(seal.length(root_rank, memoryview(record.numpy())), dtype=torch.uint8)
+        message = torch.empty(seal.length(root_rank, record.numpy().data), dtype=torch.uint8)
     collectives.synchronize(collectives.broadcast_async(message, root_rank, seal.data_name, process_set,
                                                         in_place=True))
     if is_root:
         return obj
-    return seal.object(root_rank, memoryview(message.numpy()))
+    return seal.object(root_rank, message.numpy().data)
 
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:

@@ -47,7 +47,9 @@ def _dispatches(version: int, outbox: list, evicted: list, resends: list) -> lis
     """``outbox``'s batches in consecutive Dispatch messages, each carrying results (``reduced``) of at most
     ``small_allreduce.MESSAGE_DATA_BYTES`` unless one batch alone does; the evictions and resend requests go
     with the first, so a rank applies them before any of the batches."""
-    runs, run, carried = [], [], 0
+    runs: list[list] = []
+    run: list = []
+    carried = 0
     for batch in outbox:
         size = len(batch.reduced) if batch.reduced else 0
         if run and carried + size > small_allreduce.MESSAGE_DATA_BYTES:
@@ -208,7 +210,7 @@ class Coordinator:
         bit_of, own_bits, submitted = negotiator.cache.bit_of, 0, False  # own cached requests: one mask, as a rank
         register, counted = engine.register, self._metrics is not None
         for item in items:
-            if type(item) is ProcessSetChange:
+            if isinstance(item, ProcessSetChange):
                 self._submit_own_bits(own_bits, now)
                 own_bits = 0
                 self._apply_control(item)
@@ -313,7 +315,7 @@ class Coordinator:
     def _merged(self, child: int, message: Merged, now: float) -> None:
         """Steady submissions of ranks below the relay ``child``, grouped by mask."""
         version, route, negotiator = message.version, self._route, self._negotiator
-        timeline = [] if self._tools.timeline.active else None  # (seconds held, rank, mask) of each rank
+        timeline: list | None = [] if self._tools.timeline.active else None  # (s held, rank, mask) of each rank
         for group in message.groups:
             try:
                 ranks, bits, waited = relay.unpack_group(group)
@@ -549,13 +551,13 @@ class Coordinator:
         if mine:
             self._engine.accept_batches(mine)
         if self._autotuner is not None and not self._autotuner.done:
-            self._autotune(batches)
+            self._autotune(self._autotuner, batches)
 
     def _send_everyone(self, outbox: list, evicted: list, version: int) -> None:
         """The batches of ``outbox`` to every other rank, one message per peer (a rank owed resends gets its
         own, with them)."""
         payloads = [control_codec.encode(message) for message in _dispatches(version, outbox, evicted, [])]
-        to_all_below = [relay.to_all_below(payload) for payload in payloads] if self._below else None
+        to_all_below = [relay.to_all_below(payload) for payload in payloads] if self._below else []
         owed = self._resends
         for peer in list(self._peers):
             below = self._below.get(peer)
@@ -585,9 +587,9 @@ class Coordinator:
         else:
             self._unanswered.pop(rank, None)
 
-    def _autotune(self, batches) -> None:
+    def _autotune(self, autotuner: autotune.Autotuner, batches) -> None:
         """Score the dispatched batches; apply and announce new settings when a sample ends."""
-        params = self._autotuner.observe(batches)
+        params = autotuner.observe(batches)
         if params is None:
             return
         if params.cache_enabled != self._engine.tuned.cache_enabled:
@@ -634,7 +636,7 @@ class Coordinator:
 
     def _gauges(self) -> list:
         """The per-rank gauges of the metrics endpoint, read at each scrape."""
-        rows = [("roundel_ranks", (), float(self._engine.size))]
+        rows: list[tuple[str, tuple, float]] = [("roundel_ranks", (), float(self._engine.size))]
         for rank, share, lag in self._stragglers.shares():
             rows.append(("roundel_rank_last_ratio", (("rank", str(rank)),), share))
             rows.append(("roundel_rank_lag_seconds", (("rank", str(rank)),), lag))

@@ -123,20 +123,20 @@ class Engine:
         self._link: RankLink | None = None
         relayed = placement is not None and 0 < settings.relay_from_ranks <= size
         if rank == 0:
-            self._coordinator = Coordinator(self, tools, secret, advertise_host,
+            coordinator = self._coordinator = Coordinator(self, tools, secret, advertise_host,
                                             tunable_hierarchy=self.job_backend.tunable_hierarchy,
                                             bucketed=lambda: self._bucketed)
             if self._coordinator.local_name is not None:  # before the address: ranks that read it find this
                 rendezvous.set(key + "/local", json.dumps(
                     {"host": self.host, "name": self._coordinator.local_name}).encode())
             rendezvous.set(key, f"{advertise_host}:{self._coordinator.port}".encode())
-            if relayed and placement[3] == 1:  # no relay on its host: the top of the relays' tree comes here
+            if placement is not None and relayed and placement[3] == 1:  # no relay on its host: the top of the relays' tree comes here
                 rendezvous.set(relay.leader_key(key_prefix, 0), relay.address_record(
                     0, f"{advertise_host}:{self._coordinator.port}", self.host, self._coordinator.local_name))
             target = self._coordinator.run
-        elif relayed:
+        elif placement is not None and relayed:
             local_rank, cross_rank = placement[:2]
-            keys = ()
+            keys: tuple[str, ...] = ()
             if local_rank == relay.relay_local_rank(cross_rank):
                 keys = (relay.host_key(key_prefix, self.host), relay.leader_key(key_prefix, cross_rank))
             self._link = RankLink(self, tools, secret, key_prefix, relay.parent_key(
@@ -148,15 +148,15 @@ class Engine:
         self._thread = threading.Thread(target=target, name="roundel-engine", daemon=True)
         self._thread.start()
         if rank == 0:
-            self._await_peers(settings.start_timeout_s)
+            self._await_peers(coordinator, settings.start_timeout_s)
 
-    def _await_peers(self, timeout_s: float) -> None:
+    def _await_peers(self, coordinator: Coordinator, timeout_s: float) -> None:
         """Return once every other rank has joined the coordinator (init() is collective, as in Horovod:
         a rank 0 that shuts down right after init() must not refuse a rank still connecting).
         Raises RoundelInternalError naming the missing ranks after ``timeout_s``."""
-        if self._coordinator.all_connected.wait(timeout_s):
+        if coordinator.all_connected.wait(timeout_s):
             return
-        missing = self._coordinator.missing_peers()
+        missing = coordinator.missing_peers()
         self.shutdown()
         raise RoundelInternalError(
             f"rank(s) {', '.join(map(str, missing))} did not join rank 0's coordinator within {timeout_s:g} s "

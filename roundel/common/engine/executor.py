@@ -48,6 +48,7 @@ from roundel.common.engine.adasum import adasum_tree
 from roundel.common.control.records import Batch, OpKind, Request, TunedParams
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
 from roundel.common.engine.handles import Handle
+from roundel.common.engine.process_set_registry import ProcessSetRegistry
 from roundel.ops import ReduceOp
 from roundel.transport.backend import ShapedViews, scale
 from roundel.common.engine.timeline import Timeline, transport_activity
@@ -72,7 +73,7 @@ class Work:
         self.tensor = tensor
         self.output = output
         self.handle = handle
-        self.sent_bit = None  # (cache version, bit) when submitted as a cache bit
+        self.sent_bit: tuple[int, int] | None = None  # (cache version, bit) when submitted as a cache bit
         self.data = data  # the tensor's bytes, sent with the request for the coordinator to reduce
         self.ready = ready  # a CUDA tensor's: an event after its producers on the submitting thread's stream
 
@@ -174,11 +175,11 @@ class _InFlight:
 class Executor:
     """A thread that executes batches on the backends of this rank's process sets."""
 
-    def __init__(self, process_sets: dict, on_transport_failure: Callable[[RoundelInternalError], None],
+    def __init__(self, process_sets: ProcessSetRegistry, on_transport_failure: Callable[[RoundelInternalError], None],
                  on_idle: Callable[[], None], timeline: Timeline | None = None):
         self._timeline = timeline or Timeline()
         self._names: list | None = None  # the running batch's names while the timeline records
-        self._process_sets = process_sets  # id -> (ranks tuple, backend or None)
+        self._process_sets = process_sets
         self._on_transport_failure = on_transport_failure
         self._on_idle = on_idle
         self._outstanding = 0

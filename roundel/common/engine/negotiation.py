@@ -272,8 +272,8 @@ class Negotiator:
                     self._joined.clear()
                 continue
             self._loosen_key((set_id, name))
-            pending = self._pop_pending((set_id, name))
-            if pending is not None:
+            if (set_id, name) in self._pending:
+                pending = self._pop_pending((set_id, name))
                 self._fail_direct(pending.submitters(), _any_request(pending), message, "deadlock")
 
     # ---------------------------------------------------------------- output
@@ -297,14 +297,14 @@ class Negotiator:
             self._agreed_requests.clear()
             self._from_cache.clear()
             return self.take_direct() + batches
-        out: list[tuple[tuple, list]] = []
+        out: list = []  # (members, Batch) as it came, or [members, entries, bytes, request, joined] to fuse
         open_batches: dict[tuple, list] = {}
         for entry, extra in self._ready:
             if entry is None:
                 out.append((self.process_sets.get(extra.process_set_id, ()), extra))
                 continue
             request = entry.request
-            members = self.process_sets[request.process_set_id]
+            members: tuple = self.process_sets[request.process_set_id]
             nbytes = entry_bytes(entry)
             # entries reduced here fuse only with each other (their batch needs no transport), and no
             # further than a control message carries
@@ -563,9 +563,10 @@ class Negotiator:
         self._from_cache.update(group[3])
         self._ready_from_masks += len(group[1])
 
-    def _pop_pending(self, key: tuple) -> _Pending | None:
-        pending = self._pending.pop(key, None)
-        if pending is not None and self._loose:
+    def _pop_pending(self, key: tuple) -> _Pending:
+        """Stop tracking the pending name ``key`` (one that is pending) and return it."""
+        pending = self._pending.pop(key)
+        if self._loose:
             bit = self.cache.get_bit(key)
             if bit >= 0:
                 self._loose &= ~(1 << bit)
@@ -694,8 +695,8 @@ def _disagreement(name: str, pending: _Pending, members: tuple, joined: tuple) -
         return f"reducescatter '{name}': a 0-d tensor cannot be scattered; give it at least one dimension"
     if kind == OpKind.ALLTOALL:
         for r, q in requests.items():
-            if len(q.splits) != len(members):
-                return (f"alltoall '{name}': rank {r} gave {len(q.splits)} splits but the process "
+            if len(q.splits or ()) != len(members):
+                return (f"alltoall '{name}': rank {r} gave {len(q.splits or ())} splits but the process "
                         f"set has {len(members)} ranks")
     return None
 

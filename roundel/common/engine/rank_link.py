@@ -156,7 +156,7 @@ class RankLink:
                     self._flush()
                 if events & selectors.EVENT_READ and not self._lost:
                     self._receive()
-            else:
+            elif relay is not None:
                 relay.serve(data[1], events)
         now = time.monotonic()
         if relay is not None:

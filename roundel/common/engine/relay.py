@@ -288,7 +288,8 @@ class Relay:
         while not self._accepted.empty():
             self._adopt(self._accepted.get())
         matched = self._matched() if self._unchecked else 0
-        if (matched and (self._held or self.above_is_relay)) or (self._held and now >= self.deadline()):
+        deadline = self.deadline() if self._held else None
+        if (matched and (self._held or self.above_is_relay)) or (deadline is not None and now >= deadline):
             self.flush(now, matched)  # with nothing held and rank 0 above, matched bits need not go: it ANDs all
 
     def _adopt(self, connection: control_channel.Connection) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 
-from roundel.common.control.records import Batch, CachedBatch, Entry
+from roundel.common.control.records import Batch, CachedBatch, Entry, Request
 
 Key = tuple  # (process_set_id, name)
 
@@ -151,7 +151,7 @@ class RankCache:
 
     def __init__(self):
         self.version = 0
-        self._by_key: dict[Key, tuple[int, tuple]] = {}
+        self._by_key: dict[Key, tuple[int, Request]] = {}
         self._keys_by_bit: dict[int, Key] = {}
         self._global_bits = 0
 
@@ -162,7 +162,7 @@ class RankCache:
             return cached[0]
         return -1
 
-    def record(self, key: Key, bit: int, request: tuple) -> None:
+    def record(self, key: Key, bit: int, request: Request) -> None:
         """Remember that the coordinator cached ``request`` under ``bit``."""
         stale = self._keys_by_bit.pop(bit, None)
         if stale is not None and stale != key:

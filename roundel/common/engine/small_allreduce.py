@@ -80,17 +80,17 @@ def reduce(request: Request, contributions: list) -> bytes | None:
             scale(torch.from_numpy(result), post)
         return result.tobytes()
     dtype = getattr(torch, request.dtype)
-    rows = [widened(torch.frombuffer(bytearray(data), dtype=dtype)) for data in contributions]
-    for row in rows:
-        scale(row, request.prescale)
-    combine = COMBINE[op]
-    result = rows[0]
-    for row in rows[1:]:
-        combine(result, row)
-    if result.dtype != dtype:
-        result = result.to(dtype)
-    scale(result, post)
-    return result.view(torch.uint8).numpy().tobytes()
+    tensors = [widened(torch.frombuffer(bytearray(data), dtype=dtype)) for data in contributions]
+    for tensor in tensors:
+        scale(tensor, request.prescale)
+    combine_tensors = COMBINE[op]
+    total = tensors[0]
+    for tensor in tensors[1:]:
+        combine_tensors(total, tensor)
+    if total.dtype != dtype:
+        total = total.to(dtype)
+    scale(total, post)
+    return total.view(torch.uint8).numpy().tobytes()
 
 
 def _plain(tensor: torch.Tensor) -> bool:

@@ -34,7 +34,7 @@ class StragglerTracker:
         self._arrived = np.full(size, np.nan)  # by rank: when its latest submission arrived (NaN: none yet)
         self._recent: collections.deque = collections.deque(maxlen=WINDOW)  # (last rank, lag s)
         self._last_counts = [0] * size
-        self._lags = [collections.deque(maxlen=_LAGS_KEPT) for _ in range(size)]
+        self._lags: list[collections.deque] = [collections.deque(maxlen=_LAGS_KEPT) for _ in range(size)]
         self._warned_at: dict[int, float] = {}
 
     def arrived(self, rank: int, now: float) -> None:

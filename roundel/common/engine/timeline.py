@@ -126,7 +126,7 @@ class _Writer:
         name, tid, phase, label, ts, args = record
         if name is None:  # a marker
             return [f'{{"name": {_quoted(label)}, "ph": "i", "ts": {ts}, "s": "g"}}']
-        events = []
+        events: list = []
         pid = self._rows.get(name)
         if pid is None:
             pid = self._rows[name] = len(self._rows) + 1
@@ -170,7 +170,7 @@ class Timeline:
         self._writer: _Writer | None = None
         self._lock = threading.Lock()
         self._negotiating: dict[str, tuple[str, int]] = {}  # name -> (its row, µs it opened), while negotiated
-        self._executing: dict[str, tuple[int, str]] = {}  # tensor name -> (_TOP_LEVEL or _ACTIVITY, its row)
+        self._executing: dict[str, tuple[int, str | None]] = {}  # tensor name -> (_TOP_LEVEL or _ACTIVITY, its row)
 
     @property
     def dropped(self) -> int:
@@ -203,7 +203,9 @@ class Timeline:
     def _record(self, row, tid: int, phase: str, label: str = "", args=None, ts: int | None = None) -> None:
         if ts is None:
             ts = (time.perf_counter_ns() - _T0_NS) // 1000
-        self._writer.put((row, tid, phase, label, ts, args))
+        writer = self._writer
+        if writer is not None:  # None once stopped: a record racing stop() is dropped
+            writer.put((row, tid, phase, label, ts, args))
 
     # ----------------------------------------------------- negotiation (coordinator)
     def rank_ready(self, name: str, op_label: str, rank: int, ago_s: float = 0.0) -> None:
@@ -247,9 +249,10 @@ class Timeline:
             if not self.active:
                 return
             for name in names:
-                state, row = self._executing.get(name, (None, None))
-                if state is None:
+                begun = self._executing.get(name)
+                if begun is None:
                     continue  # began before this file was opened
+                state, row = begun
                 if state == _ACTIVITY:
                     self._record(row, EXECUTION_TID, "E")
                 self._executing[name] = (_ACTIVITY if activity else _TOP_LEVEL, row)
@@ -269,7 +272,7 @@ class Timeline:
                     self._record(row, EXECUTION_TID, "E")
                 output = outputs[i] if outputs is not None and i < len(outputs) else None
                 args = None
-                if hasattr(output, "dtype") and hasattr(output, "shape"):
+                if output is not None and hasattr(output, "dtype") and hasattr(output, "shape"):
                     args = {"dtype": str(output.dtype).replace("torch.", ""), "shape": str(list(output.shape))}
                 self._record(row, EXECUTION_TID, "E", "", args)
 
