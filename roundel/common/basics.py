@@ -86,6 +86,8 @@ class _Runtime:
         return count
 
 
+# One runtime per process, at module level because the API is module level (hvd.rank(), hvd.allreduce()
+# take no context object, as in Horovod); everything an init() builds hangs off it and goes with shutdown().
 _runtime: _Runtime | None = None
 _init_count = 0
 _lock = threading.RLock()
@@ -285,7 +287,13 @@ def runtime(what: str = "this operation") -> _Runtime:
     return current
 
 
+def runtime_if_initialized() -> _Runtime | None:
+    """The live runtime, or None before ``init()`` and while an elastic job re-forms."""
+    return _runtime
+
+
 def is_initialized() -> bool:
+    """Whether ``init()`` has run and ``shutdown()`` has not."""
     return _runtime is not None
 
 

@@ -49,6 +49,8 @@ class Pending:
         return self.finish([h.wait() for h in self.handles])
 
 
+# Integer handle -> its pending collective. Module level, as Horovod's API is: a handle is a plain int the
+# caller passes back to poll()/synchronize() from any thread, and one outlives an elastic reset's init().
 _pending: dict[int, Pending] = {}
 _pending_lock = threading.Lock()
 _handle_ids = itertools.count()

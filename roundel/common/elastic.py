@@ -227,7 +227,7 @@ class _HostNoticeWatcher:
     def _watch(self) -> None:
         seen = 0  # the last membership change delivered
         while True:
-            runtime = basics._runtime  # None while the job re-forms
+            runtime = basics.runtime_if_initialized()  # None while the job re-forms
             if runtime is None or runtime.elastic is None:
                 time.sleep(0.1)
                 continue
@@ -240,7 +240,7 @@ class _HostNoticeWatcher:
                 time.sleep(0.1)
                 continue
             seen += 1
-            now = basics._runtime
+            now = basics.runtime_if_initialized()
             if now is None or now.elastic is None or now.elastic.hosts_version >= seen:
                 continue  # the generation it announced has formed meanwhile: no longer news
             notice = elastic_join.read_host_update_notice(raw)
