@@ -75,6 +75,7 @@ from roundel.common.control import channel as control_channel, codec as control_
 from roundel.common.control.messages import Deliver, Dispatch, Heartbeat, Submit
 from roundel.common.engine import relay as relays
 from roundel.common.engine.core import Engine
+from roundel.common.engine.process_set_registry import ProcessSetRegistry
 from roundel.common.control.records import CachedBatch, OpKind, Request
 from roundel.common.settings import Settings
 from roundel.rendezvous.store import RendezvousClient, RendezvousServer
@@ -405,7 +406,7 @@ def measure(size: int, workers: int, steps: int, per_host: int = 8, relay_from_r
 
     engine_box: dict = {}
     starter = threading.Thread(target=lambda: engine_box.update(engine=Engine(
-        0, size, settings, secret, store, PREFIX, "127.0.0.1", {0: (tuple(range(size)), backend)},
+        0, size, settings, secret, store, PREFIX, "127.0.0.1", ProcessSetRegistry(tuple(range(size)), backend),
         placement=(0, 0, _host_name(0), min(per_host, size)))))
     starter.start()
     for share in shares:
