@@ -141,7 +141,7 @@ def recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes
     when it passes, Incomplete when the peer closes first (both with the
     bytes received so far), OSError as the socket does.
     """
-    chunks = []
+    chunks: list[bytes] = []
     while n:
         remaining = deadline - time.monotonic()
         if remaining <= 0:

@@ -14,6 +14,7 @@ import torch
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
 from roundel.common.engine.executor import OWN_CALL_BYTES, Executor, Work
 from roundel.common.engine.handles import Handle
+from roundel.common.engine.process_set_registry import ProcessSetRegistry
 from roundel.ops import ReduceOp
 from roundel.common.control.records import Batch, Entry, OpKind, Request
 from roundel.transport.backend import Backend, ShapedViews
@@ -136,6 +137,14 @@ class HeldAsyncMemoryBackend(AsyncMemoryBackend):
         return super().allreduce_async(tensor, op)
 
 
+
+def _registry(set_id, ranks, backend):
+    """The process sets of one simulated rank: the job's own and, when ``set_id`` is another, that set too."""
+    registry = ProcessSetRegistry(ranks, backend)
+    if set_id != 0:
+        registry.add(set_id, ranks, backend)
+    return registry
+
 class Group:
     """``size`` simulated ranks, each with an Executor over one process set 0."""
 
@@ -145,7 +154,7 @@ class Group:
         self.backends = [backend(r, size, exchange, fail) for r in range(size)]
         self.transport_failures = []
         ranks = tuple(range(size)) if ranks is None else ranks
-        self.executors = [Executor({set_id: (ranks, backend)}, self.transport_failures.append,
+        self.executors = [Executor(_registry(set_id, ranks, backend), self.transport_failures.append,
                                    lambda: None) for backend in self.backends]
 
     def run(self, batch, works_by_rank):

@@ -126,11 +126,15 @@ class Aborting(Recorder):
 def test_a_broken_job_aborts_the_gpu_transport_of_every_process_set():
     # NCCL kernels waiting on a lost peer must end at once, not at NCCL's timeout
     from roundel.common.engine.executor import Executor
+    from roundel.common.engine.process_set_registry import ProcessSetRegistry
     from roundel.errors import RoundelInternalError
 
     job, other = Recorder(), Recorder()
     job.cuda, other.cuda = Aborting(), Aborting()
-    executor = Executor({0: ((0, 1), job), 1: ((0, 1), other), 2: ((0,), None)}, lambda error: None, lambda: None)
+    registry = ProcessSetRegistry((0, 1), job)
+    registry.add(1, (0, 1), other)
+    registry.add(2, (0,), None)
+    executor = Executor(registry, lambda error: None, lambda: None)
     try:
         executor.abort(RoundelInternalError("rank 1 was lost"))
         assert job.cuda.calls == [("abort",)] and other.cuda.calls == [("abort",)]

@@ -226,6 +226,14 @@ class Backend(abc.ABC):
         process (killed by the launcher) closes its sockets.
         """
 
+    def subset(self, ranks: tuple[int, ...]) -> Backend:
+        """A communicator of this one's members ``ranks``, made by them alone (MPI's way to a process set).
+
+        Raises NotImplementedError where process sets are built through the rendezvous store instead
+        (Gloo, shared memory, NCCL).
+        """
+        raise NotImplementedError(f"the {self.name} transport builds process sets through the rendezvous store")
+
 
 class RootedBackend(Backend):
     """A backend that also reduces and gathers to one member, as the local communicator of hierarchical

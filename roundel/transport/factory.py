@@ -123,7 +123,7 @@ def process_set_backend(choice: Choice, job: Backend, store, ranks: tuple[int, .
     if choice.cpu_operations == "mpi":
         # The job's MPI communicator, flat (MPIBackend) or hierarchical (HierarchicalBackend over one), makes
         # the set's communicator from its own members; the set's collectives go flat.
-        backend = job.subset(ranks)  # type: ignore[attr-defined]
+        backend = job.subset(ranks)
     else:
         backend = GlooBackend(store, ranks.index(job.rank), len(ranks), choice.timeout_s, hostname)
         if isinstance(job, shared_memory.SharedMemoryBackend):  # the whole job is on this host

@@ -39,7 +39,7 @@ import logging
 import math
 import queue
 import threading
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, NoReturn
 
 import torch
 
@@ -198,7 +198,7 @@ class Executor:
         self._buffer_views = ShapedViews()  # the fusion buffers cut as the batches' tensors
         self.cuda_device: torch.device | None = None  # see _cuda_device; join(device=...) may set it
         self._tuned: tuple[int, TunedParams | None] = (0, None)  # autotune's changes so far, the latest
-        self.tuned_at: dict[tuple, tuple[int, TunedParams]] = {}  # (set id, name) -> self._tuned when it last ran
+        self.tuned_at: dict[tuple, tuple[int, TunedParams | None]] = {}  # (set id, name) -> self._tuned when it last ran
         self._thread = threading.Thread(target=self._loop, name="roundel-executor", daemon=True)
         self._thread.start()
 
@@ -274,7 +274,7 @@ class Executor:
         self._run_batch(item.batch, item.works)
 
     def _on_retune(self, item: _Retune) -> None:
-        job = self._process_sets[0][1]
+        job = self._process_sets.job_backend
         if job.tunable_hierarchy:
             job.use(item.params.hierarchical_allreduce, item.params.hierarchical_allgather)
         self._tuned = (self._tuned[0] + 1, item.params)
@@ -357,11 +357,12 @@ class Executor:
         if elements * torch_dtype(request.dtype).itemsize < OWN_CALL_BYTES:
             return False
         return (request.reduce_op != ReduceOp.Adasum
-                and _runs_side_by_side(self._process_sets[batch.process_set_id][1].for_device(request.device)))
+                and _runs_side_by_side(self._process_sets.backend_of(batch.process_set_id).for_device(request.device)))
 
     def _start_in_background(self, batch: Batch, works: list) -> None:
         """Start ``batch``'s transport calls; ``_land`` finishes it once they are done."""
-        ranks, backend = self._process_sets[batch.process_set_id]
+        ranks, backend = self._process_sets[batch.process_set_id].ranks, self._process_sets.backend_of(
+            batch.process_set_id)
         backend = backend.for_device(batch.entries[0].request.device)
         names = self._names = [e.name for e in batch.entries] if self._timeline.active else None
         self._phase("")  # out of QUEUE
@@ -373,7 +374,9 @@ class Executor:
             post = request.result_scale(len(ranks))
             parts = self._allreduce_parts(batch, works, backend, inputs, outputs)
             self._phase(transport_activity(backend.carrier("allreduce"), "allreduce"))
-            futures = [backend.allreduce_async(buffer, op) for buffer, _ in parts]
+            start = backend.allreduce_async
+            assert start is not None, "_runs_in_background chose a backend with allreduce_async"
+            futures = [start(buffer, op) for buffer, _ in parts]
         except Exception as exc:
             self._names = None
             self._complete(works, functools.partial(self._raise_from_transport, batch, backend, exc))
@@ -416,14 +419,15 @@ class Executor:
 
     # --------------------------------------------------------------- dispatch
     def _run(self, batch: Batch, works: list) -> list:
-        ranks, backend = self._process_sets[batch.process_set_id]
+        ranks, backend = self._process_sets[batch.process_set_id].ranks, self._process_sets.backend_of(
+            batch.process_set_id)
         kind = batch.kind
         if kind == OpKind.BARRIER:
             return [None] * len(works)
         if kind == OpKind.JOIN:
             return [batch.last_joined] * len(works)
         if batch.reduced is not None:
-            return self._reduced_by_coordinator(batch, works)
+            return self._reduced_by_coordinator(batch, works, batch.reduced)
         call = {
             OpKind.ALLREDUCE: self._allreduce,
             OpKind.ALLGATHER: self._allgather,
@@ -526,7 +530,7 @@ class Executor:
         return self.cuda_device
 
     @staticmethod
-    def _raise_from_transport(batch: Batch, backend, exc: Exception):
+    def _raise_from_transport(batch: Batch, backend, exc: Exception) -> NoReturn:
         """Raise ``exc``, a transport's RuntimeError as a RoundelInternalError naming the batch."""
         if isinstance(exc, RoundelInternalError) or not isinstance(exc, RuntimeError):
             raise exc
@@ -599,11 +603,11 @@ class Executor:
         self._allreduce_results(parts, post)
         return outputs
 
-    def _reduced_by_coordinator(self, batch: Batch, works: list) -> list:
+    def _reduced_by_coordinator(self, batch: Batch, works: list, reduced: bytes) -> list:
         """The results of an allreduce batch the coordinator reduced (``batch.reduced``), in its outputs."""
         outputs = self._outputs_in_place(works, self._inputs(batch, works))
         self._phase("COORDINATOR_ALLREDUCE")
-        small_allreduce.unpack(batch.reduced, torch_dtype(batch.entries[0].request.dtype), outputs)
+        small_allreduce.unpack(reduced, torch_dtype(batch.entries[0].request.dtype), outputs)
         return outputs
 
     def _allreduce_parts(self, batch: Batch, works: list, backend, inputs: list, outputs: list) -> list:

@@ -42,8 +42,13 @@ class ProcessSetRegistry:
     @property
     def job_backend(self) -> Backend:
         """The communicator of the whole job (set 0's)."""
-        backend = self._sets[0].backend
-        assert backend is not None, "every rank is a member of the job's own process set"
+        return self.backend_of(0)
+
+    def backend_of(self, set_id: int) -> Backend:
+        """This rank's communicator for set ``set_id``; raises ValueError on a rank outside the set."""
+        backend = self._sets[set_id].backend
+        if backend is None:
+            raise ValueError(f"this rank is not a member of process set {set_id}")
         return backend
 
     def id_of(self, ranks: tuple[int, ...]) -> int | None:
