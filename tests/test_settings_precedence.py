@@ -15,10 +15,17 @@ from roundel.runner import flags
 from roundel.runner.options import LaunchOptions
 
 FLAGGED = [spec for spec in SPECS if spec.flag is not None]
+# Settings that accept one value only (Horovod's flag kept for its scripts): no order between sources to show,
+# so they are set to that value every way.
+ONE_VALUE = {"NUM_NCCL_STREAMS": 1}
 
 
 def samples(flag):
     """Three values of ``flag``, the middle one differing from the others (environment, config, flag)."""
+    only = next((value for spec in FLAGGED for suffix, value in ONE_VALUE.items()
+                 if spec.flag is flag and spec.suffix == suffix), None)
+    if only is not None:
+        return [only] * 3
     if flag.switch:
         return [True, False, True]
     if flag.choices:
