@@ -23,9 +23,11 @@ For each N it reports:
   the last submission to every rank holding every batch;
 * steady cycle: the same with every name cached (bits both ways), median of
   ``--steps`` steps;
-* rank 0's CPU per steady step (this process: engine threads and the
-  submitting thread), the part of it its coordinator thread spent, and its
-  peak memory;
+* rank 0's CPU per steady step (this process's own threads: engine,
+  executor, listeners, the store it serves; and the main thread while it
+  builds, submits and waits for the step's collectives, not while it talks
+  to the simulating processes, which a real rank 0 does not do), the part of
+  it its coordinator thread spent, and its peak memory;
 * the CPU the simulating processes spent per steady step, all together: when
   it exceeds what the cores left to them can give in one cycle, the steady
   cycle measures the simulation more than rank 0.
@@ -428,16 +430,21 @@ def measure(size: int, workers: int, steps: int, per_host: int = 8, relay_from_r
     engine = engine_box["engine"]
     coordinator_clock = time.pthread_getcpuclockid(
         next(thread for thread in threading.enumerate() if thread.name == "roundel-engine").ident)
+    # rank 0's own threads (engine, executor, listeners, the store it serves); the main thread counts only
+    # while it builds, submits and waits for the step's collectives (its pipe talk with the simulating
+    # processes is the harness's, which a real rank 0 does not do)
+    clocks = [time.pthread_getcpuclockid(thread.ident) for thread in threading.enumerate()
+              if thread is not threading.main_thread() and thread.ident is not None]
     tensors = [torch.zeros(SHAPE) for _ in range(NAMES)]
     try:
-        first, _ = _step(engine, pipes, tensors, cached=False)
+        first, _, _ = _step(engine, pipes, tensors, cached=False)
         cycles, cpu, coordinator_cpu, simulation_cpu = [], [], [], []
         for _ in range(steps):
-            before, coordinator_before = time.process_time(), time.clock_gettime(coordinator_clock)
-            cycle, simulating = _step(engine, pipes, tensors, cached=True)
+            before, coordinator_before = _cpu_of(clocks), time.clock_gettime(coordinator_clock)
+            cycle, simulating, submitting = _step(engine, pipes, tensors, cached=True)
             cycles.append(cycle)
             simulation_cpu.append(simulating)
-            cpu.append(time.process_time() - before)
+            cpu.append(_cpu_of(clocks) - before + submitting)
             coordinator_cpu.append(time.clock_gettime(coordinator_clock) - coordinator_before)
     finally:
         for pipe in pipes:
@@ -475,23 +482,38 @@ def _expect(pipe, what: str):
     return value
 
 
-def _step(engine: Engine, pipes: list, tensors: list, cached: bool) -> tuple[float, float]:
+def _cpu_of(clocks: list) -> float:
+    """CPU seconds the threads of ``clocks`` have used so far (a thread that has ended counts no more)."""
+    total = 0.0
+    for clock in clocks:
+        try:
+            total += time.clock_gettime(clock)
+        except OSError:
+            pass
+    return total
+
+
+def _step(engine: Engine, pipes: list, tensors: list, cached: bool) -> tuple[float, float, float]:
     """One step of 161 names on every rank; (seconds from the last submission to the last rank's reply,
-    CPU seconds the simulating processes spent on it)."""
+    CPU seconds the simulating processes spent on it, CPU seconds this thread spent submitting and waiting)."""
     for pipe in pipes:
         pipe.send("cached" if cached else "full")
     submitted = finished = time.monotonic()
     simulation_cpu = 0.0
+    before = time.thread_time()
     handles = engine.submit_group([(request, tensor, tensor) for request, tensor in zip(_requests(), tensors)])
+    submitting = time.thread_time() - before
     for pipe in pipes:  # a simulating process that fails says so here, rather than leaving rank 0 waiting
         sent, done, cpu = _expect(pipe, "step")
         submitted, finished = max(submitted, sent), max(finished, done)
         simulation_cpu += cpu
+    before = time.thread_time()
     if not all(handle.done() for handle in handles):
         for handle in handles:
             handle.wait()
         finished = time.monotonic()
-    return finished - submitted, simulation_cpu
+    submitting += time.thread_time() - before
+    return finished - submitted, simulation_cpu, submitting
 
 
 def main() -> None:
