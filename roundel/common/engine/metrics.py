@@ -109,6 +109,8 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
+# One table per process, at module level: its counters are the job's totals on this rank, so they outlive
+# an elastic reset's shutdown() and init() (a new engine, the same endpoint and counts).
 METRICS = Metrics()
 _announced: set[str] = set()
 
