@@ -124,11 +124,27 @@ def _request(what: str, kind: OpKind, buffer: torch.Tensor, name, process_set, c
 
 
 def _start(what: str, parts: list) -> list:
-    """Queue ``(request, buffer, output)`` parts on the engine in one submission; returns the engine's handles."""
+    """Queue ``(request, buffer, output)`` parts on the engine in one submission; returns the engine's handles.
+
+    Parts on a GPU are refused while the calling thread's stream captures a CUDA graph (see ``_not_capturing``).
+    """
     engine = basics.runtime(what).engine
     for device in {buffer.device for _, buffer, _ in parts if buffer.is_cuda}:
+        _not_capturing(what)
         engine.claim_cuda_device(device)
     return engine.submit_group(parts)
+
+
+def _not_capturing(what: str) -> None:
+    """Raise RuntimeError if the calling thread's current CUDA stream is capturing a CUDA graph: roundel's executor
+    thread runs the collective on roundel's own stream, outside the capture, so a replay of the graph would not
+    repeat it."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{what} was called while this thread's CUDA stream is capturing a CUDA graph; CUDA graph capture of a "
+            "step that submits collectives is not supported, because roundel runs them outside the graph. Capture "
+            "the model's forward and backward only (e.g. with torch.cuda.make_graphed_callables) and run "
+            "optimizer.step() and other collectives outside the capture")
 
 
 def _checked(what: str, buffer) -> torch.Tensor:

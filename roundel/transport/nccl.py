@@ -13,12 +13,22 @@ thread's current stream has queued, and makes that stream wait for it. The
 executor calls them on a stream of roundel's own (``torch.cuda.stream``), so
 packing, NCCL and unpacking are ordered there and the training's streams go
 on (see ``roundel.common.engine.executor``).
-When the job breaks (a peer is lost), the executor aborts the communicators
-(:meth:`NcclBackend.abort`), so no kernel is left waiting on the dead peer.
+
+Failures stay bounded and are reported by roundel. The process group's
+timeout is roundel's collective timeout (``HOROVOD_GLOO_TIMEOUT_SECONDS``),
+not torch's. Unless the user set ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (or its
+older name ``NCCL_ASYNC_ERROR_HANDLING``), it is set to 2 before the first
+process group is made: torch's watchdog then aborts the communicators of a
+collective that failed or timed out and leaves the process running, where
+torch's default (3) would end it with SIGABRT before roundel reports
+anything. When the job breaks (a peer is lost), the executor aborts the
+communicators (:meth:`NcclBackend.abort`), so no kernel is left waiting on
+the dead peer; a call on an aborted communicator raises at once.
 """
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +44,18 @@ SHARED_GPU_HINT = ("two ranks of this job use the same GPU, and NCCL allows one 
                    "GPU on each host, or set HOROVOD_GPU_OPERATIONS=gloo to move CUDA tensors through host memory")
 
 
+#: torch's variable for what its watchdog does on an NCCL error or timeout, under its current and older names.
+ASYNC_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+
+
+def abort_without_ending_the_process() -> None:
+    """Where the user set neither of ``ASYNC_ERROR_HANDLING_VARS``, set the first to 2 (abort the communicators,
+    keep the process), so that a rank survives an NCCL failure long enough for roundel to report it. torch reads
+    it when a process group is made."""
+    if not any(name in os.environ for name in ASYNC_ERROR_HANDLING_VARS):
+        os.environ[ASYNC_ERROR_HANDLING_VARS[0]] = "2"
+
+
 def usable() -> bool:
     """Whether this process can move CUDA tensors over NCCL (torch built with it, and a GPU visible)."""
     return dist.is_nccl_available() and torch.cuda.is_available()
@@ -46,8 +68,10 @@ class NcclBackend(Backend):
     queues_on_device = True
 
     def __init__(self, store, rank: int, size: int, timeout_s: float):
-        """Members ``rank`` of ``size`` meet through ``store`` (shared with the CPU transport)."""
+        """Members ``rank`` of ``size`` meet through ``store`` (shared with the CPU transport); a collective
+        that has not finished after ``timeout_s`` (roundel's collective timeout) is aborted by torch's watchdog."""
         super().__init__(rank, size)
+        abort_without_ending_the_process()
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout_s)
         # NCCL reads the store (under keys of its own) at each device's first collective, long after this:
@@ -109,14 +133,15 @@ class NcclBackend(Backend):
         torch.cuda.synchronize(flag.device)
 
     def abort(self):
-        """Abort the NCCL communicators: a kernel or stream wait stuck on a lost peer ends now with an error,
-        instead of at NCCL's timeout (when torch's watchdog would end the whole process)."""
-        abort = getattr(self._pg, "abort", None)
-        if abort is not None:
-            try:
-                abort()
-            except RuntimeError:
-                pass
+        """Abort the NCCL communicators: a kernel or stream wait stuck on a lost peer ends now, and later calls
+        raise, instead of waiting for NCCL's timeout."""
+        pg = self._pg
+        if pg is None:  # closed
+            return
+        try:
+            pg.abort()
+        except RuntimeError:
+            pass  # aborted already, by torch's watchdog or an earlier break
 
     def close(self):
         """Shut the process group down (its NCCL communicators with it) and drop it."""

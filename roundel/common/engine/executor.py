@@ -27,6 +27,10 @@ the batch and completes the handles at once; a handle's ``wait()`` makes the
 waiting thread's current stream wait for that event (``_AfterGpu``). The batch's
 tensors stay referenced until a finalizer thread, sleeping on the event (not
 spinning), hands the batch back to be released, as Horovod's finalizer does.
+When the job breaks (``abort``, or a transport failing here), the GPU
+transports are aborted, so no kernel is left waiting on a lost peer, and a
+handle of a batch still on the GPU then raises the error when waited for,
+instead of returning a result the abort may have cut short.
 
 The executor's queue carries one small type per kind of work (``_Run``,
 ``_Retune``, ``_InFlight``, ``_OnGpu``, ``_Stop``), each with one handler.
@@ -131,26 +135,34 @@ class _Stop:
 
 class _OnGpu:
     """Queue item once ``done``, a blocking event after a CUDA batch on roundel's stream, has fired: the batch's
-    tensors (its works' and its results) are held until then, and ``Executor._release`` lets them go."""
+    tensors (its works' and its results) are held until then, and ``Executor._release`` lets them go. ``then`` is
+    what its handles' ``wait()`` runs."""
 
-    __slots__ = ("batch", "works", "results", "done", "names")
+    __slots__ = ("batch", "works", "results", "done", "names", "then")
 
-    def __init__(self, batch: Batch, works: list, results: list, done, names: list | None):
+    def __init__(self, batch: Batch, works: list, results: list, done, names: list | None, then: _AfterGpu):
         self.batch, self.works, self.results, self.done, self.names = batch, works, results, done, names
+        self.then = then
 
 
 class _AfterGpu:
     """What each ``wait()`` on a CUDA batch's handle does before returning the result (``Handle.set_result``'s
     ``then``): the waiting thread's current stream on ``device`` waits for ``done``, the event after the batch on
     roundel's stream; and the result's CUDA tensors are recorded as used on that stream, so that the caching
-    allocator gives memory allocated on roundel's stream back to it only once the waiting stream is done with it."""
+    allocator gives memory allocated on roundel's stream back to it only once the waiting stream is done with it.
 
-    __slots__ = ("done", "device")
+    ``cut_short`` is the error that broke the job while the batch was still on the GPU (its NCCL call may have
+    been aborted, its result never written): a ``wait()`` from then on raises it instead of returning the result."""
+
+    __slots__ = ("done", "device", "cut_short")
 
     def __init__(self, done, device: torch.device):
         self.done, self.device = done, device
+        self.cut_short: RoundelInternalError | None = None
 
     def __call__(self, result) -> None:
+        if self.cut_short is not None:
+            raise self.cut_short
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(self.done)
         for tensor in result if isinstance(result, (tuple, list)) else (result,):
@@ -231,16 +243,32 @@ class Executor:
 
         The batch running on the transport (possibly blocked on a dead or
         departed peer) finishes in the background; its result is dropped.
-        The GPU transports are aborted, so a CUDA batch's wait ends too.
+        The GPU transports are aborted, so a CUDA batch's wait ends too, and
+        the handles of CUDA batches still on the GPU raise ``error`` when waited
+        for from now on (see ``_AfterGpu``).
         """
         with self._count_lock:
             self._aborted = error
             held = list(self._held.values())
         for works in held:
             self._fail(works, error)
+        self._abort_gpu(error)
+
+    def _abort_gpu(self, error: RoundelInternalError) -> None:
+        """Mark the CUDA batches not yet finished on the GPU as cut short by ``error``, and abort the GPU transport
+        of every process set (NCCL: a kernel waiting on a lost peer returns now)."""
+        for flight in list(self._in_flight):
+            if isinstance(flight, _OnGpu):
+                flight.then.cut_short = error
         for _, backend in list(self._process_sets.values()):
             if backend is not None and backend.cuda is not None:
-                backend.cuda.abort()  # NCCL: a kernel waiting on the lost peer returns now
+                backend.cuda.abort()
+
+    def _broke(self, error: RoundelInternalError) -> None:
+        """A transport failed on this rank, which breaks the job: abort the GPU transports too (nothing is left
+        waiting on them), then tell the engine."""
+        self._abort_gpu(error)
+        self._on_transport_failure(error)
 
     def idle(self) -> bool:
         """True when no batch is queued or running."""
@@ -335,7 +363,7 @@ class Executor:
             results = run()
         except RoundelInternalError as exc:
             self._fail(works, exc)
-            self._on_transport_failure(exc)
+            self._broke(exc)
             return None
         except Exception as exc:  # a bug or an input the checks missed: fail these handles only
             log.debug("batch failed", exc_info=True)
@@ -473,11 +501,13 @@ class Executor:
             return
         self._names = None
         then = _AfterGpu(done, device)
+        flight = _OnGpu(batch, works, results, done, names, then)  # holds the batch's tensors until `done` fires
+        self._in_flight.append(flight)
+        if self._aborted is not None:  # an abort() after the check in _run_batch, too early to see this batch
+            then.cut_short = self._aborted
         for work, result in zip(works, results):
             if work is not None:
                 work.handle.set_result(result, then)
-        flight = _OnGpu(batch, works, results, done, names)  # holds the batch's tensors until `done` fires
-        self._in_flight.append(flight)
         if self._finalizer is None:
             self._finalizer = threading.Thread(target=self._finalize, name="roundel-finalizer", daemon=True)
             self._finalizer.start()
@@ -510,7 +540,7 @@ class Executor:
             flight.done.synchronize()
         except RuntimeError as exc:
             names = ", ".join(f"'{e.name}'" for e in flight.batch.entries[:4])
-            self._on_transport_failure(RoundelInternalError(
+            self._broke(RoundelInternalError(
                 f"{flight.batch.kind.label} of {names} failed on the GPU: {exc}. Its results cannot be trusted; "
                 "see the other ranks' output"))
         finally:
