@@ -8,10 +8,12 @@ The executor's GPU path is also checked in order without a GPU, with fakes
 for torch.cuda's streams and events (``tests/test_executor_streams_unit.py``).
 """
 
+import time
+
 import pytest
 import torch
 
-from launch_util import assert_checks_passed, run_job
+from launch_util import assert_checks_passed, describe, rank_lines, run_job
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NCCL = GPUS > 0 and torch.distributed.is_nccl_available()
@@ -89,6 +91,44 @@ def test_streams_events_and_the_allocator_with_and_without_its_cache():
 def test_a_model_captured_as_a_cuda_graph_trains_under_distributed_optimizer():
     result = run_job(1, "torch_cuda.py", "graphed", timeout=180)
     assert_checks_passed(result, 1, "graphed")
+
+
+@needs_nccl
+def test_a_collective_submitted_during_cuda_graph_capture_is_refused():
+    result = run_job(1, "torch_cuda.py", "graph_capture", timeout=180)
+    assert_checks_passed(result, 1, "graph_capture")
+
+
+# NCCL's own timeout (roundel's collective timeout) is set far above the survivor's bound, so that only roundel's
+# abort can end its kernel in time; the job's bound is mostly start-up (CUDA, NCCL's communicator), and the
+# launcher's SIGKILL of a survivor 5 s after it stopped the others
+KILLED_TIMEOUT_S = 60
+KILLED_BOUND_S = 10
+KILLED_JOB_BOUND_S = 90
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_killed_in_the_middle_of_an_nccl_collective_ends_the_job_with_roundels_error(victim):
+    # the victim's part of an allreduce waits behind seconds of GPU work while the survivor's NCCL kernel waits
+    # for it; the victim is SIGKILLed: the survivor (the coordinator when victim is 1, not when it is 0) gets
+    # HorovodInternalError naming it, for the collective cut short too, its GPU freed by the abort, within
+    # KILLED_BOUND_S of submitting; the launcher exits non-zero naming the victim
+    env = {"ROUNDEL_TEST_VICTIM": str(victim), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(KILLED_TIMEOUT_S)}
+    started = time.monotonic()
+    result = run_job(2, "torch_cuda.py", "killed_in_nccl", env=env, timeout=180)
+    took = time.monotonic() - started
+    survivor = 1 - victim
+    assert result.returncode == 128 + 9, describe(result)
+    assert result.stderr.rstrip().splitlines()[-1] == (
+        f"roundelrun: rank {victim} (host localhost) was killed by signal SIGKILL; stopped the other ranks"
+    ), describe(result)
+    lines = rank_lines(result.stdout, survivor, "stdout")
+    assert "CHECKS PASSED killed_in_nccl" in lines, describe(result)
+    measured = [float(line.split()[1]) for line in lines if line.startswith("MEASURED ")]
+    assert len(measured) == 1 and measured[0] < KILLED_BOUND_S, describe(result)
+    assert any("HorovodInternalError" in line and f"rank {victim}" in line for line in lines), describe(result)
+    assert took < KILLED_JOB_BOUND_S, f"the job took {took:.0f} s to end\n" + describe(result)
 
 
 @needs_nccl

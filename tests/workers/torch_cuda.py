@@ -2,11 +2,14 @@
 
 Each rank uses GPU ``local_rank`` modulo the GPUs there are, as a Horovod
 script does with ``torch.cuda.set_device(hvd.local_rank())``, except in
-``shared_gpu``, where every rank uses GPU 0.
+``shared_gpu``, where every rank uses GPU 0. In ``killed_in_nccl`` the rank
+``ROUNDEL_TEST_VICTIM`` (default 1) kills itself.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
@@ -233,6 +236,59 @@ def scenario_graphed():
         check(mine, to_np(expected), f"graphed model's {name} after 3 steps")
 
 
+def scenario_graph_capture():
+    """A collective submitted while this thread's stream captures a CUDA graph is refused, saying what to capture
+    instead; nothing was submitted (the same name works at once outside the capture), and the capture goes on."""
+    gpu = _own_gpu()
+    x = torch.ones(4, device=gpu)
+    hvd.allreduce(x, name="capture.warm")
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: roundel's finalizer may still wait on the warm-up's event from its own thread, which a global
+    # capture would forbid; this capture is about what the capturing thread submits
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        doubled = x * 2
+        expect_raises(RuntimeError, lambda: hvd.allreduce(doubled, name="capture.ar", op=hvd.Sum),
+                      "capturing a CUDA graph", "not supported", "torch.cuda.make_graphed_callables",
+                      what="allreduce inside torch.cuda.graph")
+        doubled.add_(1)
+    graph.replay()
+    check(hvd.allreduce(doubled, name="capture.ar", op=hvd.Sum), np.full(4, 3.0 * SIZE, dtype=np.float32),
+          "the same allreduce after the capture")
+
+
+def _survive_sigterm():
+    """roundelrun stops the other ranks once one dies; a survivor must first finish its checks."""
+    signal.signal(signal.SIGTERM, lambda *_: print("got SIGTERM from roundelrun", file=sys.stderr, flush=True))
+
+
+def scenario_killed_in_nccl():
+    """The victim rank is SIGKILLed while the others' NCCL kernels wait for its part of an allreduce: each survivor
+    gets HorovodInternalError naming it, for a CPU collective and for the CUDA one the death cut short, and its GPU
+    is not left waiting (the communicators were aborted); MEASURED is the time from submission to all that."""
+    victim = int(os.environ.get("ROUNDEL_TEST_VICTIM", "1"))
+    gpu = _own_gpu()
+    check(hvd.allreduce(torch.ones(4, device=gpu), name="cut.warm", op=hvd.Sum),
+          np.full(4, float(SIZE), dtype=np.float32), "warm-up (NCCL's communicator made)")
+    torch.cuda.synchronize(gpu)
+    x = torch.ones(1 << 20, device=gpu)
+    if RANK == victim:
+        torch.cuda._sleep(20_000_000_000)  # about 10 s of GPU time before this rank's part can start
+        hvd.allreduce_async(x, name="cut.ar", op=hvd.Sum)
+        time.sleep(1.0)  # the others' kernels are now waiting for this rank's part
+        os.kill(os.getpid(), signal.SIGKILL)
+    _survive_sigterm()
+    start = time.monotonic()
+    handle = hvd.allreduce_async(x, name="cut.ar", op=hvd.Sum)
+    expect_raises(hvd.HorovodInternalError, lambda: hvd.allreduce(torch.ones(1), name="cut.probe"),
+                  f"rank {victim}", what="a CPU allreduce while the victim dies")
+    error = expect_raises(hvd.HorovodInternalError, lambda: hvd.synchronize(handle), f"rank {victim}",
+                          what="the NCCL allreduce the death cut short")
+    torch.cuda.synchronize(gpu)  # returns: no kernel is left waiting on the lost rank
+    waited = time.monotonic() - start
+    print(f"MEASURED {waited:.3f}", flush=True)
+    print(f"killed_in_nccl: HorovodInternalError after {waited:.2f} s: {error}", flush=True)
+
+
 def scenario_shared_gpu():
     """Two ranks on one GPU over NCCL: every rank gets an error that says what to do, and no hang."""
     torch.cuda.set_device(0)
@@ -244,4 +300,5 @@ run_scenarios({"devices": scenario_devices, "side_stream": scenario_side_stream,
                "slow_gpu_cpu": scenario_slow_gpu_cpu, "other_stream_reads": scenario_other_stream_reads,
                "allocator": scenario_allocator, "staged_reuse": scenario_staged_reuse,
                "join_device": scenario_join_device, "graphed": scenario_graphed,
+               "graph_capture": scenario_graph_capture, "killed_in_nccl": scenario_killed_in_nccl,
                "shared_gpu": scenario_shared_gpu}, sys.argv, RANK)
