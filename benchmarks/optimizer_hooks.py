@@ -4,6 +4,7 @@ Run it under the launcher (each rank prints its own figures)::
 
     roundelrun -np 2 python benchmarks/optimizer_hooks.py                # 160 parameters, 300 timed steps
     roundelrun -np 2 python benchmarks/optimizer_hooks.py --profile 25   # and rank 0's cProfile, top 25
+    python benchmarks/optimizer_hooks.py --stub-engine                   # the optimizer's own Python alone
 
 The model is ``--layers`` Linear(``--width``, ``--width``) layers (a weight
 and a bias each: 160 parameter tensors by default, about as many as
@@ -17,6 +18,10 @@ gradient is copied into its bucket, as DDP copies it; ``--keep-grads``:
 ``set_to_none=False``) are outside the timed span. Prints the median and the mean
 per step, in milliseconds. ``--local`` times the wrapped optimizer alone
 (no hooks, no communication): the floor the optimizer's overhead adds to.
+``--stub-engine`` replaces the allreduce the optimizer starts with one that
+returns its input at once (nothing reaches the engine; run it as a job of
+one): what is left above the floor is the optimizer's own per-parameter and
+per-bucket work.
 """
 
 from __future__ import annotations
@@ -30,6 +35,21 @@ import time
 import torch
 
 import roundel.torch as hvd
+import roundel.torch.optimizer as optimizer_module
+
+
+def stub_engine() -> None:
+    """Make the optimizer's in-place allreduces no-ops that complete at once (the bucket keeps its values)."""
+    started: dict = {}
+
+    def start(tensors, **_):
+        handle = len(started) + 1
+        started[handle] = tensors
+        return handle
+
+    optimizer_module.allreduce_async_ = start
+    optimizer_module.grouped_allreduce_async_ = start
+    optimizer_module.synchronize = started.pop
 
 
 def main() -> None:
@@ -42,11 +62,15 @@ def main() -> None:
                         help="the wrapped optimizer alone, no DistributedOptimizer: the step's floor")
     parser.add_argument("--keep-grads", action="store_true",
                         help="zero_grad(set_to_none=False): gradients stay in their buckets, nothing is copied in")
+    parser.add_argument("--stub-engine", action="store_true",
+                        help="the optimizer's allreduces return at once, untouched: its own work alone")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile rank 0's timed steps with cProfile and print the top N functions")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
+    if args.stub_engine:
+        stub_engine()
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -76,10 +76,11 @@ def _split_groups(params: list, groups) -> list[tuple]:
 class _Bucket:
     """Parameters whose gradients are reduced together, once per step."""
 
-    __slots__ = ("params", "name", "sizes", "flat", "views", "ready", "started")
+    __slots__ = ("params", "names", "name", "sizes", "flat", "views", "ready", "started")
 
     def __init__(self, params: tuple, names: dict, flat: bool, kind: str = "bucket"):
         self.params = params
+        self.names = [names[p] for p in params]
         flat = flat and len({(p.dtype, p.device) for p in params}) == 1  # else one request per gradient
         first = names[params[0]]
         if len(params) == 1:
@@ -287,8 +288,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         grads = [torch.zeros_like(p) if t is None else t for p, t in zip(bucket.params, targets)]
         compression = self._compression
         if compression.reduces_buckets:
-            finish = compression.reduce_bucket(bucket.name, [self._parameter_names[p] for p in bucket.params],
-                                               grads, self._allreduce_async)
+            finish = compression.reduce_bucket(bucket.name, bucket.names, grads, self._allreduce_async)
             self._pending.append((bucket, lambda: _write_back(targets, finish())))
             return
         if len(grads) == 1:
