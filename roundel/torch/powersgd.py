@@ -31,14 +31,14 @@ import zlib
 
 import torch
 
-from roundel.common.compression import Compressor
+from roundel.common.compression import NoneCompressor
 from roundel.ops import ReduceOp
 from roundel.torch.mpi_ops import synchronize
 
 __all__ = ["PowerSGD"]
 
 
-class PowerSGD(Compressor):
+class PowerSGD(NoneCompressor):
     """Low-rank gradient compression with error feedback and warm start; pass it as ``compression=``.
 
     ``rank``: the rank of the approximation (DDP's ``matrix_approximation_rank``);
@@ -76,15 +76,6 @@ class PowerSGD(Compressor):
 
     def __repr__(self) -> str:
         return f"PowerSGD(rank={self.rank}, start_iter={self.start_iter})"
-
-    # Horovod's compressor interface, for code that calls it directly: no element-wise transform
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
 
     def _shape(self, grad: torch.Tensor):
         """(n, m, r) when ``grad`` is compressed, else None."""
