@@ -1,4 +1,5 @@
-"""How often the engine's liveness work runs on every rank, and how a silent peer is described.
+"""How often the engine's liveness work runs on every rank, how a silent peer is described, and the
+rendezvous store's record of lost ranks (``LostRankRecords``).
 
 Both sides of the engine use these: the coordinator on rank 0 and the rank
 link on the others (see :mod:`roundel.common.engine.core`).
