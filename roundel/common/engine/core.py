@@ -123,17 +123,17 @@ class Engine:
         self._link: RankLink | None = None
         relayed = placement is not None and 0 < settings.relay_from_ranks <= size
         if rank == 0:
-            coordinator = self._coordinator = Coordinator(self, tools, secret, advertise_host,
-                                            tunable_hierarchy=self.job_backend.tunable_hierarchy,
-                                            bucketed=lambda: self._bucketed)
-            if self._coordinator.local_name is not None:  # before the address: ranks that read it find this
-                rendezvous.set(key + "/local", json.dumps(
-                    {"host": self.host, "name": self._coordinator.local_name}).encode())
-            rendezvous.set(key, f"{advertise_host}:{self._coordinator.port}".encode())
-            if placement is not None and relayed and placement[3] == 1:  # no relay on its host: the top of the relays' tree comes here
+            coordinator = self._coordinator = Coordinator(
+                self, tools, secret, advertise_host, tunable_hierarchy=self.job_backend.tunable_hierarchy,
+                bucketed=lambda: self._bucketed)
+            if coordinator.local_name is not None:  # before the address: ranks that read it find this
+                rendezvous.set(key + "/local", json.dumps({"host": self.host, "name": coordinator.local_name}).encode())
+            rendezvous.set(key, f"{advertise_host}:{coordinator.port}".encode())
+            # no relay on rank 0's host: the top of the relays' tree comes here
+            if placement is not None and relayed and placement[3] == 1:
                 rendezvous.set(relay.leader_key(key_prefix, 0), relay.address_record(
-                    0, f"{advertise_host}:{self._coordinator.port}", self.host, self._coordinator.local_name))
-            target = self._coordinator.run
+                    0, f"{advertise_host}:{coordinator.port}", self.host, coordinator.local_name))
+            target = coordinator.run
         elif placement is not None and relayed:
             local_rank, cross_rank = placement[:2]
             keys: tuple[str, ...] = ()

@@ -210,7 +210,8 @@ class Executor:
         self._buffer_views = ShapedViews()  # the fusion buffers cut as the batches' tensors
         self.cuda_device: torch.device | None = None  # see _cuda_device; join(device=...) may set it
         self._tuned: tuple[int, TunedParams | None] = (0, None)  # autotune's changes so far, the latest
-        self.tuned_at: dict[tuple, tuple[int, TunedParams | None]] = {}  # (set id, name) -> self._tuned when it last ran
+        # (set id, name) -> self._tuned when that collective last ran
+        self.tuned_at: dict[tuple, tuple[int, TunedParams | None]] = {}
         self._thread = threading.Thread(target=self._loop, name="roundel-executor", daemon=True)
         self._thread.start()
 
