@@ -129,8 +129,10 @@ def _start(what: str, parts: list) -> list:
     Parts on a GPU are refused while the calling thread's stream captures a CUDA graph (see ``_not_capturing``).
     """
     engine = basics.runtime(what).engine
-    for device in {buffer.device for _, buffer, _ in parts if buffer.is_cuda}:
+    devices = {buffer.device for _, buffer, _ in parts if buffer.is_cuda}
+    if devices:
         _not_capturing(what)
+    for device in devices:
         engine.claim_cuda_device(device)
     return engine.submit_group(parts)
 

@@ -278,7 +278,8 @@ class _PinnedBuffers:
 def _to_host(tensor, pinned: _PinnedBuffers, use: str):
     """``tensor`` in host memory, outside autograd (a copy of a device tensor that requires grad would otherwise
     require it too, and the host backend's ``out=`` and in-place ops refuse such tensors). A CUDA tensor is copied
-    into a pinned buffer on its device's current stream, complete on return; a CPU tensor is itself."""
+    into a pinned buffer on its device's current stream, complete on return; any other tensor is copied to the
+    host by ``.cpu()`` (none at all for a CPU tensor, which is returned detached)."""
     if not tensor.is_cuda:
         return tensor.detach().cpu()
     host = pinned.take(use, tensor.dtype, tensor.shape)

@@ -103,11 +103,7 @@ class HierarchicalBackend(Backend):
         Only a transport whose communicators make subsets of themselves (MPI) has one; over another
         (Gloo, whose process sets meet through the store) raises NotImplementedError.
         """
-        subset = getattr(self.flat, "subset", None)
-        if subset is None:
-            raise NotImplementedError(f"the {self.flat.name} communicator makes no subsets of itself: "
-                                      "build the process set's communicator from the store instead")
-        return subset(members)
+        return self.flat.subset(members)
 
     def broadcast(self, tensor, root: int) -> None:
         self.flat.broadcast(tensor, root)

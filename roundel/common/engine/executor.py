@@ -4,7 +4,8 @@ Each rank's executor receives the same sequence of batches (those of its
 process sets), packs fused entries into a reusable buffer, makes one backend
 call, unpacks, and completes the handles.
 
-On a backend that runs calls side by side (``allreduce_async``), the large
+On a backend that runs calls side by side (``allreduce_async``) or queues them
+on a device and returns at once (NCCL; see ``_takes_own_calls``), the large
 entries of a fused allreduce are reduced in their own memory, each by its own
 call, and only the small ones go through the fusion buffer. An allreduce batch
 of at least ``OWN_CALL_BYTES`` runs there in the background: the executor
@@ -261,7 +262,7 @@ class Executor:
         for flight in list(self._in_flight):
             if isinstance(flight, _OnGpu):
                 flight.then.cut_short = error
-        for _, backend in list(self._process_sets.values()):
+        for _, backend in self._process_sets.values():
             if backend is not None and backend.cuda is not None:
                 backend.cuda.abort()
 
@@ -390,8 +391,7 @@ class Executor:
 
     def _start_in_background(self, batch: Batch, works: list) -> None:
         """Start ``batch``'s transport calls; ``_land`` finishes it once they are done."""
-        ranks, backend = self._process_sets[batch.process_set_id].ranks, self._process_sets.backend_of(
-            batch.process_set_id)
+        ranks, backend = self._process_sets.members_and_backend(batch.process_set_id)
         backend = backend.for_device(batch.entries[0].request.device)
         names = self._names = [e.name for e in batch.entries] if self._timeline.active else None
         self._phase("")  # out of QUEUE
@@ -448,8 +448,7 @@ class Executor:
 
     # --------------------------------------------------------------- dispatch
     def _run(self, batch: Batch, works: list) -> list:
-        ranks, backend = self._process_sets[batch.process_set_id].ranks, self._process_sets.backend_of(
-            batch.process_set_id)
+        ranks, backend = self._process_sets.members_and_backend(batch.process_set_id)
         kind = batch.kind
         if kind == OpKind.BARRIER:
             return [None] * len(works)

@@ -9,6 +9,10 @@ from typing import Callable
 class Handle:
     """Completes once with a result or an exception; ``wait()`` returns or raises it.
 
+    A CUDA collective's handle completes once its batch is queued on the GPU: its ``then`` (see
+    ``set_result``) orders the waiting thread's stream after the batch, and raises if the job broke
+    before the GPU finished it.
+
     ``waits`` (a ``WaitTracker``) learns while a thread is blocked in ``wait()``
     on this handle's collective ``what`` (process set id, name, kind label);
     ``on_done`` is called once when the handle completes, with its error (None on success).
@@ -34,7 +38,7 @@ class Handle:
         self._finished = False
 
     def done(self) -> bool:
-        """True once the collective has finished (successfully or not)."""
+        """True once the collective has finished, successfully or not (on a GPU: once it is queued there)."""
         return self._done
 
     def wait(self):

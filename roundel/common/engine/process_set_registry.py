@@ -51,6 +51,10 @@ class ProcessSetRegistry:
             raise ValueError(f"this rank is not a member of process set {set_id}")
         return backend
 
+    def members_and_backend(self, set_id: int) -> tuple[tuple[int, ...], Backend]:
+        """(the members of set ``set_id``, this rank's communicator for it); ValueError on a non-member."""
+        return self._sets[set_id].ranks, self.backend_of(set_id)
+
     def id_of(self, ranks: tuple[int, ...]) -> int | None:
         """The id of the set with exactly these members, or None."""
         return next((set_id for set_id, known in self._sets.items() if known.ranks == ranks), None)
