@@ -32,6 +32,14 @@ For each N it reports:
   it exceeds what the cores left to them can give in one cycle, the steady
   cycle measures the simulation more than rank 0.
 
+The simulated ranks negotiate every step (they do not replay a schedule), so
+rank 0 runs with ``steady_replay`` off. With ``--replayed``, each size is
+instead run until rank 0's schedule is armed, and then the steady steps are
+replayed: the simulated ranks only keep their connections (heartbeats), as
+ranks that replay do, and rank 0 submits, runs and completes each step's
+batches without its coordinator; the figures are then those of the replayed
+steady state.
+
 It then fits ``t(N) = a + b N`` by least squares to the steady cycle and to
 rank 0's CPU per step, over the sizes run the same way as the largest (with
 relays or without: without, the work per cycle grows linearly once every
@@ -389,15 +397,16 @@ def measure_store(size: int, workers: int) -> dict:
 
 # ------------------------------------------------------------------ one job size
 def measure(size: int, workers: int, steps: int, per_host: int = 8, relay_from_ranks: int = Settings().relay_from_ranks,
-            fanout: int = Settings().relay_fanout) -> dict:
-    """Run one simulated job of ``size`` ranks on hosts of ``per_host``; return its figures."""
+            fanout: int = Settings().relay_fanout, replayed: bool = False) -> dict:
+    """Run one simulated job of ``size`` ranks on hosts of ``per_host``; return its figures (``replayed``: of the
+    steady steps once rank 0 replays them)."""
     secret = os.urandom(32)
     server = RendezvousServer(secret)
     store_port = server.start()
     store = RendezvousClient("127.0.0.1", store_port, secret)
     settings = dataclasses.replace(Settings.from_env({}), start_timeout_s=600.0, heartbeat_timeout_s=600.0,
                                    coordinator_reduce_bytes=0, relay_from_ranks=relay_from_ranks,
-                                   relay_fanout=fanout)
+                                   relay_fanout=fanout, steady_replay=replayed)
     relayed = 0 < relay_from_ranks <= size
     backend = _NoData(0, size)
     hosts = _hosts(size, per_host)
@@ -438,10 +447,20 @@ def measure(size: int, workers: int, steps: int, per_host: int = 8, relay_from_r
     tensors = [torch.zeros(SHAPE) for _ in range(NAMES)]
     try:
         first, _, _ = _step(engine, pipes, tensors, cached=False)
+        if replayed:
+            for _ in range(8):
+                if engine.replaying:
+                    break
+                _step(engine, pipes, tensors, cached=True)
+            if not engine.replaying:
+                raise RuntimeError("rank 0 did not arm the schedule within 8 steady steps")
         cycles, cpu, coordinator_cpu, simulation_cpu = [], [], [], []
         for _ in range(steps):
             before, coordinator_before = _cpu_of(clocks), time.clock_gettime(coordinator_clock)
-            cycle, simulating, submitting = _step(engine, pipes, tensors, cached=True)
+            if replayed:
+                cycle, simulating, submitting = _replayed_step(engine, tensors)
+            else:
+                cycle, simulating, submitting = _step(engine, pipes, tensors, cached=True)
             cycles.append(cycle)
             simulation_cpu.append(simulating)
             cpu.append(_cpu_of(clocks) - before + submitting)
@@ -455,6 +474,7 @@ def measure(size: int, workers: int, steps: int, per_host: int = 8, relay_from_r
         store.close()
         server.stop()
     return {"ranks": size, "workers": len(shares), "relays": relayed, "per_host": per_host, "fanout": fanout,
+            "replayed": replayed, "replayed_slots": engine.replay_counts[0],
             "connect_s": connected, "first_step_ms": first * 1e3,
             "cycle_ms": statistics.median(cycles) * 1e3, "cycle_ms_min": min(cycles) * 1e3,
             "rank0_cpu_ms_per_step": statistics.median(cpu) * 1e3,
@@ -516,6 +536,16 @@ def _step(engine: Engine, pipes: list, tensors: list, cached: bool) -> tuple[flo
     return finished - submitted, simulation_cpu, submitting
 
 
+def _replayed_step(engine: Engine, tensors: list) -> tuple[float, float, float]:
+    """One replayed step of 161 names on rank 0 (the simulated ranks only keep their connections); (seconds from
+    the submission to the last result, 0, CPU seconds this thread spent submitting and waiting)."""
+    started, before = time.monotonic(), time.thread_time()
+    handles = engine.submit_group([(request, tensor, tensor) for request, tensor in zip(_requests(), tensors)])
+    for handle in handles:
+        handle.wait()
+    return time.monotonic() - started, 0.0, time.thread_time() - before
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="16,64,256,1024", help="job sizes (default 16,64,256,1024)")
@@ -528,6 +558,8 @@ def main() -> None:
                              f"(default {Settings().relay_from_ranks}; 0: never)")
     parser.add_argument("--fanout", type=int, default=Settings().relay_fanout,
                         help=f"hosts' relays under rank 0 and each relay (default {Settings().relay_fanout})")
+    parser.add_argument("--replayed", action="store_true",
+                        help="time the steady steps once rank 0 replays them (see above)")
     parser.add_argument("--store", action="store_true", help="also time the rendezvous store's joiners")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--plot", default="control_scale.png", metavar="PATH",
@@ -536,12 +568,13 @@ def main() -> None:
     results = []
     print(f"rank 0 real, the other ranks simulated by {args.workers} processes; {os.cpu_count()} cores; "
           f"{NAMES} names per step; hosts of {args.per_host} ranks; relays from {args.relay_from_ranks} ranks, "
-          f"{args.fanout} under each\n")
+          f"{args.fanout} under each; steady steps {'replayed' if args.replayed else 'negotiated'}\n")
     print("| ranks | relays | connect (s) | first step (ms) | steady cycle (ms) | rank 0 CPU per step (ms) "
           "| of it, the coordinator thread (ms) | rank 0 peak RSS (MiB) | simulating processes' CPU per step (ms) |\n"
           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size in (int(n) for n in args.ranks.split(",")):
-        row = measure(size, args.workers, args.steps, args.per_host, args.relay_from_ranks, args.fanout)
+        row = measure(size, args.workers, args.steps, args.per_host, args.relay_from_ranks, args.fanout,
+                      args.replayed)
         results.append(row)
         print(f"| {size:,} | {'yes' if row['relays'] else 'no'} | {row['connect_s']:.2f} | {row['first_step_ms']:.1f} "
               f"| {row['cycle_ms']:.2f} | {row['rank0_cpu_ms_per_step']:.2f} | {row['coordinator_cpu_ms_per_step']:.2f} "
@@ -585,7 +618,7 @@ def main() -> None:
         print(f"control_scale: ranks={row['ranks']} connect_s={row['connect_s']:.3f} "
               f"first_step_s={row['first_step_ms'] / 1e3:.4f} steady_cpu_ms={row['rank0_cpu_ms_per_step']:.3f} "
               f"steady_latency_ms={row['cycle_ms']:.3f} coordinator_cpu_ms={row['coordinator_cpu_ms_per_step']:.3f} "
-              f"relays={'yes' if row['relays'] else 'no'}")
+              f"relays={'yes' if row['relays'] else 'no'} replayed={'yes' if row['replayed'] else 'no'}")
 
 
 if __name__ == "__main__":

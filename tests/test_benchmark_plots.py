@@ -82,6 +82,17 @@ def test_control_scale_simulation_runs_rank_zero_against_simulated_ranks(tmp_pat
                                               "steady_latency_ms=")), summary
 
 
+def test_control_scale_replayed_steps_run_on_rank_zero_alone(tmp_path):
+    """With --replayed, rank 0 arms the schedule against the simulated ranks, then replays the steady steps."""
+    figures = tmp_path / "control.json"
+    result = run_command([sys.executable, BENCHMARKS / "control_scale.py", "--ranks", "4", "--workers", "1",
+                          "--steps", "3", "--replayed", "--json", figures, "--plot", tmp_path / "c.png"], timeout=120)
+    assert result.returncode == 0, describe(result)
+    row = json.loads(figures.read_text())["results"][0]
+    assert row["replayed"] and row["replayed_slots"] >= 3 and row["rank0_cpu_ms_per_step"] > 0, row
+    assert "replayed=yes" in result.stdout, describe(result)
+
+
 def test_relay_hops_benchmark_times_chains_of_relays_beside_direct_jobs(tmp_path):
     figures = tmp_path / "hops.json"
     result = run_command([sys.executable, BENCHMARKS / "relay_hops.py", "--np", "2,3", "--steps", "50",

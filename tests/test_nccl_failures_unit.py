@@ -191,7 +191,7 @@ class RecordingEngine:
     def claim_cuda_device(self, device):
         self.claimed.append(device)
 
-    def submit_group(self, parts):
+    def submit_group(self, parts, caller_waits=False):
         self.submitted.append(parts)
         return ["handle"]
 

@@ -41,6 +41,7 @@ SETTINGS = {
     "cache_tiny": {"ROUNDEL_CACHE_CAPACITY": "2"},
     "horovod_cache_tiny_fusion_small": {"HOROVOD_CACHE_CAPACITY": "3", "HOROVOD_FUSION_THRESHOLD": "64"},
     "coordinator_reduce_largest": {"ROUNDEL_COORDINATOR_REDUCE_BYTES": "65536"},
+    "steady_replay_off": {"ROUNDEL_STEADY_REPLAY": "0"},
 }
 
 

@@ -14,9 +14,10 @@ returns its result, or raises the collective's error. Inside, a handle is a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -26,7 +27,7 @@ from roundel.common.process_sets import global_process_set
 from roundel.common.control.records import OpKind, Request
 from roundel.ops import ReduceOp
 
-__all__ = ["Pending", "allgather_async", "allreduce_async", "alltoall_async", "barrier", "broadcast_async",
+__all__ = ["Pending", "waited", "allgather_async", "allreduce_async", "alltoall_async", "barrier", "broadcast_async",
            "grouped_allgather_async", "grouped_allreduce_async", "grouped_reducescatter_async", "join", "poll",
            "note_gradient_buckets", "reducescatter_async", "set_id", "synchronize", "tuned_settings"]
 
@@ -54,6 +55,18 @@ class Pending:
 _pending: dict[int, Pending] = {}
 _pending_lock = threading.Lock()
 _handle_ids = itertools.count()
+_caller = threading.local()  # .waits: the collectives started now are waited for at once (see ``waited``)
+
+
+@contextlib.contextmanager
+def waited() -> Iterator[None]:
+    """Around starting a collective that the calling thread waits for right after (a blocking call): the
+    thread then runs a replayed batch it completes itself, instead of handing it to roundel's executor."""
+    _caller.waits = True
+    try:
+        yield
+    finally:
+        _caller.waits = False
 
 
 def _register(pending: Pending) -> int:
@@ -134,7 +147,7 @@ def _start(what: str, parts: list) -> list:
         _not_capturing(what)
     for device in devices:
         engine.claim_cuda_device(device)
-    return engine.submit_group(parts)
+    return engine.submit_group(parts, getattr(_caller, "waits", False))
 
 
 def _not_capturing(what: str) -> None:

@@ -60,6 +60,7 @@ class Settings:
     bucket_cap_mb: float = 25.0
     coordinator_reduce_bytes: int = 4096
     shared_memory: bool = True
+    steady_replay: bool = True
     disable_group_fusion: bool = False
     straggler_report: str = "auto"
     metrics_port: str = ""
@@ -458,6 +459,11 @@ SPECS = (
          "on one host, collectives go through shared memory; 0 keeps them on Gloo (roundel only)",
          _flag("--shared-memory", off=("--no-shared-memory",), off_help="keep collectives on one host on Gloo",
                group="library", help="collectives among the ranks of one host go through shared memory")),
+    Spec("steady_replay", "STEADY_REPLAY", _bool,
+         "once the job's allreduces repeat, each rank runs them from the learned schedule without asking rank 0 "
+         "(a rank that leaves the schedule makes every rank fall back); 0 always asks (roundel only)",
+         _flag("--steady-replay", off=("--no-steady-replay",), off_help="ask rank 0 for every collective",
+               group="params", help="replay the repeating allreduces without a round trip to rank 0")),
     Spec("straggler_report", "STRAGGLER_REPORT", _straggler_report,
          "1: each rank's lag behind the others is reported when the job ends; auto: when it ran longer "
          "than a minute (roundel only)",

@@ -44,8 +44,9 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        return synchronize(allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor,
-                                           process_set))
+        with collectives.waited():
+            handle = allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor, process_set)
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -67,8 +68,9 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
     """Reduce ``tensor`` in place across the set and return it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                        process_set))
+    with collectives.waited():
+        handle = allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return synchronize(handle)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -89,8 +91,10 @@ class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name, op, prescale_factor,
-                                                         postscale_factor, process_set)))
+        with collectives.waited():
+            handle = grouped_allreduce_async(list(tensors), None, name, op, prescale_factor, postscale_factor,
+                                             process_set)
+        return tuple(synchronize(handle))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -113,8 +117,10 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
     """Reduce a list of tensors in place and return them."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor, process_set))
+    with collectives.waited():
+        handle = grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                          process_set)
+    return synchronize(handle)
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):

@@ -230,6 +230,7 @@ def scenario_coordinator_reduce():
                if getattr(backend, method, None) is not None]  # the ones this backend offers
     for method in methods:
         setattr(backend, method, counted(method))
+    replayed = sum(basics.runtime().engine.replay_counts)  # a replayed slot is one transport call
     try:
         for step in range(3):
             handles = []
@@ -245,8 +246,10 @@ def scenario_coordinator_reduce():
             for handle, ref, tag, dtype in handles:
                 check(hvd.synchronize(handle), ref, tag, dtype)
         small = len(calls)
+        replayed = sum(basics.runtime().engine.replay_counts) - replayed
         if limit > 0 and DEVICE == "cpu":
-            assert small == 0, f"{small} transport calls for allreduces the coordinator should have reduced"
+            assert small == replayed, (f"{small} transport calls, {replayed} of them replayed slots, for allreduces "
+                                       "the coordinator should have reduced")
         else:
             assert small > 0, "small allreduces made no transport call with the coordinator's reduction off"
         count = limit // 4 + 1  # one float32 more than the coordinator takes

@@ -41,6 +41,8 @@ log = logging.getLogger("roundel")
 
 _STALL_POLL_S = 1.0
 _DEADLOCK_GRACE_S = 0.5
+# a rank blocked this long (at most) on collectives rank 0 has not seen makes every rank give up its replay slot
+_SLOT_NUDGE_MAX_S = 10.0
 
 
 def _dispatches(version: int, outbox: list, evicted: list, resends: list) -> list:
@@ -95,6 +97,9 @@ class Coordinator:
         self._abort_sent = False  # every peer has been told the job is broken
         self._rank_waits: dict[int, tuple] = {}  # peer rank -> (sequence, waits)
         self._deadlock_seen: tuple | None = None  # (since, {rank: sequence}) while a deadlock holds
+        self._unseen_waits: dict[int, tuple] = {}  # rank -> (sequence, since) blocked on names not pending here
+        self._slot_waits: "queue.SimpleQueue[list]" = queue.SimpleQueue()  # replayed slots' waits, for stragglers
+        self._last_nudge = 0.0
         self._stragglers = StragglerTracker(size)
         self._metrics: MetricsServer | None = None  # the Prometheus endpoint, with settings.metrics_port
         self._submitted_at: dict[tuple, float] = {}  # rank 0's names -> when it submitted them (for metrics)
@@ -412,6 +417,8 @@ class Coordinator:
             if silent > timeout:
                 self._lose_peer(rank, f"stopped responding: {describe_silence(silent, timeout)}")
         self._check_deadlock(now, own)
+        self._nudge_replay(now, own)
+        self._count_slot_waits(now)
         for line in self._stragglers.warnings(now, self._hosts):
             log.warning("%s", line)
 
@@ -467,6 +474,48 @@ class Coordinator:
         METRICS.count("roundel_deadlocks_total")
         for waits in stuck.values():
             negotiator.fail_waits(waits, message)
+
+    def note_slot_waits(self, waits_ms: list) -> None:
+        """Every rank's wait in a replayed slot (from any thread): the rank that waited least came last."""
+        self._slot_waits.put(waits_ms)
+
+    def _count_slot_waits(self, now: float) -> None:
+        """Give the straggler record one cycle per replayed slot: a rank arrived as much before the last as it
+        waited longer than the last."""
+        everyone = range(self._engine.size)
+        while True:
+            try:
+                waits_ms = self._slot_waits.get_nowait()
+            except queue.Empty:
+                return
+            self._stragglers.arrived_many(everyone, now, [ms / 1e3 for ms in waits_ms])
+            self._stragglers.cycle(everyone)
+
+    def _nudge_replay(self, now: float, own: tuple) -> None:
+        """When a rank has been blocked, unchanged, on collectives not pending here (a replayed slot waiting in
+        the transport for a rank that is late) for a quarter of the collective timeout (at most
+        ``_SLOT_NUDGE_MAX_S``), announce the settings in force again: every rank gives up its pending slot on
+        that (see ``replay``), so the slot's collectives come here and wait as long as they must, as
+        collectives that were never replayed do, instead of running into the transport's timeout."""
+        if not self._engine.settings.steady_replay or self._engine.broken is not None:
+            return
+        missing = self._negotiator.missing_ranks
+        states = dict(self._rank_waits)
+        states[0] = own
+        for rank in [rank for rank in self._unseen_waits if rank not in states]:
+            del self._unseen_waits[rank]
+        for rank, (seq, waits) in states.items():
+            unseen = bool(waits) and all(missing(set_id, name) is None for set_id, name, _ in waits)
+            if not unseen:
+                self._unseen_waits.pop(rank, None)
+            elif self._unseen_waits.get(rank, (None,))[0] != seq:
+                self._unseen_waits[rank] = (seq, now)
+        limit = min(self._engine.settings.collective_timeout_s / 4, _SLOT_NUDGE_MAX_S)
+        if any(now - since >= limit and since > self._last_nudge for _, since in self._unseen_waits.values()):
+            self._last_nudge = now
+            params = self._engine.tuned
+            self._engine.retune(params)
+            self._broadcast(control_codec.encode(Tune(params)))
 
     def _check_stalls(self, now: float) -> None:
         settings = self._engine.settings

@@ -30,6 +30,11 @@ dispatch delay (the cycle time) runs out, or the next liveness tick is due
   fail on every rank with ``CollectiveDeadlockError`` and the job goes on.
 * the stall warning, while names are pending.
 
+Once the global set's batches repeat, a rank stops asking the coordinator for
+them: the executor replays the learned schedule, holding each submission the
+schedule expects until its batch is complete (``steady_replay``; see
+:mod:`roundel.common.engine.replay`).
+
 The fusion threshold, cycle time and response cache in force are
 ``tuned`` (:mod:`roundel.common.engine.autotune`): the configured settings, or with
 autotune what rank 0's tuner chose; rank 0 sends each change to the other
@@ -60,6 +65,7 @@ from roundel.common.engine.metrics import METRICS
 from roundel.common.engine.negotiation import entry_bytes
 from roundel.common.engine.process_set_registry import ProcessSetRegistry
 from roundel.common.engine.rank_link import RankLink
+from roundel.common.engine.replay import ScheduleReplay
 from roundel.common.engine.requests import ProcessSetChange
 from roundel.common.engine.timeline import Timeline
 from roundel.common.engine.wait_state import WaitTracker
@@ -70,6 +76,7 @@ from roundel.transport.backend import Backend
 log = logging.getLogger("roundel")
 
 _ABANDON_S = 1.0
+_SHUTTING_DOWN = "roundel is shutting down; no new collectives are accepted"
 
 
 def _ready_event(tensor, recorded: dict):
@@ -112,9 +119,12 @@ class Engine:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self.timeline = timeline or Timeline()  # recorded on rank 0 only, once a file is started
-        self.executor = Executor(process_sets, self._transport_failed, self._executor_went_idle, self.timeline)
+        self._replay = ScheduleReplay(settings.steady_replay, self._slot_ready, self._someone_waits)
+        self._replay.tuning = self.tuned.tuning
+        self._waits = WaitTracker(self._about_to_wait)
+        self.executor = Executor(process_sets, self._transport_failed, self._executor_went_idle, self.timeline,
+                                 self._replay, self._renegotiate, self._slot_waits if rank == 0 else None)
         self.host = (placement[2] if placement else "") or os.environ.get("ROUNDEL_HOSTNAME") or socket.gethostname()
-        self._waits = WaitTracker()
         self._counted = rank == 0 and bool(settings.metrics_port)  # rank 0 counts collectives for its metrics
         tools = EngineTools(self.selector, self.timeline, rendezvous, LostRankRecords(rendezvous, key_prefix))
 
@@ -167,9 +177,10 @@ class Engine:
         """Queue one collective; return its handle. Raises if the job's communication has failed."""
         return self.submit_group([(request, tensor, output)])[0]
 
-    def submit_group(self, parts: list) -> list:
+    def submit_group(self, parts: list, caller_waits: bool = False) -> list:
         """Queue collectives, ``(request, tensor, output)`` each, to reach the coordinator in one message
         (a grouped call's tensors, so that they become ready, and fuse, together); return their handles.
+        ``caller_waits``: the calling thread waits for them at once (it then runs a replay slot they complete).
 
         All or none: raises, queuing nothing, when one of the names is already in flight on this rank or
         the job's communication has failed.
@@ -196,7 +207,10 @@ class Engine:
                 data = small_allreduce.snapshot(tensor)
             works.append(Work(request, tensor, output, handle, data, _ready_event(tensor, ready)))
         try:
-            self._enqueue(*works)
+            self._check_open()
+            negotiate = self._replay.take(works, caller_waits)
+            if negotiate:
+                self._enqueue(*negotiate)
         except BaseException:
             for key in keys:
                 self._name_done(key)
@@ -206,6 +220,7 @@ class Engine:
     def _name_done(self, key: tuple, error: BaseException | None = None) -> None:
         with self._lock:
             self._names_in_flight.discard(key)
+        self._replay.finished(key)
 
     def _counted_done(self, key: tuple, request: Request, submitted: float, error: BaseException | None) -> None:
         """``_name_done``, and the collective counted in rank 0's metrics."""
@@ -219,13 +234,19 @@ class Engine:
         """Queue a process-set change (applied in order with the requests around it)."""
         self._enqueue(message)
 
-    def _enqueue(self, *items) -> None:
-        """Queue ``items`` at once: the engine thread takes them in one drain."""
+    def _check_open(self) -> None:
+        """Raise RoundelInternalError when the job's communication has failed or roundel is shutting down."""
         if self._broken is not None:
             raise RoundelInternalError(str(self._broken))
+        if self._stopping:
+            raise RoundelInternalError(_SHUTTING_DOWN)
+
+    def _enqueue(self, *items) -> None:
+        """Queue ``items`` at once: the engine thread takes them in one drain."""
+        self._check_open()
         with self._lock:
-            if self._stopping:
-                raise RoundelInternalError("roundel is shutting down; no new collectives are accepted")
+            if self._stopping:  # again, under the lock shutdown() sets it with
+                raise RoundelInternalError(_SHUTTING_DOWN)
             self._queue.extend(items)
             wake = not self._wake_pending
             self._wake_pending = True
@@ -242,6 +263,7 @@ class Engine:
             if self._stopping:
                 return True
             self._stopping = True
+        self._replay.fail(RoundelInternalError("roundel was shut down on this rank"))
         os.write(self._wake_w, b"s")
         self._thread.join(BYE_GRACE_S + 5)
         # after a failure the running batch may wait on a departed peer until the transport times
@@ -251,6 +273,16 @@ class Engine:
         os.close(self._wake_r)
         os.close(self._wake_w)
         return stopped
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the learned schedule is armed: the collectives it expects next run without asking rank 0."""
+        return self._replay.armed
+
+    @property
+    def replay_counts(self) -> tuple[int, int]:
+        """(slots run, slots given up) of the replayed schedule on this rank so far."""
+        return self._replay.slots_run, self._replay.slots_given_up
 
     def note_gradient_buckets(self) -> None:
         """A DistributedOptimizer on this rank reduces gradients in buckets (autotune then tunes their size)."""
@@ -333,10 +365,35 @@ class Engine:
         return max(stamps, key=lambda stamp: stamp[0])[1] if stamps else None
 
     def fail_inflight(self, error: Exception) -> None:
-        """Fail every collective this rank has in flight with ``error``."""
+        """Fail every collective this rank has in flight with ``error`` (those held for the schedule too)."""
         for work in self._inflight.values():
             work.handle.set_error(error)
         self._inflight.clear()
+        self._replay.fail(error)
+
+    def _about_to_wait(self) -> None:
+        """A user thread is about to block on a collective: it runs a ready replay slot itself (no hand-off)."""
+        if self._replay.armed:
+            self.executor.run_slot_here()
+
+    def _slot_waits(self, waits_ms: list) -> None:
+        """Rank 0: every rank's wait in a replayed slot, for the coordinator's straggler record."""
+        if self._coordinator is not None:
+            self._coordinator.note_slot_waits(waits_ms)
+
+    def _slot_ready(self, serial: int) -> None:
+        self.executor.slot_ready(serial)
+
+    def _someone_waits(self) -> bool:
+        return self._waits.busy()
+
+    def _renegotiate(self, works: list) -> None:
+        """Send the works of a replay slot given up to the coordinator (fail them when that is over)."""
+        try:
+            self._enqueue(*works)
+        except RoundelInternalError as exc:
+            for work in works:
+                work.handle.set_error(exc)
 
     @property
     def cuda_device(self) -> torch.device | None:

@@ -33,8 +33,18 @@ transports are aborted, so no kernel is left waiting on a lost peer, and a
 handle of a batch still on the GPU then raises the error when waited for,
 instead of returning a result the abort may have cut short.
 
+Once the batch sequence repeats, the executor also runs *slots*: batches
+replayed from the learned schedule without the coordinator (see
+:mod:`roundel.common.engine.replay`). A slot's transfer carries one more
+element, the count of ranks that gave it up, and one per rank, its wait in its
+previous slot (for rank 0's straggler record); a slot given up anywhere is
+dropped everywhere and its tensors go to the coordinator again. A slot runs
+before any batch from the coordinator that reaches the executor while it is
+pending, and that batch makes every rank give it up.
+
 The executor's queue carries one small type per kind of work (``_Run``,
-``_Retune``, ``_InFlight``, ``_OnGpu``, ``_Stop``), each with one handler.
+``_Retune``, ``_Slot``, ``_InFlight``, ``_OnGpu``, ``_Stop``), each with one
+handler.
 """
 
 from __future__ import annotations
@@ -44,11 +54,13 @@ import logging
 import math
 import queue
 import threading
+import time
 from typing import Callable, NamedTuple, NoReturn
 
 import torch
 
 from roundel.common.engine import small_allreduce
+from roundel.common.engine.replay import ScheduleReplay, Slot
 from roundel.common.engine.adasum import adasum_tree
 from roundel.common.control.records import Batch, OpKind, Request, TunedParams
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
@@ -117,6 +129,11 @@ def _reraise(exc: Exception):
     raise exc
 
 
+# what running a replay slot came to (see Executor._run_slot)
+_RAN, _GIVEN_UP, _HANDED_ON = object(), object(), object()
+_LONGEST_WAIT_MS = 60_000.0  # a wait in a slot is reported up to this (float16 holds it)
+
+
 class _Run(NamedTuple):
     """Queue item: a batch ``put`` counted, with this rank's works, run after everything queued before it."""
 
@@ -132,6 +149,12 @@ class _Retune(NamedTuple):
 
 class _Stop:
     """Queue item: finish what is in flight, then end the executor's thread."""
+
+
+class _Slot(NamedTuple):
+    """Queue item: replay slot ``serial`` may be ready to run (complete, or given up)."""
+
+    serial: int
 
 
 class _OnGpu:
@@ -189,8 +212,17 @@ class Executor:
     """A thread that executes batches on the backends of this rank's process sets."""
 
     def __init__(self, process_sets: ProcessSetRegistry, on_transport_failure: Callable[[RoundelInternalError], None],
-                 on_idle: Callable[[], None], timeline: Timeline | None = None):
+                 on_idle: Callable[[], None], timeline: Timeline | None = None,
+                 replay: ScheduleReplay | None = None, renegotiate: Callable[[list], None] | None = None,
+                 on_slot_waits: Callable[[list], None] | None = None):
+        """``replay``: the learned schedule whose slots this executor runs; ``renegotiate(works)`` sends the
+        works of a slot given up to the coordinator; ``on_slot_waits(ms)`` gets every rank's wait in its
+        previous slot (on rank 0, for the straggler record)."""
         self._timeline = timeline or Timeline()
+        self._replay = replay or ScheduleReplay(False, lambda serial: None, lambda: False)
+        self._renegotiate = renegotiate
+        self._on_slot_waits = on_slot_waits
+        self._slot_wait_ms = 0.0  # this rank's wait in its last slot's transfer
         self._names: list | None = None  # the running batch's names while the timeline records
         self._process_sets = process_sets
         self._on_transport_failure = on_transport_failure
@@ -199,15 +231,17 @@ class Executor:
         self._count_lock = threading.Lock()
         self._held: dict[int, list] = {}  # batches put and not yet finished: id -> works
         self._aborted: RoundelInternalError | None = None
-        self._queue: "queue.SimpleQueue[_Run | _Retune | _InFlight | _OnGpu | _Stop]" = queue.SimpleQueue()
-        self._handlers: dict[type, Callable] = {_Run: self._on_run, _Retune: self._on_retune,
+        self._queue: "queue.SimpleQueue[_Run | _Retune | _Slot | _InFlight | _OnGpu | _Stop]" = queue.SimpleQueue()
+        self._handlers: dict[type, Callable] = {_Run: self._on_run, _Retune: self._on_retune, _Slot: self._on_slot,
                                                 _InFlight: self._land, _OnGpu: self._release, _Stop: self._on_stop}
         self._stopped = False  # set by _on_stop, on the executor's thread
+        self._turn = threading.Lock()  # held while handling an item, or by a waiting thread running a slot
         self._in_flight: list[_InFlight | _OnGpu] = []  # started in the background or on a GPU, not yet finished
         self._gpu_waits: "queue.SimpleQueue[_OnGpu]" = queue.SimpleQueue()  # for the finalizer thread
         self._finalizer: threading.Thread | None = None  # started with the first CUDA batch
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # roundel's stream on each GPU it has used
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._slot_buffers: dict[torch.dtype, torch.Tensor] = {}  # the slots' (a batch in flight may hold the other)
         self._buffer_views = ShapedViews()  # the fusion buffers cut as the batches' tensors
         self.cuda_device: torch.device | None = None  # see _cuda_device; join(device=...) may set it
         self._tuned: tuple[int, TunedParams | None] = (0, None)  # autotune's changes so far, the latest
@@ -223,13 +257,16 @@ class Executor:
         completes here, on the calling thread, without waking the executor's.
         """
         with self._count_lock:
-            here = batch.reduced is not None and self._outstanding == 0
+            here = batch.reduced is not None and self._outstanding == 0 and not self._replay.armed
             self._outstanding += 1
             self._held[id(works)] = works
         if self._timeline.active:
             self._timeline.begin([e.name for e in batch.entries], batch.kind.label, "QUEUE")
-        if here:
-            self._run_batch(batch, works)
+        if here and self._turn.acquire(blocking=False):  # else a user thread runs a slot: after it, in turn
+            try:
+                self._dispatched(batch, works)
+            finally:
+                self._turn.release()
         else:
             self._queue.put(_Run(batch, works))
 
@@ -295,15 +332,57 @@ class Executor:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def slot_ready(self, serial: int) -> None:
+        """Look at replay slot ``serial`` soon (see ``_Slot``)."""
+        self._queue.put(_Slot(serial))
+
     def _loop(self) -> None:
+        replay = self._replay
         while not self._stopped:
-            item = self._queue.get()
-            self._handlers[type(item)](item)
+            try:
+                item = self._queue.get(timeout=replay.wait_timeout())
+            except queue.Empty:  # a pending slot is checked: ready, or a thread stuck waiting on it
+                if replay.overdue():
+                    with self._turn:
+                        self._resolve_slot(False)
+                continue
+            with self._turn:
+                self._handlers[type(item)](item)
+
+    def run_slot_here(self) -> None:
+        """Run the pending slot on the calling thread (one about to wait for it) when it is ready and the
+        executor's thread is between items: a blocking collective then costs no thread hand-off. When the
+        executor's thread is busy, it runs the slot after its current item instead."""
+        serial = self._replay.ready_now()
+        if serial is None:
+            return
+        if not self._turn.acquire(blocking=False):
+            self.slot_ready(serial)
+            return
+        try:
+            if not self._stopped and self._replay.ready_now() is not None:
+                self._resolve_slot(False)
+        finally:
+            self._turn.release()
 
     def _on_run(self, item: _Run) -> None:
-        self._run_batch(item.batch, item.works)
+        self._dispatched(item.batch, item.works)
+
+    def _dispatched(self, batch: Batch, works: list) -> None:
+        """Run a batch from the coordinator: a pending slot first, given up (see the module's docstring)."""
+        if self._replay.armed:
+            self._resolve_slot(True)
+        self._replay.dispatched(batch, works)
+        self._run_batch(batch, works)
+
+    def _on_slot(self, item: _Slot) -> None:
+        if self._replay.ready(item.serial):
+            self._resolve_slot(False)
 
     def _on_retune(self, item: _Retune) -> None:
+        if self._replay.armed:
+            self._resolve_slot(True)
+        self._replay.retuned(item.params.tuning)
         job = self._process_sets.job_backend
         if job.tunable_hierarchy:
             job.use(item.params.hierarchical_allreduce, item.params.hierarchical_allgather)
@@ -376,6 +455,88 @@ class Executor:
                 work.handle.set_result(result)
         return results
 
+    # ---------------------------------------------------------------- replay
+    def _resolve_slot(self, force_give_up: bool) -> None:
+        """Run the pending slot: with this rank's tensors when it brings them all, else to give it up
+        (``force_give_up``: a batch from the coordinator came first). Every rank learns alike whether it ran."""
+        taken = self._replay.begin(force_give_up)
+        if taken is None:
+            return
+        slot, works = taken
+        with self._count_lock:
+            self._outstanding += 1
+            if works is not None:
+                self._held[id(works)] = works
+        try:
+            outcome = self._run_slot(slot, works)
+        except Exception as exc:  # the transport failed mid-slot: every rank's schedule is in doubt
+            error = exc if isinstance(exc, RoundelInternalError) else RoundelInternalError(
+                f"the replayed allreduce of '{slot.names[0]}' failed: {exc}. A peer process has probably died "
+                "or stopped; see the other ranks' output")
+            self._fail(works or [], error)
+            self._replay.fail(error)
+            self._finished_one(works)
+            self._broke(error)
+            return
+        if outcome is _GIVEN_UP:
+            released = (works or []) + self._replay.given_up(slot)
+        else:
+            released = self._replay.ran(slot)
+        if outcome is not _HANDED_ON:  # after the schedule moved on: an idle executor means no slot half done
+            self._finished_one(works)
+        if released and self._renegotiate is not None:
+            self._renegotiate(released)
+
+    def _run_slot(self, slot: Slot, works: list | None) -> object:
+        """One slot on the job's transport: ``_RAN``, ``_GIVEN_UP`` (by some rank; ``works`` None: by this one),
+        or ``_HANDED_ON`` (a large slot, run as a batch from the coordinator would be once all ranks agreed)."""
+        ranks, backend = self._process_sets.members_and_backend(0)
+        backend = backend.for_device("cpu")
+        requests = slot.requests
+        dtype = torch_dtype(requests[0].dtype)
+        shapes = tuple(torch.Size(r.shape) for r in requests)
+        total = sum(math.prod(shape) for shape in shapes)
+        names = list(slot.names) if self._timeline.active else None
+        if total * dtype.itemsize >= OWN_CALL_BYTES:  # agree first, then move the tensors without a copy
+            agreement = torch.zeros(1 + len(ranks))
+            self._fill_agreement(agreement, works is None, backend.rank)
+            self._agree(backend, agreement)
+            if works is None or agreement[0].item() != 0:
+                return _GIVEN_UP
+            if names is not None:
+                self._timeline.begin(names, OpKind.ALLREDUCE.label, "QUEUE")
+            self._run_batch(slot.batch, works)
+            return _HANDED_ON
+        buffer = self._slot_buffer(dtype, total + 1 + len(ranks))
+        views = self._buffer_views.of(buffer, shapes + (torch.Size([1 + len(ranks)]),))
+        request = requests[0]
+        if works is not None:
+            if names is not None:
+                self._timeline.begin(names, OpKind.ALLREDUCE.label, "REPLAY_MEMCPY_IN")
+            with torch.no_grad():
+                torch._foreach_copy_(views[:-1], [w.tensor for w in works])
+            scale(buffer[:total], request.prescale)
+        self._fill_agreement(views[-1], works is None, backend.rank)
+        if names is not None:
+            self._timeline.activity(names, transport_activity(backend.carrier("allreduce"), "allreduce"))
+        self._agree(backend, buffer, views[-1])
+        if works is None or buffer[total].item() != 0:
+            if names is not None:
+                self._timeline.end(names, None)
+            return _GIVEN_UP
+        scale(buffer[:total], request.result_scale(len(ranks)))
+        outputs = self._outputs_in_place(works, [w.tensor for w in works])
+        with torch.no_grad():
+            torch._foreach_copy_(outputs, views[:-1])
+        if self._tuned[1] is not None:
+            for name in slot.names:
+                self.tuned_at[(0, name)] = self._tuned
+        for work, output in zip(works, outputs):
+            work.handle.set_result(output)
+        if names is not None:
+            self._timeline.end(names, outputs)
+        return _RAN
+
     # ------------------------------------------------------------- background
     def _runs_in_background(self, batch: Batch) -> bool:
         """Whether ``batch`` is an allreduce of at least OWN_CALL_BYTES on a backend with ``allreduce_async``
@@ -401,7 +562,7 @@ class Executor:
             outputs = self._outputs_in_place(works, inputs)
             op = ReduceOp(request.reduce_op)
             post = request.result_scale(len(ranks))
-            parts = self._allreduce_parts(batch, works, backend, inputs, outputs)
+            parts = self._allreduce_parts(batch, works, backend, inputs, outputs, in_background=True)
             self._phase(transport_activity(backend.carrier("allreduce"), "allreduce"))
             start = backend.allreduce_async
             assert start is not None, "_runs_in_background chose a backend with allreduce_async"
@@ -580,6 +741,32 @@ class Executor:
             self._buffers[key] = buffer
         return buffer[:numel]
 
+    def _fill_agreement(self, agreement: torch.Tensor, giving_up: bool, rank: int) -> None:
+        """A slot's own elements: whether this rank gives it up, then each rank's wait in its previous slot (ms),
+        this rank's at its place, the others zero."""
+        agreement.zero_()
+        agreement[0] = 1 if giving_up else 0
+        agreement[1 + rank] = round(self._slot_wait_ms) if not agreement.is_floating_point() else self._slot_wait_ms
+
+    def _agree(self, backend, buffer: torch.Tensor, agreement: torch.Tensor | None = None) -> None:
+        """Reduce a slot's ``buffer`` (ending in its ``agreement``, the whole buffer where None); time this rank's
+        wait, and hand every rank's wait in its previous slot to ``on_slot_waits`` (rank 0's straggler record)."""
+        started = time.perf_counter()
+        backend.allreduce(buffer, ReduceOp.Sum)
+        self._slot_wait_ms = min((time.perf_counter() - started) * 1e3, _LONGEST_WAIT_MS)
+        if self._on_slot_waits is not None:
+            waits = (buffer if agreement is None else agreement)[1:].tolist()
+            if any(waits):
+                self._on_slot_waits(waits)
+
+    def _slot_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A reusable CPU buffer for replay slots (per dtype, grown on demand)."""
+        buffer = self._slot_buffers.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            self._buffer_views.clear()
+            buffer = self._slot_buffers[dtype] = torch.empty(numel, dtype=dtype)
+        return buffer[:numel]
+
     @staticmethod
     def _inputs(batch: Batch, works: list) -> list:
         """Each entry's local tensor; ranks that joined contribute zeros."""
@@ -598,11 +785,13 @@ class Executor:
                 outputs.append(torch.empty_like(tensor, memory_format=torch.contiguous_format))
         return outputs
 
-    def _pack(self, tensors: list, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-        """``tensors`` (none: an empty buffer on ``device``) flattened into the fusion buffer."""
+    def _pack(self, tensors: list, dtype: torch.dtype, device: str = "cpu", fresh: bool = False) -> torch.Tensor:
+        """``tensors`` (none: an empty buffer on ``device``) flattened into the fusion buffer (``fresh``: into a
+        buffer of their own, for a batch that stays in flight while later ones use the fusion buffer)."""
         self._phase("MEMCPY_IN_FUSION_BUFFER")
         total = sum(t.numel() for t in tensors)
-        buffer = self._buffer(dtype, tensors[0].device if tensors else torch.device(device), total)
+        where = tensors[0].device if tensors else torch.device(device)
+        buffer = torch.empty(total, dtype=dtype, device=where) if fresh else self._buffer(dtype, where, total)
         if tensors:  # one call, not one copy per tensor
             with torch.no_grad():
                 torch._foreach_copy_(self._buffer_views.of(buffer, tuple(t.shape for t in tensors)), tensors)
@@ -640,11 +829,13 @@ class Executor:
         small_allreduce.unpack(reduced, torch_dtype(batch.entries[0].request.dtype), outputs)
         return outputs
 
-    def _allreduce_parts(self, batch: Batch, works: list, backend, inputs: list, outputs: list) -> list:
+    def _allreduce_parts(self, batch: Batch, works: list, backend, inputs: list, outputs: list,
+                         in_background: bool = False) -> list:
         """[(buffer, its outputs)]: each buffer holds prescaled inputs and takes one backend call.
 
         An entry that runs alone (see ``_runs_alone``) is its own output's buffer; the others are packed
-        into the fusion buffer.
+        into the fusion buffer (``in_background``: into a buffer of their own, which the next batches leave
+        alone while this one is in flight).
         """
         request = batch.entries[0].request
         own_calls = _takes_own_calls(backend)
@@ -658,7 +849,7 @@ class Executor:
                 packed_inputs.append(tensor)
                 packed_outputs.append(output)
         if packed_inputs:
-            parts.append((self._pack(packed_inputs, torch_dtype(request.dtype)), packed_outputs))
+            parts.append((self._pack(packed_inputs, torch_dtype(request.dtype), fresh=in_background), packed_outputs))
         for buffer, _ in parts:
             scale(buffer, request.prescale)
         return parts

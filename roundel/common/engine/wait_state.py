@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import itertools
 import threading
+from typing import Callable
 
 
 class WaitTracker:
     """The collectives this rank's threads wait for, with a change counter."""
 
-    def __init__(self):
+    def __init__(self, on_enter: Callable[[], None] | None = None):
+        """``on_enter`` is called each time a thread starts waiting."""
         self._lock = threading.Lock()
+        self._on_enter = on_enter
         self._tokens = itertools.count()
         self._waiting: dict[int, tuple] = {}
         self._seq = 0
@@ -28,7 +31,13 @@ class WaitTracker:
             token = next(self._tokens)
             self._waiting[token] = what
             self._seq += 1
+        if self._on_enter is not None:
+            self._on_enter()
         return token
+
+    def busy(self) -> bool:
+        """Whether some thread waits now."""
+        return bool(self._waiting)
 
     def leave(self, token: int) -> None:
         """The wait recorded under ``token`` has ended."""

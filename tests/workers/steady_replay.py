@@ -1,0 +1,211 @@
+"""Worker for tests/test_steady_replay.py: the replayed steady state, and every way of leaving it.
+
+Each scenario first trains a few steps of a fixed schedule (named allreduces submitted asynchronously,
+then waited for, as a DistributedOptimizer does) until the schedule is replayed, checks every result,
+then makes the ranks leave the schedule in one way and checks that each rank gets the right result or
+error, in bounded time, and that the job goes on. ``scenario <name>`` prints MEASURED <seconds> where
+the time of leaving matters.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+import roundel.torch as hvd
+from roundel.common import basics
+from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError
+from _checks import run_scenarios
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+SHAPES = {"step.a": (3, 5), "step.b": (7,), "step.c": (64, 33)}
+
+
+def _counts() -> tuple[int, int]:
+    return basics.runtime().engine.replay_counts
+
+
+def _expected(step: int, name: str, shape) -> torch.Tensor:
+    """Every rank's contribution is (rank + 1) * (step + 1) * arange: their sum, known to every rank."""
+    base = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    return base * (step + 1) * sum(r + 1 for r in range(SIZE))
+
+
+def _mine(step: int, shape) -> torch.Tensor:
+    base = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    return base * (step + 1) * (RANK + 1)
+
+
+def train(steps: int, first: int = 0, names=tuple(SHAPES)) -> None:
+    """``steps`` steps of the fixed schedule: submit every name, then wait for each; check each result."""
+    for step in range(first, first + steps):
+        handles = [(name, hvd.allreduce_async(_mine(step, SHAPES[name]), name=name, op=hvd.Sum)) for name in names]
+        for name, handle in handles:
+            result = hvd.synchronize(handle)
+            assert torch.equal(result, _expected(step, name, SHAPES[name])), (step, name, result)
+
+
+def steady() -> int:
+    """Train until the schedule is replayed; return the step to go on from."""
+    train(8)
+    ran, _ = _counts()
+    assert ran > 0, f"rank {RANK}: no slot was replayed after 8 steady steps ({_counts()})"
+    return 8
+
+
+def scenario_steady() -> None:
+    """The schedule is replayed (each rank alike), the results are exact, and averages and scales are right."""
+    step = steady()
+    before = _counts()
+    train(20, step)
+    ran, given_up = (a - b for a, b in zip(_counts(), before))
+    assert ran >= 20 * len(SHAPES) // 2, f"rank {RANK}: only {ran} slots replayed in 20 steady steps"
+    assert given_up == 0, f"rank {RANK}: {given_up} slots given up in a steady loop"
+    hvd.barrier()  # every slot before it has been counted on every rank
+    everyone = hvd.allgather_object(_counts(), name="replay.counts")
+    assert len(set(everyone)) == 1, f"ranks replayed differently: {everyone}"
+    for i in range(6):  # average with scales, blocking, replayed after the first few
+        out = hvd.allreduce(torch.full((4,), float(RANK + 1)), name="avg", op=hvd.Average,
+                            prescale_factor=2.0, postscale_factor=0.5)
+        assert torch.allclose(out, torch.full((4,), (SIZE + 1) / 2)), out
+    for i in range(6):  # a large tensor: agreed first, then reduced in its own memory
+        big = torch.full((300_000,), float(RANK + 1))
+        assert torch.equal(hvd.allreduce(big, name="big", op=hvd.Sum), torch.full((300_000,), float(sum(
+            r + 1 for r in range(SIZE)))))
+
+
+def scenario_mismatch() -> None:
+    """One rank changes a replayed name's shape: every rank gets the mismatch error, and training goes on."""
+    step = steady()
+    shape = (3, 6) if RANK == 1 else SHAPES["step.a"]
+    start = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(shape), name="step.a", op=hvd.Sum)
+    except CollectiveMismatchError as exc:
+        assert "step.a" in str(exc), exc
+    else:
+        raise AssertionError(f"rank {RANK}: no mismatch error")
+    print(f"MEASURED {time.monotonic() - start:.3f}", flush=True)
+    train(6, step)
+
+
+def scenario_other_order() -> None:
+    """After the steady state, the ranks wait for two replayed names in opposite orders, each blocking: a
+    deadlock, which every rank is told of, as without replay; then training goes on."""
+    step = steady()
+    first, second = ("step.a", "step.b") if RANK == 0 else ("step.b", "step.a")
+    start = time.monotonic()
+    try:
+        hvd.allreduce(_mine(step, SHAPES[first]), name=first, op=hvd.Sum)
+        hvd.allreduce(_mine(step, SHAPES[second]), name=second, op=hvd.Sum)
+    except CollectiveDeadlockError as exc:
+        assert first in str(exc), exc
+    else:
+        raise AssertionError(f"rank {RANK}: no deadlock error")
+    print(f"MEASURED {time.monotonic() - start:.3f}", flush=True)
+    train(6, step + 1)
+
+
+def scenario_fewer_names() -> None:
+    """A step submits only some of the names the schedule fuses together: they run without the others."""
+    step = steady()
+    start = time.monotonic()
+    for extra in range(3):
+        train(1, step + extra, names=("step.a",))
+    print(f"MEASURED {time.monotonic() - start:.3f}", flush=True)
+    train(6, step + 3)
+
+
+def scenario_polled() -> None:
+    """A step submits only some of the fused names and polls instead of waiting: they still run."""
+    step = steady()
+    start = time.monotonic()
+    handle = hvd.allreduce_async(_mine(step, SHAPES["step.a"]), name="step.a", op=hvd.Sum)
+    while not hvd.poll(handle):
+        time.sleep(0.001)
+    assert torch.equal(hvd.synchronize(handle), _expected(step, "step.a", SHAPES["step.a"]))
+    print(f"MEASURED {time.monotonic() - start:.3f}", flush=True)
+    train(6, step + 1)
+
+
+def scenario_shape_changes_back() -> None:
+    """A schedule of one name that follows itself; one step (an epoch's last batch) has another shape on every
+    rank; the step after it has the usual shape again. Every result is right and nothing fails."""
+    for step in range(14):
+        shape = (5, 2) if step == 8 else (4, 3)
+        out = hvd.allreduce(_mine(step, shape), name="solo", op=hvd.Sum)
+        assert torch.equal(out, _expected(step, "solo", shape)), (step, out)
+    assert _counts()[0] > 0, _counts()
+
+
+def scenario_join() -> None:
+    """Rank 1 runs out of data after the steady state and joins; the others go on (rank 1 adds zeros)."""
+    step = steady()
+    if RANK == 1:
+        last = hvd.join()
+        assert last in range(SIZE), last
+        return
+    for extra in range(3):
+        out = hvd.allreduce(_mine(step + extra, SHAPES["step.a"]), name="step.a", op=hvd.Sum)
+        want = _expected(step + extra, "step.a", SHAPES["step.a"]) * 0
+        for r in range(SIZE):
+            if r != 1:
+                want += torch.arange(15, dtype=torch.float32).reshape(3, 5) * (step + extra + 1) * (r + 1)
+        assert torch.equal(out, want), (out, want)
+    hvd.join()
+
+
+def scenario_late_rank() -> None:
+    """Rank 1 falls behind by longer than the transport's timeout in the steady state: the others wait in
+    replayed slots, are released to wait on rank 0's coordinator instead, and nothing times out."""
+    step = steady()
+    timeout = float(os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"])
+    if RANK == 1:
+        time.sleep(2.5 * timeout)
+    start = time.monotonic()
+    train(4, step)
+    print(f"MEASURED {time.monotonic() - start:.3f}", flush=True)
+
+
+def scenario_rank_dies() -> None:
+    """Rank 1 dies in the steady state: every other rank's replayed collective fails, promptly."""
+    step = steady()
+    if RANK == 1:
+        time.sleep(0.3)
+        os._exit(17)
+    start = time.monotonic()
+    try:
+        train(50, step)
+    except hvd.HorovodInternalError as exc:
+        print(f"ERROR {exc}", flush=True)
+        print(f"MEASURED {time.monotonic() - start:.3f}", flush=True)
+        sys.exit(3)
+    raise AssertionError("the job went on without rank 1")
+
+
+def scenario_off() -> None:
+    """With ROUNDEL_STEADY_REPLAY=0 nothing is replayed."""
+    train(12)
+    assert _counts() == (0, 0), _counts()
+
+
+SCENARIOS = {
+    "steady": scenario_steady,
+    "mismatch": scenario_mismatch,
+    "other_order": scenario_other_order,
+    "fewer_names": scenario_fewer_names,
+    "polled": scenario_polled,
+    "shape_changes_back": scenario_shape_changes_back,
+    "join": scenario_join,
+    "late_rank": scenario_late_rank,
+    "rank_dies": scenario_rank_dies,
+    "off": scenario_off,
+}
+
+if __name__ == "__main__":
+    run_scenarios(SCENARIOS, sys.argv, RANK)
+    hvd.shutdown()
