@@ -397,9 +397,7 @@ class Executor:
 
     def _run_batch(self, batch: Batch, works: list) -> None:
         """Run (or start in the background) one batch that ``put`` counted."""
-        if self._tuned[1] is not None:
-            for entry in batch.entries:
-                self.tuned_at[(batch.process_set_id, entry.name)] = self._tuned
+        self._stamp_tuned(batch.process_set_id, [entry.name for entry in batch.entries])
         if self._aborted is None and self._runs_in_background(batch):
             self._start_in_background(batch, works)
             return
@@ -413,6 +411,12 @@ class Executor:
                 self._execute(batch, works)
         finally:
             self._finished_one(works)
+
+    def _stamp_tuned(self, process_set_id: int, names) -> None:
+        """Note, once autotune has changed anything, under which parameters these collectives ran."""
+        if self._tuned[1] is not None:
+            for name in names:
+                self.tuned_at[(process_set_id, name)] = self._tuned
 
     def _execute(self, batch: Batch, works: list) -> None:
         self._names = [e.name for e in batch.entries] if self._timeline.active else None
@@ -489,7 +493,8 @@ class Executor:
 
     def _run_slot(self, slot: Slot, works: list | None) -> object:
         """One slot on the job's transport: ``_RAN``, ``_GIVEN_UP`` (by some rank; ``works`` None: by this one),
-        or ``_HANDED_ON`` (a large slot, run as a batch from the coordinator would be once all ranks agreed)."""
+        or ``_HANDED_ON`` (a large slot on the executor's thread, run as a batch from the coordinator would be
+        once all ranks agreed, possibly in the background)."""
         ranks, backend = self._process_sets.members_and_backend(0)
         backend = backend.for_device("cpu")
         requests = slot.requests
@@ -505,6 +510,10 @@ class Executor:
                 return _GIVEN_UP
             if names is not None:
                 self._timeline.begin(names, OpKind.ALLREDUCE.label, "QUEUE")
+            if threading.current_thread() is not self._thread:  # a thread waiting for it: no hand-off back
+                self._stamp_tuned(0, slot.names)
+                self._execute(slot.batch, works)
+                return _RAN
             self._run_batch(slot.batch, works)
             return _HANDED_ON
         buffer = self._slot_buffer(dtype, total + 1 + len(ranks))
@@ -528,9 +537,7 @@ class Executor:
         outputs = self._outputs_in_place(works, [w.tensor for w in works])
         with torch.no_grad():
             torch._foreach_copy_(outputs, views[:-1])
-        if self._tuned[1] is not None:
-            for name in slot.names:
-                self.tuned_at[(0, name)] = self._tuned
+        self._stamp_tuned(0, slot.names)
         for work, output in zip(works, outputs):
             work.handle.set_result(output)
         if names is not None:
