@@ -129,6 +129,33 @@ def _reraise(exc: Exception):
     raise exc
 
 
+# A slot's copies and scaling go in pieces of at most this many elements, below torch's intra-op parallel grain:
+# a rank that runs a slot on its own thread, with the job's other ranks on the same cores, must not wake
+# torch's pool (its threads spin against the other processes' for milliseconds).
+_SERIAL_ELEMENTS = 16384
+
+
+def _pieces(tensor: torch.Tensor) -> list:
+    flat = tensor.view(-1)
+    return [flat] if flat.numel() <= _SERIAL_ELEMENTS else list(flat.split(_SERIAL_ELEMENTS))
+
+
+def _serial_copy(destinations: list, sources: list) -> None:
+    """``destinations[i].copy_(sources[i])`` for each i, in pieces that torch runs on the calling thread."""
+    if all(t.is_contiguous() for t in (*destinations, *sources)):
+        destinations = [piece for t in destinations for piece in _pieces(t)]
+        sources = [piece for t in sources for piece in _pieces(t)]
+    with torch.no_grad():
+        torch._foreach_copy_(destinations, sources)
+
+
+def _serial_scale(buffer: torch.Tensor, factor: float) -> None:
+    """``scale(buffer, factor)`` in pieces that torch runs on the calling thread."""
+    if factor != 1.0:
+        for piece in _pieces(buffer):
+            scale(piece, factor)
+
+
 # what running a replay slot came to (see Executor._run_slot)
 _RAN, _GIVEN_UP, _HANDED_ON = object(), object(), object()
 _LONGEST_WAIT_MS = 60_000.0  # a wait in a slot is reported up to this (float16 holds it)
@@ -522,9 +549,8 @@ class Executor:
         if works is not None:
             if names is not None:
                 self._timeline.begin(names, OpKind.ALLREDUCE.label, "REPLAY_MEMCPY_IN")
-            with torch.no_grad():
-                torch._foreach_copy_(views[:-1], [w.tensor for w in works])
-            scale(buffer[:total], request.prescale)
+            _serial_copy(views[:-1], [w.tensor for w in works])
+            _serial_scale(buffer[:total], request.prescale)
         self._fill_agreement(views[-1], works is None, backend.rank)
         if names is not None:
             self._timeline.activity(names, transport_activity(backend.carrier("allreduce"), "allreduce"))
@@ -533,10 +559,9 @@ class Executor:
             if names is not None:
                 self._timeline.end(names, None)
             return _GIVEN_UP
-        scale(buffer[:total], request.result_scale(len(ranks)))
+        _serial_scale(buffer[:total], request.result_scale(len(ranks)))
         outputs = self._outputs_in_place(works, [w.tensor for w in works])
-        with torch.no_grad():
-            torch._foreach_copy_(outputs, views[:-1])
+        _serial_copy(outputs, views[:-1])
         self._stamp_tuned(0, slot.names)
         for work, output in zip(works, outputs):
             work.handle.set_result(output)
