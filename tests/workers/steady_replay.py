@@ -22,7 +22,8 @@ from _checks import run_scenarios
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
-SHAPES = {"step.a": (3, 5), "step.b": (7,), "step.c": (64, 33)}
+# larger than what rank 0 reduces itself (4 KiB), so they are replayed; the loss is that small, and passes beside
+SHAPES = {"step.a": (33, 40), "step.b": (1100,), "step.c": (64, 33), "step.loss": (1,)}
 
 
 def _counts() -> tuple[int, int]:
@@ -35,9 +36,13 @@ def _expected(step: int, name: str, shape) -> torch.Tensor:
     return base * (step + 1) * sum(r + 1 for r in range(SIZE))
 
 
-def _mine(step: int, shape) -> torch.Tensor:
+def _mine_of(rank: int, step: int, shape) -> torch.Tensor:
     base = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
-    return base * (step + 1) * (RANK + 1)
+    return base * (step + 1) * (rank + 1)
+
+
+def _mine(step: int, shape) -> torch.Tensor:
+    return _mine_of(RANK, step, shape)
 
 
 def train(steps: int, first: int = 0, names=tuple(SHAPES)) -> None:
@@ -63,7 +68,7 @@ def scenario_steady() -> None:
     before = _counts()
     train(20, step)
     ran, given_up = (a - b for a, b in zip(_counts(), before))
-    assert ran >= 20 * len(SHAPES) // 2, f"rank {RANK}: only {ran} slots replayed in 20 steady steps"
+    assert ran >= 20, f"rank {RANK}: only {ran} slots replayed in 20 steady steps"
     assert given_up == 0, f"rank {RANK}: {given_up} slots given up in a steady loop"
     hvd.barrier()  # every slot before it has been counted on every rank
     everyone = hvd.allgather_object(_counts(), name="replay.counts")
@@ -136,7 +141,7 @@ def scenario_shape_changes_back() -> None:
     """A schedule of one name that follows itself; one step (an epoch's last batch) has another shape on every
     rank; the step after it has the usual shape again. Every result is right and nothing fails."""
     for step in range(14):
-        shape = (5, 2) if step == 8 else (4, 3)
+        shape = (60, 30) if step == 8 else (40, 30)  # both larger than what rank 0 reduces itself
         out = hvd.allreduce(_mine(step, shape), name="solo", op=hvd.Sum)
         assert torch.equal(out, _expected(step, "solo", shape)), (step, out)
     assert _counts()[0] > 0, _counts()
@@ -154,7 +159,7 @@ def scenario_join() -> None:
         want = _expected(step + extra, "step.a", SHAPES["step.a"]) * 0
         for r in range(SIZE):
             if r != 1:
-                want += torch.arange(15, dtype=torch.float32).reshape(3, 5) * (step + extra + 1) * (r + 1)
+                want += _mine_of(r, step + extra, SHAPES["step.a"])
         assert torch.equal(out, want), (out, want)
     hvd.join()
 

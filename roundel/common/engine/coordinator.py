@@ -35,6 +35,7 @@ from roundel.common.engine.metrics import METRICS, MetricsServer
 from roundel.common.engine.negotiation import Negotiator
 from roundel.common.engine.requests import ProcessSetChange
 from roundel.common.engine.stragglers import StragglerTracker
+from roundel.common.engine.wait_state import REPLAY_WAIT
 from roundel.errors import RoundelInternalError
 
 log = logging.getLogger("roundel")
@@ -97,7 +98,7 @@ class Coordinator:
         self._abort_sent = False  # every peer has been told the job is broken
         self._rank_waits: dict[int, tuple] = {}  # peer rank -> (sequence, waits)
         self._deadlock_seen: tuple | None = None  # (since, {rank: sequence}) while a deadlock holds
-        self._unseen_waits: dict[int, tuple] = {}  # rank -> (sequence, since) blocked on names not pending here
+        self._in_slot: dict[int, tuple] = {}  # rank -> (the replayed slot it waits in, since when)
         self._slot_waits: "queue.SimpleQueue[list]" = queue.SimpleQueue()  # replayed slots' waits, for stragglers
         self._last_nudge = 0.0
         self._stragglers = StragglerTracker(size)
@@ -492,26 +493,25 @@ class Coordinator:
             self._stragglers.cycle(everyone)
 
     def _nudge_replay(self, now: float, own: tuple) -> None:
-        """When a rank has been blocked, unchanged, on collectives not pending here (a replayed slot waiting in
-        the transport for a rank that is late) for a quarter of the collective timeout (at most
-        ``_SLOT_NUDGE_MAX_S``), announce the settings in force again: every rank gives up its pending slot on
-        that (see ``replay``), so the slot's collectives come here and wait as long as they must, as
-        collectives that were never replayed do, instead of running into the transport's timeout."""
+        """When a rank has been inside one replayed slot's transfer (``REPLAY_WAIT`` in its waits), waiting for a
+        rank that is late, for a quarter of the collective timeout (at most ``_SLOT_NUDGE_MAX_S``), announce the
+        settings in force again: every rank gives up its pending slot on that (see ``replay``), so the slot's
+        collectives come here and wait as long as they must, as collectives that were never replayed do,
+        instead of running into the transport's timeout."""
         if not self._engine.settings.steady_replay or self._engine.broken is not None:
             return
-        missing = self._negotiator.missing_ranks
         states = dict(self._rank_waits)
         states[0] = own
-        for rank in [rank for rank in self._unseen_waits if rank not in states]:
-            del self._unseen_waits[rank]
-        for rank, (seq, waits) in states.items():
-            unseen = bool(waits) and all(missing(set_id, name) is None for set_id, name, _ in waits)
-            if not unseen:
-                self._unseen_waits.pop(rank, None)
-            elif self._unseen_waits.get(rank, (None,))[0] != seq:
-                self._unseen_waits[rank] = (seq, now)
+        for rank in [rank for rank in self._in_slot if rank not in states]:
+            del self._in_slot[rank]
+        for rank, (_, waits) in states.items():
+            slot = next((name for _, name, label in waits if label == REPLAY_WAIT), None)
+            if slot is None:
+                self._in_slot.pop(rank, None)
+            elif self._in_slot.get(rank, (None,))[0] != slot:
+                self._in_slot[rank] = (slot, now)
         limit = min(self._engine.settings.collective_timeout_s / 4, _SLOT_NUDGE_MAX_S)
-        if any(now - since >= limit and since > self._last_nudge for _, since in self._unseen_waits.values()):
+        if any(now - since >= limit and since > self._last_nudge for _, since in self._in_slot.values()):
             self._last_nudge = now
             params = self._engine.tuned
             self._engine.retune(params)

@@ -123,7 +123,8 @@ class Engine:
         self._replay.tuning = self.tuned.tuning
         self._waits = WaitTracker(self._about_to_wait)
         self.executor = Executor(process_sets, self._transport_failed, self._executor_went_idle, self.timeline,
-                                 self._replay, self._renegotiate, self._slot_waits if rank == 0 else None)
+                                 self._replay, self._renegotiate, self._slot_waits if rank == 0 else None,
+                                 self._waits)
         self.host = (placement[2] if placement else "") or os.environ.get("ROUNDEL_HOSTNAME") or socket.gethostname()
         self._counted = rank == 0 and bool(settings.metrics_port)  # rank 0 counts collectives for its metrics
         tools = EngineTools(self.selector, self.timeline, rendezvous, LostRankRecords(rendezvous, key_prefix))

@@ -40,7 +40,8 @@ element, the count of ranks that gave it up, and one per rank, its wait in its
 previous slot (for rank 0's straggler record); a slot given up anywhere is
 dropped everywhere and its tensors go to the coordinator again. A slot runs
 before any batch from the coordinator that reaches the executor while it is
-pending, and that batch makes every rank give it up.
+pending, and that batch makes every rank give it up; a batch rank 0 reduced
+itself moves nothing on the transport and passes beside the slots.
 
 The executor's queue carries one small type per kind of work (``_Run``,
 ``_Retune``, ``_Slot``, ``_InFlight``, ``_OnGpu``, ``_Stop``), each with one
@@ -69,6 +70,7 @@ from roundel.common.engine.process_set_registry import ProcessSetRegistry
 from roundel.ops import ReduceOp
 from roundel.transport.backend import ShapedViews, scale
 from roundel.common.engine.timeline import Timeline, transport_activity
+from roundel.common.engine.wait_state import REPLAY_WAIT, WaitTracker
 
 log = logging.getLogger("roundel")
 
@@ -241,14 +243,16 @@ class Executor:
     def __init__(self, process_sets: ProcessSetRegistry, on_transport_failure: Callable[[RoundelInternalError], None],
                  on_idle: Callable[[], None], timeline: Timeline | None = None,
                  replay: ScheduleReplay | None = None, renegotiate: Callable[[list], None] | None = None,
-                 on_slot_waits: Callable[[list], None] | None = None):
+                 on_slot_waits: Callable[[list], None] | None = None, waits: WaitTracker | None = None):
         """``replay``: the learned schedule whose slots this executor runs; ``renegotiate(works)`` sends the
         works of a slot given up to the coordinator; ``on_slot_waits(ms)`` gets every rank's wait in its
-        previous slot (on rank 0, for the straggler record)."""
+        previous slot (on rank 0, for the straggler record); ``waits``, where this rank's threads note what they
+        wait for, also notes each slot's transfer while it waits for the other ranks (``REPLAY_WAIT``)."""
         self._timeline = timeline or Timeline()
         self._replay = replay or ScheduleReplay(False, lambda serial: None, lambda: False)
         self._renegotiate = renegotiate
         self._on_slot_waits = on_slot_waits
+        self._waits = waits
         self._slot_wait_ms = 0.0  # this rank's wait in its last slot's transfer
         self._names: list | None = None  # the running batch's names while the timeline records
         self._process_sets = process_sets
@@ -284,7 +288,7 @@ class Executor:
         completes here, on the calling thread, without waking the executor's.
         """
         with self._count_lock:
-            here = batch.reduced is not None and self._outstanding == 0 and not self._replay.armed
+            here = batch.reduced is not None and self._outstanding == 0
             self._outstanding += 1
             self._held[id(works)] = works
         if self._timeline.active:
@@ -396,8 +400,9 @@ class Executor:
         self._dispatched(item.batch, item.works)
 
     def _dispatched(self, batch: Batch, works: list) -> None:
-        """Run a batch from the coordinator: a pending slot first, given up (see the module's docstring)."""
-        if self._replay.armed:
+        """Run a batch from the coordinator: a pending slot first, given up (see the module's docstring), unless
+        rank 0 reduced the batch (it moves nothing on the transport)."""
+        if self._replay.armed and batch.reduced is None:
             self._resolve_slot(True)
         self._replay.dispatched(batch, works)
         self._run_batch(batch, works)
@@ -532,7 +537,7 @@ class Executor:
         if total * dtype.itemsize >= OWN_CALL_BYTES:  # agree first, then move the tensors without a copy
             agreement = torch.zeros(1 + len(ranks))
             self._fill_agreement(agreement, works is None, backend.rank)
-            self._agree(backend, agreement)
+            self._agree(backend, agreement, serial=slot.serial)
             if works is None or agreement[0].item() != 0:
                 return _GIVEN_UP
             if names is not None:
@@ -554,7 +559,7 @@ class Executor:
         self._fill_agreement(views[-1], works is None, backend.rank)
         if names is not None:
             self._timeline.activity(names, transport_activity(backend.carrier("allreduce"), "allreduce"))
-        self._agree(backend, buffer, views[-1])
+        self._agree(backend, buffer, views[-1], slot.serial)
         if works is None or buffer[total].item() != 0:
             if names is not None:
                 self._timeline.end(names, None)
@@ -780,11 +785,17 @@ class Executor:
         agreement[0] = 1 if giving_up else 0
         agreement[1 + rank] = round(self._slot_wait_ms) if not agreement.is_floating_point() else self._slot_wait_ms
 
-    def _agree(self, backend, buffer: torch.Tensor, agreement: torch.Tensor | None = None) -> None:
-        """Reduce a slot's ``buffer`` (ending in its ``agreement``, the whole buffer where None); time this rank's
-        wait, and hand every rank's wait in its previous slot to ``on_slot_waits`` (rank 0's straggler record)."""
+    def _agree(self, backend, buffer: torch.Tensor, agreement: torch.Tensor | None = None, serial: int = 0) -> None:
+        """Reduce slot ``serial``'s ``buffer`` (ending in its ``agreement``, the whole buffer where None); time this
+        rank's wait, and hand every rank's wait in its previous slot to ``on_slot_waits`` (rank 0's straggler
+        record)."""
+        token = None if self._waits is None else self._waits.enter((0, f"slot {serial}", REPLAY_WAIT))
         started = time.perf_counter()
-        backend.allreduce(buffer, ReduceOp.Sum)
+        try:
+            backend.allreduce(buffer, ReduceOp.Sum)
+        finally:
+            if self._waits is not None and token is not None:
+                self._waits.leave(token)
         self._slot_wait_ms = min((time.perf_counter() - started) * 1e3, _LONGEST_WAIT_MS)
         if self._on_slot_waits is not None:
             waits = (buffer if agreement is None else agreement)[1:].tolist()

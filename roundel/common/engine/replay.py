@@ -1,9 +1,10 @@
 """The steady state without a round trip to rank 0: agreed batches replayed from what every rank has seen.
 
 Every rank's executor runs the same sequence of global-set batches, so every
-rank can learn from it, alike, which batch follows which. Once the same batch
-(the same names, fused alike) has followed another twice in a row, the
-schedule is *armed*: the next batch becomes a *slot*, and a rank that has
+rank can learn from it, alike, which name follows which. Once the same name
+has followed the last one run twice in a row, the schedule is *armed*: that
+name, with the names that ran with it last time (as long as each followed
+the one before twice in a row), becomes a *slot*, and a rank that has
 submitted all of its names, as it submitted them last time, runs it on the
 transport at once, without asking the coordinator. A training step after the
 first few submits the same named gradients in the same order, so its
@@ -25,7 +26,10 @@ current slot up when:
   executor while the slot is pending: the coordinator only dispatches what
   every rank sent it, and every rank gives up the slot it stands at, so the
   transport sees the same calls in the same order everywhere (ranks never
-  stand more than one slot apart: a slot runs once every rank has entered it);
+  stand more than one slot apart: a slot runs once every rank has entered it).
+  The smallest allreduces, which rank 0 reduces itself from the data sent
+  with the requests (faster than a transfer), are not replayed: they move
+  nothing on the transport, so they pass beside the slots;
 * one of its threads has been waiting (on anything) at two checks
   ``WAIT_GRACE_S`` apart while the slot still lacked a name, or it has held
   some of the slot's names but not all for ``PARTIAL_LIMIT_S`` (a program
@@ -103,13 +107,14 @@ class ScheduleReplay:
         self._wake = wake
         self._someone_waits = someone_waits
         self._lock = threading.Lock()
-        self._after: dict[tuple, tuple[tuple, int]] = {}  # batch names -> (names of the batch after it, times)
-        self._misses: dict[tuple, int] = {}  # batch names -> slots armed after it given up in a row
-        self._requests: dict[tuple, tuple] = {}  # batch names -> this rank's requests, when replayable
+        self._after: dict[str, tuple[str, int]] = {}  # name -> (the name after it, times in a row)
+        self._batch_of: dict[str, tuple] = {}  # name -> the names of the last batch it ran in
+        self._misses: dict[str, int] = {}  # name -> slots armed after it given up in a row
+        self._requests: dict[str, Request] = {}  # name -> this rank's request, when its batch was replayable
         self._expected: dict[str, Request] = {}  # name -> request, of the armed slot and the ones sure to follow
         self._learned = 0  # bumped when the schedule's sure steps change
         self._expected_for: tuple = ()  # (learned, slot names) that _expected was found for
-        self._last: tuple | None = None  # names of the global batch seen last
+        self._last: str | None = None  # the global-set name run last
         self._slot: Slot | None = None
         self._serial = 0
         self._give_up = False  # this rank gives the pending slot up
@@ -205,15 +210,16 @@ class ScheduleReplay:
             return True
 
     def dispatched(self, batch: Batch, works: list) -> None:
-        """A batch from the coordinator runs next on this rank (a pending slot was resolved first): learn from
-        it, unless it carries an error (then only some ranks may see it)."""
+        """A batch from the coordinator runs next on this rank (a pending slot was resolved first, unless rank 0
+        reduced it): learn from it, unless it carries an error (then only some ranks may see it) or rank 0
+        reduced it (it moves nothing on the transport, so it passes beside the slots and is not one)."""
         if not self.enabled:
             return
         with self._lock:
             if batch.process_set_id == 0:
                 for entry in batch.entries:
                     self._negotiating.discard(entry.name)
-                if not batch.error:  # an error may reach only the ranks that submitted the name
+                if not batch.error and batch.reduced is None:
                     self._learn(tuple(e.name for e in batch.entries), batch, works)
 
     def retuned(self, tuning: bool) -> None:
@@ -285,7 +291,7 @@ class ScheduleReplay:
                 misses = self._misses[last] = self._misses.get(last, 0) + 1
                 if misses >= UNLEARN_AFTER:
                     del self._misses[last]
-                    self._after[last] = (slot.names, 0)
+                    self._after[last] = (slot.names[0], 0)
                     self._learned += 1
             self._negotiating.update(w.request.name for w in held)
         return held
@@ -296,55 +302,77 @@ class ScheduleReplay:
 
     def _learn(self, names: tuple, batch: Batch | None, works: list | None) -> None:
         """Note that the global batch ``names`` runs next (``batch`` and this rank's ``works`` when it came from
-        the coordinator), and arm the batch that has followed it, when sure of it."""
+        the coordinator), and arm what follows, when sure of it.
+
+        The order is learned name by name, not batch by batch: rank 0 fuses what is ready within a cycle, so
+        the same names may come in other batches from step to step while their order stays."""
         if len(self._after) >= _REMEMBERED:
             self._forget()
         if batch is not None and works is not None:
-            requests = tuple(w.request for w in works) if replayable(batch, works) else None
-            if self._requests.get(names) != requests:
-                self._learned += 1  # what the schedule expects must be found again
-                if requests is None:
-                    del self._requests[names]
-                else:
-                    self._requests[names] = requests
-        last = self._last
-        if last is not None:
-            after, times = self._after.get(last, ((), 0))
-            sure = times >= ARM_AFTER
-            times = times + 1 if after == names else 1
-            self._after[last] = (names, times)
-            if sure != (times >= ARM_AFTER):
-                self._learned += 1
-        self._last = names
-        after, times = self._after.get(names, ((), 0))
-        requests = self._requests.get(after)
-        if times < ARM_AFTER or requests is None or self.tuning:
+            fits = replayable(batch, works)
+            for name, work in zip(names, works):
+                request = work.request if fits else None
+                if self._requests.get(name) != request:
+                    self._learned += 1  # what the schedule expects must be found again
+                    if request is None:
+                        del self._requests[name]
+                    else:
+                        self._requests[name] = request
+                self._batch_of[name] = names
+        for name in names:
+            last = self._last
+            if last is not None:
+                after, times = self._after.get(last, ("", 0))
+                sure = times >= ARM_AFTER
+                times = times + 1 if after == name else 1
+                self._after[last] = (name, times)
+                if sure != (times >= ARM_AFTER):
+                    self._learned += 1
+            self._last = name
+        slot_names = self._next_slot()
+        if slot_names is None or self.tuning:
             return
         self._serial += 1
-        slot = self._slot = Slot(after, requests, self._serial)
-        if self._expected_for != (self._learned, after):
-            self._expected_for = (self._learned, after)
-            self._expected = self._expected_from(after)
+        slot = self._slot = Slot(slot_names, tuple(self._requests[n] for n in slot_names), self._serial)
+        if self._expected_for != (self._learned, slot_names[0]):
+            self._expected_for = (self._learned, slot_names[0])
+            self._expected = self._expected_from(slot_names[0])
         # a name of the slot already sent to the coordinator can only come back from there
-        self._give_up = any(name in self._negotiating for name in after)
+        self._give_up = any(name in self._negotiating for name in slot_names)
         if self._give_up or self._complete(slot):
             self._wake(slot.serial)
 
-    def _expected_from(self, names: tuple) -> dict:
-        """name -> this rank's request, for the batch ``names`` and every batch sure to follow it."""
-        expected: dict[str, Request] = {}
-        seen = set()
-        while names not in seen and names in self._requests:
-            seen.add(names)
-            expected.update(zip(names, self._requests[names]))
-            names, times = self._after.get(names, ((), 0))
-            if times < ARM_AFTER:
+    def _sure_after(self, name: str) -> str | None:
+        after, times = self._after.get(name, ("", 0))
+        return after if times >= ARM_AFTER else None
+
+    def _next_slot(self) -> tuple | None:
+        """The names of the slot sure to come next: the name sure to follow the last, and those that ran with
+        it last time after it, as long as each is sure to follow the one before; None if there is none."""
+        first = self._sure_after(self._last) if self._last is not None else None
+        if first is None or first not in self._requests:
+            return None
+        batch = self._batch_of[first]
+        names = [first]
+        for name in batch[batch.index(first) + 1:]:
+            if self._sure_after(names[-1]) != name or name not in self._requests:
                 break
+            names.append(name)
+        return tuple(names)
+
+    def _expected_from(self, first: str) -> dict:
+        """name -> this rank's request, for ``first`` and every name sure to follow it."""
+        expected: dict[str, Request] = {}
+        name: str | None = first
+        while name is not None and name not in expected and name in self._requests:
+            expected[name] = self._requests[name]
+            name = self._sure_after(name)
         return expected
 
     def _forget(self) -> None:
         """Drop what was learned of the order."""
         self._after.clear()
+        self._batch_of.clear()
         self._misses.clear()
         self._requests.clear()
         self._expected.clear()

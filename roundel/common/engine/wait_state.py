@@ -14,6 +14,10 @@ import threading
 from typing import Callable
 
 
+# the kind label of a replay slot's transfer waiting for the other ranks (not a collective a user waits for)
+REPLAY_WAIT = "replay slot"
+
+
 class WaitTracker:
     """The collectives this rank's threads wait for, with a change counter."""
 
