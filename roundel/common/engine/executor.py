@@ -142,9 +142,10 @@ def _pieces(tensor: torch.Tensor) -> list:
     return [flat] if flat.numel() <= _SERIAL_ELEMENTS else list(flat.split(_SERIAL_ELEMENTS))
 
 
-def _serial_copy(destinations: list, sources: list) -> None:
-    """``destinations[i].copy_(sources[i])`` for each i, in pieces that torch runs on the calling thread."""
-    if all(t.is_contiguous() for t in (*destinations, *sources)):
+def _serial_copy(destinations: list, sources: list, cut: bool = True) -> None:
+    """``destinations[i].copy_(sources[i])`` for each i, in pieces that torch runs on the calling thread (``cut``
+    False: every tensor is small enough already)."""
+    if cut and all(t.is_contiguous() for t in (*destinations, *sources)):
         destinations = [piece for t in destinations for piece in _pieces(t)]
         sources = [piece for t in sources for piece in _pieces(t)]
     with torch.no_grad():
@@ -532,7 +533,8 @@ class Executor:
         requests = slot.requests
         dtype = torch_dtype(requests[0].dtype)
         shapes = tuple(torch.Size(r.shape) for r in requests)
-        total = sum(math.prod(shape) for shape in shapes)
+        sizes = [math.prod(shape) for shape in shapes]
+        total, cut = sum(sizes), max(sizes) > _SERIAL_ELEMENTS
         names = list(slot.names) if self._timeline.active else None
         if total * dtype.itemsize >= OWN_CALL_BYTES:  # agree first, then move the tensors without a copy
             agreement = torch.zeros(1 + len(ranks))
@@ -554,7 +556,7 @@ class Executor:
         if works is not None:
             if names is not None:
                 self._timeline.begin(names, OpKind.ALLREDUCE.label, "REPLAY_MEMCPY_IN")
-            _serial_copy(views[:-1], [w.tensor for w in works])
+            _serial_copy(views[:-1], [w.tensor for w in works], cut)
             _serial_scale(buffer[:total], request.prescale)
         self._fill_agreement(views[-1], works is None, backend.rank)
         if names is not None:
@@ -566,7 +568,7 @@ class Executor:
             return _GIVEN_UP
         _serial_scale(buffer[:total], request.result_scale(len(ranks)))
         outputs = self._outputs_in_place(works, [w.tensor for w in works])
-        _serial_copy(outputs, views[:-1])
+        _serial_copy(outputs, views[:-1], cut)
         self._stamp_tuned(0, slot.names)
         for work, output in zip(works, outputs):
             work.handle.set_result(output)
