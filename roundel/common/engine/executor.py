@@ -430,7 +430,7 @@ class Executor:
 
     def _run_batch(self, batch: Batch, works: list) -> None:
         """Run (or start in the background) one batch that ``put`` counted."""
-        self._stamp_tuned(batch.process_set_id, [entry.name for entry in batch.entries])
+        self._stamp_tuned(batch.process_set_id, (entry.name for entry in batch.entries))
         if self._aborted is None and self._runs_in_background(batch):
             self._start_in_background(batch, works)
             return
