@@ -42,7 +42,7 @@ log = logging.getLogger("roundel")
 
 _STALL_POLL_S = 1.0
 _DEADLOCK_GRACE_S = 0.5
-# a rank blocked this long (at most) on collectives rank 0 has not seen makes every rank give up its replay slot
+# a rank inside one replay slot's transfer this long (at most) makes every rank give up its slot
 _SLOT_NUDGE_MAX_S = 10.0
 
 

@@ -443,6 +443,7 @@ class Engine:
             self.execute(batch, [self.take_inflight((batch.process_set_id, entry.name)) for entry in batch.entries])
 
     def retune(self, params) -> None:
-        """Apply the coordinator's tuned parameters (fusion threshold, cycle time, cache) on this rank."""
-        self.tuned = params
-        self.executor.retune(params)
+        """Apply the coordinator's tuned parameters (fusion threshold, cycle time, cache) on this rank (the same
+        ones again: rank 0 moves the ranks off their replay slots)."""
+        changed, self.tuned = params != self.tuned, params
+        self.executor.retune(params, changed)

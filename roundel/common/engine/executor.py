@@ -172,9 +172,11 @@ class _Run(NamedTuple):
 
 
 class _Retune(NamedTuple):
-    """Queue item: autotune's parameters, applied after the batches put before them."""
+    """Queue item: autotune's parameters, applied after the batches put before them (``changed`` False: the ones
+    in force, announced again, which only makes every rank give up its replay slot)."""
 
     params: TunedParams
+    changed: bool = True
 
 
 class _Stop:
@@ -302,12 +304,13 @@ class Executor:
         else:
             self._queue.put(_Run(batch, works))
 
-    def retune(self, params) -> None:
+    def retune(self, params, changed: bool = True) -> None:
         """Apply autotune's ``TunedParams`` after the batches put so far: the hierarchical switches, and
-        the stamp ``tuned_at`` gives every later collective (every rank stamps the same collectives alike)."""
+        the stamp ``tuned_at`` gives every later collective (every rank stamps the same collectives alike);
+        a pending replay slot is given up either way (``changed`` False: nothing else)."""
         with self._count_lock:  # pending until applied, so that no later batch runs in put() before it
             self._outstanding += 1
-        self._queue.put(_Retune(params))
+        self._queue.put(_Retune(params, changed))
 
     def abort(self, error: RoundelInternalError) -> None:
         """Fail every handle queued or running here now, and every batch put later.
@@ -416,10 +419,11 @@ class Executor:
         if self._replay.armed:
             self._resolve_slot(True)
         self._replay.retuned(item.params.tuning)
-        job = self._process_sets.job_backend
-        if job.tunable_hierarchy:
-            job.use(item.params.hierarchical_allreduce, item.params.hierarchical_allgather)
-        self._tuned = (self._tuned[0] + 1, item.params)
+        if item.changed:
+            job = self._process_sets.job_backend
+            if job.tunable_hierarchy:
+                job.use(item.params.hierarchical_allreduce, item.params.hierarchical_allgather)
+            self._tuned = (self._tuned[0] + 1, item.params)
         self._finished_one(None)
 
     def _on_stop(self, _: _Stop) -> None:
