@@ -412,7 +412,7 @@ class Executor:
         self._run_batch(batch, works)
 
     def _on_slot(self, item: _Slot) -> None:
-        if self._replay.ready(item.serial):
+        if self._replay.ready_now() == item.serial:  # begin() checks again, under the lock
             self._resolve_slot(False)
 
     def _on_retune(self, item: _Retune) -> None:

@@ -253,13 +253,6 @@ class ScheduleReplay:
             return slot.serial
         return None
 
-    def ready(self, serial: int) -> bool:
-        """Whether slot ``serial`` is pending and ready to run (complete, or to be given up)."""
-        with self._lock:
-            slot = self._slot
-            return (slot is not None and slot.serial == serial and self._running != serial
-                    and (self._give_up or self._complete(slot)))
-
     def ran(self, slot: Slot) -> list:
         """Every rank brought ``slot``'s tensors: learn from it and arm the next slot. When none follows for sure,
         return the works held for later slots, for the coordinator."""
