@@ -590,3 +590,38 @@ def test_a_transport_failure_fails_the_handles_and_is_reported(group):
     assert isinstance(error, RoundelInternalError)
     assert "allreduce of 't' failed in the memory transport: connection reset by peer" in str(error)
     assert g.transport_failures == [error]
+
+
+class HeldMemoryBackend(MemoryBackend):
+    """A MemoryBackend whose allreduce waits for ``release`` first (the executor's thread is busy meanwhile)."""
+
+    def __init__(self, rank, size, exchange, fail=False):
+        super().__init__(rank, size, exchange, fail)
+        self.release = threading.Event()
+
+    def allreduce(self, tensor, op):
+        self.release.wait(TIMEOUT_S)
+        super().allreduce(tensor, op)
+
+
+def test_an_abort_leaves_the_batches_whose_outcome_came_with_them_to_complete(group):
+    """Rank 0 sends a small allreduce it reduced itself, then exits: this rank reads its result, then the
+    closed connection, which aborts the executor while the result is still queued behind a running batch.
+    The result is in hand, so its handle completes (the job's last allreduce returned on rank 0 alone before)."""
+    g = group(1, backend=HeldMemoryBackend)
+    executor, backend = g.executors[0], g.backends[0]
+    running = Request("running", OpKind.ALLREDUCE, 0, "float32", (2,))
+    reduced = Request("reduced", OpKind.ALLREDUCE, 0, "float32", (2,))
+    failed = Request("failed", OpKind.ALLREDUCE, 0, "float32", (2,))
+    busy, result, refused = (work(r, torch.ones(2)) for r in (running, reduced, failed))
+    executor.put(batch_of(OpKind.ALLREDUCE, [running]), [busy])
+    executor.put(batch_of(OpKind.ALLREDUCE, [reduced])._replace(reduced=torch.tensor([3.0, 4.0]).numpy().tobytes()),
+                 [result])
+    executor.put(batch_of(OpKind.ALLREDUCE, [failed])._replace(error="shapes differ"), [refused])
+    executor.abort(RoundelInternalError("lost the connection to rank 0"))
+    backend.release.set()
+    with pytest.raises(RoundelInternalError, match="lost the connection"):
+        wait(busy.handle)
+    torch.testing.assert_close(wait(result.handle), torch.tensor([3.0, 4.0]))
+    with pytest.raises(CollectiveMismatchError, match="shapes differ"):
+        wait(refused.handle)

@@ -56,6 +56,15 @@ def test_a_rank_that_dies_in_the_steady_state_fails_the_others_promptly():
     assert _measured(result, 0) < 8.0, describe(result)
 
 
+def test_a_rank_waiting_for_the_last_small_allreduce_is_not_left_inside_a_slot():
+    """Rank 0 leaves once the job's last (small) allreduce has returned; rank 1 waited for it a second before
+    rank 0 submitted it. It used to give its pending slot up meanwhile, and so sat in a transfer rank 0 never
+    joined, until rank 0's exit broke it: 'lost the connection to rank 0' instead of its result."""
+    result = run_job(2, WORKER, "last_metric", env={"ROUNDEL_SHARED_MEMORY": "0"})
+    assert_checks_passed(result, 2, "last_metric")
+    assert _measured(result, 1) < 3.0, describe(result)
+
+
 def test_replay_can_be_turned_off():
     result = run_job(2, WORKER, "off", env={"ROUNDEL_STEADY_REPLAY": "0"})
     assert_checks_passed(result, 2, "off")

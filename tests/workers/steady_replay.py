@@ -192,6 +192,18 @@ def scenario_rank_dies() -> None:
     raise AssertionError("the job went on without rank 1")
 
 
+def scenario_last_metric() -> None:
+    """The job ends with a small allreduce (a test metric) after the steady state: rank 1 waits for it a second
+    before rank 0 submits it, and rank 0 leaves the job as soon as it has the result. Rank 1 gets it at once."""
+    steady()
+    if RANK == 0:
+        time.sleep(1.0)  # evaluating
+    start = time.monotonic()
+    out = hvd.allreduce(torch.tensor([float(RANK), 1.0]), name="test_metrics", op=hvd.Sum)
+    assert torch.equal(out, torch.tensor([float(sum(range(SIZE))), float(SIZE)])), out
+    print(f"MEASURED {time.monotonic() - start:.3f}", flush=True)
+
+
 def scenario_off() -> None:
     """With ROUNDEL_STEADY_REPLAY=0 nothing is replayed."""
     train(12)
@@ -208,6 +220,7 @@ SCENARIOS = {
     "join": scenario_join,
     "late_rank": scenario_late_rank,
     "rank_dies": scenario_rank_dies,
+    "last_metric": scenario_last_metric,
     "off": scenario_off,
 }
 

@@ -494,10 +494,11 @@ class Coordinator:
 
     def _nudge_replay(self, now: float, own: tuple) -> None:
         """When a rank has been inside one replayed slot's transfer (``REPLAY_WAIT`` in its waits), waiting for a
-        rank that is late, for a quarter of the collective timeout (at most ``_SLOT_NUDGE_MAX_S``), announce the
-        settings in force again: every rank gives up its pending slot on that (see ``replay``), so the slot's
-        collectives come here and wait as long as they must, as collectives that were never replayed do,
-        instead of running into the transport's timeout."""
+        rank that is late, for a quarter of the collective timeout (at most ``_SLOT_NUDGE_MAX_S``), or for a rank
+        that waits for it here (``_slot_crossed``) at two ticks, announce the settings in force again: every rank
+        gives up its pending slot on that (see ``replay``), so the slot's collectives come here and wait as long
+        as they must, as collectives that were never replayed do, instead of running into the transport's
+        timeout (or, crossed, the deadlock check finds them)."""
         if not self._engine.settings.steady_replay or self._engine.broken is not None:
             return
         states = dict(self._rank_waits)
@@ -511,11 +512,21 @@ class Coordinator:
             elif self._in_slot.get(rank, (None,))[0] != slot:
                 self._in_slot[rank] = (slot, now)
         limit = min(self._engine.settings.collective_timeout_s / 4, _SLOT_NUDGE_MAX_S)
+        if self._slot_crossed(states):  # not late: blocked on each other, so at the next tick
+            limit = TICK_S
         if any(now - since >= limit and since > self._last_nudge for _, since in self._in_slot.values()):
             self._last_nudge = now
             params = self._engine.tuned
             self._engine.retune(params)
             self._broadcast(control_codec.encode(Tune(params)))
+
+    def _slot_crossed(self, states: dict) -> bool:
+        """Whether a rank outside the slots waits for a collective pending here that a rank inside a slot's
+        transfer has not sent (a join, a barrier, another order): neither can go on until the slot is given up."""
+        in_slot, missing = self._in_slot, self._negotiator.missing_ranks
+        return any(rank not in in_slot and label != REPLAY_WAIT
+                   and any(r in in_slot for r in missing(set_id, name) or ())
+                   for rank, (_, waits) in states.items() for set_id, name, label in waits)
 
     def _check_stalls(self, now: float) -> None:
         settings = self._engine.settings

@@ -127,6 +127,12 @@ def _runs_alone(request: Request, work: Work | None, entries: int, own_calls: bo
     return own_calls and math.prod(request.shape) * torch_dtype(request.dtype).itemsize >= OWN_CALL_BYTES
 
 
+def _in_hand(batch: Batch) -> bool:
+    """Whether ``batch``'s outcome came with it (rank 0 reduced it, or failed it), so that it needs no peer: an
+    abort (rank 0 gone just after sending it, say) does not fail it."""
+    return batch.reduced is not None or bool(batch.error)
+
+
 def _reraise(exc: Exception):
     raise exc
 
@@ -293,7 +299,8 @@ class Executor:
         with self._count_lock:
             here = batch.reduced is not None and self._outstanding == 0
             self._outstanding += 1
-            self._held[id(works)] = works
+            if not _in_hand(batch):
+                self._held[id(works)] = works
         if self._timeline.active:
             self._timeline.begin([e.name for e in batch.entries], batch.kind.label, "QUEUE")
         if here and self._turn.acquire(blocking=False):  # else a user thread runs a slot: after it, in turn
@@ -313,7 +320,8 @@ class Executor:
         self._queue.put(_Retune(params, changed))
 
     def abort(self, error: RoundelInternalError) -> None:
-        """Fail every handle queued or running here now, and every batch put later.
+        """Fail every handle queued or running here now, and every batch put later, but for the batches whose
+        outcome is already in hand (see ``_in_hand``): they complete as they would have.
 
         The batch running on the transport (possibly blocked on a dead or
         departed peer) finishes in the background; its result is dropped.
@@ -442,7 +450,7 @@ class Executor:
             self._start_on_gpu(batch, works)
             return
         try:
-            if self._aborted is not None:
+            if self._aborted is not None and not _in_hand(batch):
                 self._fail(works, self._aborted)
             else:
                 self._execute(batch, works)

@@ -30,12 +30,21 @@ current slot up when:
   The smallest allreduces, which rank 0 reduces itself from the data sent
   with the requests (faster than a transfer), are not replayed: they move
   nothing on the transport, so they pass beside the slots;
-* one of its threads has been waiting (on anything) at two checks
-  ``WAIT_GRACE_S`` apart while the slot still lacked a name, or it has held
-  some of the slot's names but not all for ``PARTIAL_LIMIT_S`` (a program
-  that polls): the program submits less than last time, or waits for a
-  collective the others have not reached (a join, a barrier, another order);
-  the coordinator then sorts it out, as without the schedule.
+* it holds some of what the schedule expects, and one of its threads has
+  been waiting (on anything) at two checks ``WAIT_GRACE_S`` apart while the
+  slot still lacked a name, or it has held some of the slot's names but not
+  all for ``PARTIAL_LIMIT_S`` (a program that polls): the program submits
+  less than last time, or in another order; the coordinator then sorts it
+  out, as without the schedule.
+
+A rank that holds nothing of the schedule and waits gives nothing up: what it
+waits for is with the coordinator, which answers it (a batch every rank
+sent, which gives the slot up everywhere, or a small allreduce it reduced
+itself, which passes beside), or finds the rank waiting for a collective
+that ranks inside the slot's transfer have not sent (a join, a barrier,
+another order), and then makes every rank give the slot up. So a rank that
+leaves the job once its last small allreduce has returned (the others may
+still wait for its result) leaves nobody inside a slot.
 
 A rank that shuts down fails what it holds and leaves; a rank inside a slot
 with it gets the transport's error once it has gone, as a rank inside a
@@ -184,9 +193,9 @@ class ScheduleReplay:
         return WAIT_GRACE_S if self.enabled else None
 
     def overdue(self) -> bool:
-        """Whether the pending slot should run now: it is ready (and no one ran it), or it lacks a name while a
-        thread has waited at this check and the last, or while part of it has been held for
-        ``PARTIAL_LIMIT_S`` (it is then given up)."""
+        """Whether the pending slot should run now: it is ready (and no one ran it), or it lacks a name while this
+        rank holds some of the schedule and a thread has waited at this check and the last, or while part of it
+        has been held for ``PARTIAL_LIMIT_S`` (it is then given up)."""
         with self._lock:
             slot = self._slot
             if slot is None or self._running == slot.serial:
@@ -200,7 +209,7 @@ class ScheduleReplay:
                 if checks * WAIT_GRACE_S >= PARTIAL_LIMIT_S:
                     self._give_up = True
                     return True
-            if not self._someone_waits():
+            if not self._held or not self._someone_waits():  # holding nothing: see the module's docstring
                 self._suspect = 0
                 return False
             if self._suspect != slot.serial:
