@@ -42,6 +42,16 @@ def test_names_already_dispatched_or_unknown_count_as_progressing():
     assert deadlocked_ranks({0: _waits("a"), 1: _waits("gone")}, n.live_ranks(), n.missing_ranks) == {}
 
 
+def test_a_rank_waiting_for_a_name_it_has_not_sent_yet_is_on_its_way():
+    """Rank 0's request for 'a' reached the coordinator; ranks 1 and 2 hold theirs in a replayed slot (the
+    schedule was armed while rank 0 had already sent its own) and wait for it: the slot is given up, or runs,
+    by itself, so that is no deadlock (it was reported as one while thousands of requests were in flight)."""
+    n = _negotiator(3, {0: ["a"]})
+    assert deadlocked_ranks({1: _waits("a"), 2: _waits("a")}, n.live_ranks(), n.missing_ranks) == {}
+    stuck = deadlocked_ranks({0: _waits("a"), 1: _waits("a")}, n.live_ranks(), n.missing_ranks)
+    assert stuck == {}, "rank 1 is on its way, so rank 0's wait for it can complete too"
+
+
 def test_failing_the_waits_clears_them_for_the_submitters():
     n = _negotiator(2, {0: ["a"], 1: ["b"]})
     n.fail_waits(_waits("a") + _waits("b"), "deadlock")

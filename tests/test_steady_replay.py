@@ -36,6 +36,11 @@ def test_leaving_the_schedule_gives_the_usual_results_and_errors():
     for rank in range(3):
         # the mismatch and the fewer names cost no more than the waiter check; the deadlock, its detection
         assert _measured(result, rank) < 10.0, describe(result)
+    # rank 1 in join() holds nothing of the schedule, so it gives no slot up; rank 0 sees it wait for what the
+    # others hold in a slot and makes every rank give that up at its next tick, not after the transport's wait
+    joined_step = [float(line.split()[1]) for line in rank_lines(result.stdout, 0, "stdout")
+                   if line.startswith("JOINED_STEP ")]
+    assert joined_step and joined_step[0] < 3.0, describe(result)
 
 
 def test_a_rank_late_by_more_than_the_transport_timeout_times_nothing_out():

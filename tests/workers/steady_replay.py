@@ -154,8 +154,11 @@ def scenario_join() -> None:
         last = hvd.join()
         assert last in range(SIZE), last
         return
+    start = time.monotonic()
     for extra in range(3):
         out = hvd.allreduce(_mine(step + extra, SHAPES["step.a"]), name="step.a", op=hvd.Sum)
+        if extra == 0:  # rank 1 waits in join() for what the others hold in a slot: rank 0 sorts that out
+            print(f"JOINED_STEP {time.monotonic() - start:.3f}", flush=True)
         want = _expected(step + extra, "step.a", SHAPES["step.a"]) * 0
         for r in range(SIZE):
             if r != 1:

@@ -523,10 +523,13 @@ class Coordinator:
     def _slot_crossed(self, states: dict) -> bool:
         """Whether a rank outside the slots waits for a collective pending here that a rank inside a slot's
         transfer has not sent (a join, a barrier, another order): neither can go on until the slot is given up."""
-        in_slot, missing = self._in_slot, self._negotiator.missing_ranks
-        return any(rank not in in_slot and label != REPLAY_WAIT
-                   and any(r in in_slot for r in missing(set_id, name) or ())
-                   for rank, (_, waits) in states.items() for set_id, name, label in waits)
+        in_slot = self._in_slot
+        if not in_slot:
+            return False
+        waited = {(set_id, name) for rank, (_, waits) in states.items() if rank not in in_slot
+                  for set_id, name, label in waits if label != REPLAY_WAIT}
+        missing = self._negotiator.missing_ranks
+        return any(not in_slot.keys().isdisjoint(missing(set_id, name) or ()) for set_id, name in waited)
 
     def _check_stalls(self, now: float) -> None:
         settings = self._engine.settings

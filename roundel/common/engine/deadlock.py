@@ -5,7 +5,9 @@ to ask which ranks a pending collective still misses. A rank that is not
 blocked in roundel is *free*: it may still submit anything. A waited
 collective can still complete when every rank it misses is free, or is
 blocked on something that can itself still complete; what is left after that
-fixpoint is deadlocked.
+fixpoint is deadlocked. A rank that waits for a name it has not sent itself
+is on its way, not stuck: its request is still in flight, or its replayed
+schedule holds it, which gives it up, or runs it, by itself.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ def deadlocked_ranks(waits: Mapping[int, tuple], live: Iterable[int],
     ``waits[rank]`` holds (process set id, name, kind label) triples;
     ``missing(set_id, name)`` returns the ranks that have not yet submitted a
     pending name, or None when the name is not pending (dispatched, running,
-    or not yet heard of), which counts as able to complete.
+    or not yet heard of), which counts as able to complete, as does a name the
+    waiting rank itself has not submitted yet.
     """
     live = set(live)
     blocked = {rank: what for rank, what in waits.items() if what and rank in live}
@@ -33,7 +36,7 @@ def deadlocked_ranks(waits: Mapping[int, tuple], live: Iterable[int],
                 continue
             for set_id, name, _ in what:
                 lacking = missing(set_id, name)
-                if lacking is None or all(r in free for r in lacking):
+                if lacking is None or rank in lacking or all(r in free for r in lacking):
                     free.add(rank)
                     changed = True
                     break

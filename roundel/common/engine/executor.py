@@ -129,7 +129,7 @@ def _runs_alone(request: Request, work: Work | None, entries: int, own_calls: bo
 
 def _in_hand(batch: Batch) -> bool:
     """Whether ``batch``'s outcome came with it (rank 0 reduced it, or failed it), so that it needs no peer: an
-    abort (rank 0 gone just after sending it, say) does not fail it."""
+    abort (rank 0 gone just after sending it, say) completes it as it would have been, at once."""
     return batch.reduced is not None or bool(batch.error)
 
 
@@ -270,6 +270,7 @@ class Executor:
         self._outstanding = 0
         self._count_lock = threading.Lock()
         self._held: dict[int, list] = {}  # batches put and not yet finished: id -> works
+        self._in_hand: dict[int, tuple] = {}  # the same for batches whose outcome came with them: id -> (batch, works)
         self._aborted: RoundelInternalError | None = None
         self._queue: "queue.SimpleQueue[_Run | _Retune | _Slot | _InFlight | _OnGpu | _Stop]" = queue.SimpleQueue()
         self._handlers: dict[type, Callable] = {_Run: self._on_run, _Retune: self._on_retune, _Slot: self._on_slot,
@@ -299,7 +300,9 @@ class Executor:
         with self._count_lock:
             here = batch.reduced is not None and self._outstanding == 0
             self._outstanding += 1
-            if not _in_hand(batch):
+            if _in_hand(batch):
+                self._in_hand[id(works)] = (batch, works)
+            else:
                 self._held[id(works)] = works
         if self._timeline.active:
             self._timeline.begin([e.name for e in batch.entries], batch.kind.label, "QUEUE")
@@ -321,7 +324,8 @@ class Executor:
 
     def abort(self, error: RoundelInternalError) -> None:
         """Fail every handle queued or running here now, and every batch put later, but for the batches whose
-        outcome is already in hand (see ``_in_hand``): they complete as they would have.
+        outcome is in hand (see ``_in_hand``): they complete now, as they would have (not after a transfer that
+        may never end).
 
         The batch running on the transport (possibly blocked on a dead or
         departed peer) finishes in the background; its result is dropped.
@@ -332,8 +336,12 @@ class Executor:
         with self._count_lock:
             self._aborted = error
             held = list(self._held.values())
+            in_hand = list(self._in_hand.values())
+            self._in_hand.clear()
         for works in held:
             self._fail(works, error)
+        for batch, works in in_hand:
+            self._deliver(batch, works)
         self._abort_gpu(error)
 
     def _abort_gpu(self, error: RoundelInternalError) -> None:
@@ -450,7 +458,12 @@ class Executor:
             self._start_on_gpu(batch, works)
             return
         try:
-            if self._aborted is not None and not _in_hand(batch):
+            if _in_hand(batch):
+                with self._count_lock:
+                    delivered = self._in_hand.pop(id(works), None) is None  # by abort()
+                if not delivered:
+                    self._execute(batch, works)
+            elif self._aborted is not None:
                 self._fail(works, self._aborted)
             else:
                 self._execute(batch, works)
@@ -462,6 +475,13 @@ class Executor:
         if self._tuned[1] is not None:
             for name in names:
                 self.tuned_at[(process_set_id, name)] = self._tuned
+
+    def _deliver(self, batch: Batch, works: list) -> None:
+        """Complete a batch whose outcome is in hand (``_in_hand``) on the calling thread, off the timeline."""
+        if batch.error:
+            self._fail(works, _ERROR_TYPES.get(batch.error_type, CollectiveMismatchError)(batch.error))
+        else:
+            self._complete(works, lambda: self._reduced_by_coordinator(batch, works, batch.reduced))
 
     def _execute(self, batch: Batch, works: list) -> None:
         self._names = [e.name for e in batch.entries] if self._timeline.active else None
@@ -482,7 +502,7 @@ class Executor:
     def _execute_batch(self, batch: Batch, works: list) -> list | None:
         """Run ``batch`` and complete its handles; returns the results, None when it failed."""
         if batch.error:
-            self._fail(works, _ERROR_TYPES.get(batch.error_type, CollectiveMismatchError)(batch.error))
+            self._deliver(batch, works)
             return None
         return self._complete(works, lambda: self._run(batch, works))
 
@@ -667,6 +687,7 @@ class Executor:
         if kind == OpKind.JOIN:
             return [batch.last_joined] * len(works)
         if batch.reduced is not None:
+            self._phase("COORDINATOR_ALLREDUCE")
             return self._reduced_by_coordinator(batch, works, batch.reduced)
         call = {
             OpKind.ALLREDUCE: self._allreduce,
@@ -882,7 +903,6 @@ class Executor:
     def _reduced_by_coordinator(self, batch: Batch, works: list, reduced: bytes) -> list:
         """The results of an allreduce batch the coordinator reduced (``batch.reduced``), in its outputs."""
         outputs = self._outputs_in_place(works, self._inputs(batch, works))
-        self._phase("COORDINATOR_ALLREDUCE")
         small_allreduce.unpack(reduced, torch_dtype(batch.entries[0].request.dtype), outputs)
         return outputs
 
