@@ -478,10 +478,11 @@ class Executor:
 
     def _deliver(self, batch: Batch, works: list) -> None:
         """Complete a batch whose outcome is in hand (``_in_hand``) on the calling thread, off the timeline."""
-        if batch.error:
+        reduced = batch.reduced
+        if batch.error or reduced is None:
             self._fail(works, _ERROR_TYPES.get(batch.error_type, CollectiveMismatchError)(batch.error))
         else:
-            self._complete(works, lambda: self._reduced_by_coordinator(batch, works, batch.reduced))
+            self._complete(works, lambda: self._reduced_by_coordinator(batch, works, reduced))
 
     def _execute(self, batch: Batch, works: list) -> None:
         self._names = [e.name for e in batch.entries] if self._timeline.active else None
