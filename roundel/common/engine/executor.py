@@ -477,7 +477,8 @@ class Executor:
                 self.tuned_at[(process_set_id, name)] = self._tuned
 
     def _deliver(self, batch: Batch, works: list) -> None:
-        """Complete a batch whose outcome is in hand (``_in_hand``) on the calling thread, off the timeline."""
+        """Complete a batch whose outcome is in hand (``_in_hand``) on the calling thread: fail it with rank 0's
+        error, or land rank 0's result."""
         reduced = batch.reduced
         if batch.error or reduced is None:
             self._fail(works, _ERROR_TYPES.get(batch.error_type, CollectiveMismatchError)(batch.error))
