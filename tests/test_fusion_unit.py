@@ -6,6 +6,7 @@ arithmetic, so the test checks what lands in which output tensor.
 """
 
 import concurrent.futures
+import json
 import threading
 
 import pytest
@@ -15,6 +16,7 @@ from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, Rou
 from roundel.common.engine.executor import OWN_CALL_BYTES, Executor, Work
 from roundel.common.engine.handles import Handle
 from roundel.common.engine.process_set_registry import ProcessSetRegistry
+from roundel.common.engine.timeline import Timeline
 from roundel.ops import ReduceOp
 from roundel.common.control.records import Batch, Entry, OpKind, Request
 from roundel.transport.backend import Backend, ShapedViews
@@ -604,13 +606,18 @@ class HeldMemoryBackend(MemoryBackend):
         super().allreduce(tensor, op)
 
 
-def test_an_abort_completes_the_batches_whose_outcome_came_with_them_at_once(group):
+def test_an_abort_completes_the_batches_whose_outcome_came_with_them_at_once(group, tmp_path):
     """Rank 0 sends a small allreduce it reduced itself, then exits: this rank reads its result, then the
     closed connection, which aborts the executor while the result is still queued behind a running batch.
     The result is in hand, so its handle completes, at once, not after the running transfer (which may be
-    stuck on a peer that stopped): the job's last allreduce returned on rank 0 alone before."""
+    stuck on a peer that stopped): the job's last allreduce returned on rank 0 alone before. Its timeline
+    span ends too."""
     g = group(1, backend=HeldMemoryBackend)
-    executor, backend = g.executors[0], g.backends[0]
+    backend, timeline = g.backends[0], Timeline()
+    timeline.start(str(tmp_path / "timeline.json"))
+    assert g.executors[0].stop(TIMEOUT_S)  # replaced by one that records the timeline
+    executor = g.executors[0] = Executor(_registry(0, (0,), backend), g.transport_failures.append, lambda: None,
+                                         timeline)
     running = Request("running", OpKind.ALLREDUCE, 0, "float32", (2,))
     reduced = Request("reduced", OpKind.ALLREDUCE, 0, "float32", (2,))
     failed = Request("failed", OpKind.ALLREDUCE, 0, "float32", (2,))
@@ -621,6 +628,12 @@ def test_an_abort_completes_the_batches_whose_outcome_came_with_them_at_once(gro
     executor.put(batch_of(OpKind.ALLREDUCE, [failed])._replace(error="shapes differ"), [refused])
     executor.abort(RoundelInternalError("lost the connection to rank 0"))
     assert busy.handle.done() and result.handle.done() and refused.handle.done()
+    timeline.stop()
+    events = json.loads((tmp_path / "timeline.json").read_text())
+    rows = {e["args"]["name"]: e["pid"] for e in events if e.get("name") == "process_name"}
+    for row in ("allreduce.reduced", "allreduce.failed"):
+        phases = [e["ph"] for e in events if e.get("pid") == rows[row] and e["ph"] in "BE"]
+        assert phases.count("B") == phases.count("E") > 0, (row, phases)
     torch.testing.assert_close(wait(result.handle), torch.tensor([3.0, 4.0]))
     with pytest.raises(CollectiveMismatchError, match="shapes differ"):
         wait(refused.handle)

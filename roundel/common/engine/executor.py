@@ -342,6 +342,8 @@ class Executor:
             self._fail(works, error)
         for batch, works in in_hand:
             self._deliver(batch, works)
+            if self._timeline.active:  # out of QUEUE, where put() began it
+                self._timeline.end([e.name for e in batch.entries])
         self._abort_gpu(error)
 
     def _abort_gpu(self, error: RoundelInternalError) -> None:
