@@ -8,7 +8,8 @@ ranks (the second through relays). The figures themselves are not checked, only 
 names its plot, and the plot is a PNG matplotlib reads back.
 ``benchmarks/elastic_reset.py`` kills a rank of a 3-rank elastic job and must
 time the survivors' reset; ``benchmarks/relay_hops.py`` times a 2- and a 3-rank
-job with their relays chained and without. ``benchmarks/scaling.py`` runs its copy, allreduce
+job with their relays chained and without; ``benchmarks/gloo_small_allreduce.py`` times both forms of
+a small Gloo allreduce at 2 ranks. ``benchmarks/scaling.py`` runs its copy, allreduce
 and training comparisons at 2 ranks, and skips a rank count above the cores.
 ``benchmarks/scaling_model.py`` fits the committed measurements, and recovers
 the parameters of synthetic ones made by its laws; its GPU-host form (``--gpu``)
@@ -104,6 +105,15 @@ def test_relay_hops_benchmark_times_chains_of_relays_beside_direct_jobs(tmp_path
     assert output["fit"] is not None and "per hop" in result.stdout, describe(result)
     bad = run_command([sys.executable, BENCHMARKS / "relay_hops.py", "--np", "1"], timeout=60)
     assert bad.returncode == 2 and "at least 2" in bad.stderr, describe(bad)
+
+
+def test_gloo_small_allreduce_benchmark_times_both_forms_at_every_size():
+    result = run_command([sys.executable, BENCHMARKS / "gloo_small_allreduce.py", "--ranks", "2", "--blocks", "1"],
+                         timeout=120)
+    assert result.returncode == 0, describe(result)
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 7, describe(result)
+    assert all(float(ring.split()[0]) > 0 and float(gather.split()[0]) > 0 for _, _, ring, gather, _ in rows), rows
 
 
 def test_elastic_reset_benchmark_times_a_reset_after_a_kill(tmp_path):

@@ -28,9 +28,10 @@ log = logging.getLogger("roundel")
 # A small allreduce among 3 or more members runs as one allgather and a local reduction. Gloo's ring allreduce
 # takes 2 (n - 1) steps and receives 2 (n - 1) / n of the tensor per member; the allgather takes n - 1 steps
 # and receives n - 1 tensors, so it is used while what each member receives stays small, at most
-# GATHER_BYTES (4 ranks on 2 cores, 64 B to 64 KiB: 2.4-2.9 ms against the ring's 4.3-4.8). With 2 members
-# the ring is as fast or faster at every size (4 B to 64 KiB: 0.18-0.28 ms against 0.27-0.32; 256 KiB: 0.42
-# against 0.81). A tensor with fewer elements than members (ring chunks left empty) is as fast on the ring.
+# GATHER_BYTES (4 ranks on 2 cores, 64 B to 64 KiB: 2.0-3.0 ms against the ring's 4.3-5.5). With 2 members
+# the ring is as fast or faster (two runs of benchmarks/gloo_small_allreduce.py, 4 B to 64 KiB: 0.18-0.34 ms
+# against 0.23-0.45, the gather ahead only once, at 4 KiB; 256 KiB: 0.42-0.51 against 0.78-0.81). A tensor
+# with fewer elements than members (ring chunks left empty) is as fast on the ring.
 # The local reduction goes in slices of half torch's intra-op parallel grain (32,768 elements), so it stays
 # on the calling thread: pool threads would contend with the transport's.
 GATHER_BYTES = 256 * 1024
