@@ -75,10 +75,13 @@ class GlooBackend(RootedBackend):
         # Any: torch's stub of ProcessGroupGloo (a c10d Backend) lacks the collectives its pybind11 class has
         self._pg: Any = dist.ProcessGroupGloo(store, rank, size, options)
         self._native_reduce_scatter = True  # older torch (2.6 among them) has no reduce_scatter in Gloo
+        self._allreduce_options: dict = {}  # op -> its AllreduceOptions, made once (a call costs microseconds)
 
     def _allreduce_work(self, sent, op):
-        options = dist.AllreduceOptions()
-        options.reduceOp = TORCH_REDUCE_OPS[op]
+        options = self._allreduce_options.get(op)
+        if options is None:
+            options = self._allreduce_options[op] = dist.AllreduceOptions()
+            options.reduceOp = TORCH_REDUCE_OPS[op]
         return self._pg.allreduce([sent], options)
 
     def allreduce(self, tensor, op):

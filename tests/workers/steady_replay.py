@@ -77,6 +77,14 @@ def scenario_steady() -> None:
         out = hvd.allreduce(torch.full((4,), float(RANK + 1)), name="avg", op=hvd.Average,
                             prescale_factor=2.0, postscale_factor=0.5)
         assert torch.allclose(out, torch.full((4,), (SIZE + 1) / 2)), out
+    for dtype in (torch.float16, torch.bfloat16, torch.int32, torch.float64):  # each slot dtype's agreement
+        before = _counts()
+        for i in range(8):
+            mine = torch.full((4096,), RANK + i, dtype=dtype)
+            out = hvd.allreduce(mine, name=f"typed.{dtype}", op=hvd.Sum)
+            assert torch.equal(out, torch.full((4096,), sum(r + i for r in range(SIZE)), dtype=dtype)), (dtype, out)
+        ran, given_up = (a - b for a, b in zip(_counts(), before))  # the slot armed before the loop is given up
+        assert ran >= 4 and given_up <= 1, f"rank {RANK}: {dtype} slots ran {ran} times, given up {given_up}"
     for i in range(6):  # a large tensor: agreed first, then reduced in its own memory
         big = torch.full((300_000,), float(RANK + 1))
         assert torch.equal(hvd.allreduce(big, name="big", op=hvd.Sum), torch.full((300_000,), float(sum(

@@ -149,13 +149,12 @@ def _pieces(tensor: torch.Tensor) -> list:
 
 
 def _serial_copy(destinations: list, sources: list, cut: bool = True) -> None:
-    """``destinations[i].copy_(sources[i])`` for each i, in pieces that torch runs on the calling thread (``cut``
-    False: every tensor is small enough already)."""
+    """``destinations[i].copy_(sources[i])`` for each i (under ``torch.no_grad()``), in pieces that torch runs on
+    the calling thread (``cut`` False: every tensor is small enough already)."""
     if cut and all(t.is_contiguous() for t in (*destinations, *sources)):
         destinations = [piece for t in destinations for piece in _pieces(t)]
         sources = [piece for t in sources for piece in _pieces(t)]
-    with torch.no_grad():
-        torch._foreach_copy_(destinations, sources)
+    torch._foreach_copy_(destinations, sources)
 
 
 def _serial_scale(buffer: torch.Tensor, factor: float) -> None:
@@ -165,9 +164,62 @@ def _serial_scale(buffer: torch.Tensor, factor: float) -> None:
             scale(piece, factor)
 
 
+class _SlotPlan:
+    """How this rank runs a replay slot of given requests among ``members`` ranks, worked out once (a steady step
+    runs the same slots again and again).
+
+    A slot's transfer ends in its *agreement*: whether this rank gives the slot up, then each rank's wait in its
+    previous slot (ms), this rank's at its place. A small slot's tensors are copied into ``buffer`` (``inputs``,
+    ``tensors`` are its views) with the agreement after them, and take one transport call; a large one
+    (``buffer`` None) agrees on its own, then moves the tensors without a copy. The agreement is read and written
+    through a NumPy view where its dtype has one (touching a tensor's element costs microseconds).
+    """
+
+    def __init__(self, requests: tuple, rank: int, members: int,
+                 slot_buffer: Callable[[torch.dtype, int], torch.Tensor]):
+        self.requests = requests
+        self.members = members
+        self._place = 1 + rank
+        dtype = torch_dtype(requests[0].dtype)
+        shapes = tuple(torch.Size(r.shape) for r in requests)
+        sizes = [math.prod(shape) for shape in shapes]
+        total = sum(sizes)
+        self.cut = max(sizes) > _SERIAL_ELEMENTS
+        self.prescale = requests[0].prescale
+        self.result_scale = requests[0].result_scale(members)
+        self.buffer: torch.Tensor | None = None
+        self.inputs: list = []
+        self.tensors: torch.Tensor | None = None
+        if total * dtype.itemsize >= OWN_CALL_BYTES:
+            self.agreement = torch.zeros(1 + members)
+        else:
+            self.buffer = slot_buffer(dtype, total + 1 + members)
+            self.inputs = [piece.view(shape) for piece, shape in zip(self.buffer[:total].split(sizes), shapes)]
+            self.tensors = self.buffer[:total]
+            self.agreement = self.buffer[total:]
+        self._integral = not self.agreement.is_floating_point()
+        self._cells = self.agreement if self.agreement.dtype == torch.bfloat16 else self.agreement.numpy()
+
+    def fill_agreement(self, giving_up: bool, wait_ms: float) -> None:
+        """This rank's agreement: whether it gives the slot up, and its wait in its previous slot."""
+        cells = self._cells
+        cells[:] = 0
+        cells[0] = 1 if giving_up else 0
+        cells[self._place] = round(wait_ms) if self._integral else wait_ms
+
+    def given_up(self) -> bool:
+        """After the transfer: whether some rank gave the slot up."""
+        return bool(self._cells[0] != 0)
+
+    def waits(self) -> list:
+        """After the transfer: every rank's wait in its previous slot (ms)."""
+        return self._cells[1:].tolist()
+
+
 # what running a replay slot came to (see Executor._run_slot)
 _RAN, _GIVEN_UP, _HANDED_ON = object(), object(), object()
 _LONGEST_WAIT_MS = 60_000.0  # a wait in a slot is reported up to this (float16 holds it)
+_KEPT_PLANS = 256  # slot plans kept; beyond this (a schedule that keeps changing) they are worked out anew
 
 
 class _Run(NamedTuple):
@@ -284,6 +336,7 @@ class Executor:
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._slot_buffers: dict[torch.dtype, torch.Tensor] = {}  # the slots' (a batch in flight may hold the other)
         self._buffer_views = ShapedViews()  # the fusion buffers cut as the batches' tensors
+        self._slot_plans: dict[tuple, _SlotPlan] = {}  # a slot's names -> how it runs here
         self.cuda_device: torch.device | None = None  # see _cuda_device; join(device=...) may set it
         self._tuned: tuple[int, TunedParams | None] = (0, None)  # autotune's changes so far, the latest
         # (set id, name) -> self._tuned when that collective last ran
@@ -566,17 +619,12 @@ class Executor:
         once all ranks agreed, possibly in the background)."""
         ranks, backend = self._process_sets.members_and_backend(0)
         backend = backend.for_device("cpu")
-        requests = slot.requests
-        dtype = torch_dtype(requests[0].dtype)
-        shapes = tuple(torch.Size(r.shape) for r in requests)
-        sizes = [math.prod(shape) for shape in shapes]
-        total, cut = sum(sizes), max(sizes) > _SERIAL_ELEMENTS
+        plan = self._slot_plan(slot, backend.rank, len(ranks))
         names = list(slot.names) if self._timeline.active else None
-        if total * dtype.itemsize >= OWN_CALL_BYTES:  # agree first, then move the tensors without a copy
-            agreement = torch.zeros(1 + len(ranks))
-            self._fill_agreement(agreement, works is None, backend.rank)
-            self._agree(backend, agreement, serial=slot.serial)
-            if works is None or agreement[0].item() != 0:
+        if plan.buffer is None:  # a large slot: agree first, then move the tensors without a copy
+            plan.fill_agreement(works is None, self._slot_wait_ms)
+            self._agree(backend, plan.agreement, plan, slot.serial)
+            if works is None or plan.given_up():
                 return _GIVEN_UP
             if names is not None:
                 self._timeline.begin(names, OpKind.ALLREDUCE.label, "QUEUE")
@@ -586,25 +634,24 @@ class Executor:
                 return _RAN
             self._run_batch(slot.batch, works)
             return _HANDED_ON
-        buffer = self._slot_buffer(dtype, total + 1 + len(ranks))
-        views = self._buffer_views.of(buffer, shapes + (torch.Size([1 + len(ranks)]),))
-        request = requests[0]
-        if works is not None:
+        cut = plan.cut
+        with torch.no_grad():
+            if works is not None:
+                if names is not None:
+                    self._timeline.begin(names, OpKind.ALLREDUCE.label, "REPLAY_MEMCPY_IN")
+                _serial_copy(plan.inputs, [w.tensor for w in works], cut)
+                _serial_scale(plan.tensors, plan.prescale)
+            plan.fill_agreement(works is None, self._slot_wait_ms)
             if names is not None:
-                self._timeline.begin(names, OpKind.ALLREDUCE.label, "REPLAY_MEMCPY_IN")
-            _serial_copy(views[:-1], [w.tensor for w in works], cut)
-            _serial_scale(buffer[:total], request.prescale)
-        self._fill_agreement(views[-1], works is None, backend.rank)
-        if names is not None:
-            self._timeline.activity(names, transport_activity(backend.carrier("allreduce"), "allreduce"))
-        self._agree(backend, buffer, views[-1], slot.serial)
-        if works is None or buffer[total].item() != 0:
-            if names is not None:
-                self._timeline.end(names, None)
-            return _GIVEN_UP
-        _serial_scale(buffer[:total], request.result_scale(len(ranks)))
-        outputs = self._outputs_in_place(works, [w.tensor for w in works])
-        _serial_copy(outputs, views[:-1], cut)
+                self._timeline.activity(names, transport_activity(backend.carrier("allreduce"), "allreduce"))
+            self._agree(backend, plan.buffer, plan, slot.serial)
+            if works is None or plan.given_up():
+                if names is not None:
+                    self._timeline.end(names, None)
+                return _GIVEN_UP
+            _serial_scale(plan.tensors, plan.result_scale)
+            outputs = self._outputs_in_place(works, [w.tensor for w in works])
+            _serial_copy(outputs, plan.inputs, cut)
         self._stamp_tuned(0, slot.names)
         for work, output in zip(works, outputs):
             work.handle.set_result(output)
@@ -817,17 +864,9 @@ class Executor:
             self._buffers[key] = buffer
         return buffer[:numel]
 
-    def _fill_agreement(self, agreement: torch.Tensor, giving_up: bool, rank: int) -> None:
-        """A slot's own elements: whether this rank gives it up, then each rank's wait in its previous slot (ms),
-        this rank's at its place, the others zero."""
-        agreement.zero_()
-        agreement[0] = 1 if giving_up else 0
-        agreement[1 + rank] = round(self._slot_wait_ms) if not agreement.is_floating_point() else self._slot_wait_ms
-
-    def _agree(self, backend, buffer: torch.Tensor, agreement: torch.Tensor | None = None, serial: int = 0) -> None:
-        """Reduce slot ``serial``'s ``buffer`` (ending in its ``agreement``, the whole buffer where None); time this
-        rank's wait, and hand every rank's wait in its previous slot to ``on_slot_waits`` (rank 0's straggler
-        record)."""
+    def _agree(self, backend, buffer: torch.Tensor, plan: _SlotPlan, serial: int) -> None:
+        """Reduce slot ``serial``'s ``buffer`` (ending in, or being, its ``plan``'s agreement); time this rank's wait,
+        and hand every rank's wait in its previous slot to ``on_slot_waits`` (rank 0's straggler record)."""
         token = None if self._waits is None else self._waits.enter((0, f"slot {serial}", REPLAY_WAIT))
         started = time.perf_counter()
         try:
@@ -837,15 +876,24 @@ class Executor:
                 self._waits.leave(token)
         self._slot_wait_ms = min((time.perf_counter() - started) * 1e3, _LONGEST_WAIT_MS)
         if self._on_slot_waits is not None:
-            waits = (buffer if agreement is None else agreement)[1:].tolist()
+            waits = plan.waits()
             if any(waits):
                 self._on_slot_waits(waits)
+
+    def _slot_plan(self, slot: Slot, rank: int, members: int) -> _SlotPlan:
+        """How this rank runs ``slot``: kept per name list while its requests stay (a step's slots repeat)."""
+        plan = self._slot_plans.get(slot.names)
+        if plan is None or plan.requests != slot.requests or plan.members != members:
+            if len(self._slot_plans) >= _KEPT_PLANS:
+                self._slot_plans.clear()
+            plan = self._slot_plans[slot.names] = _SlotPlan(slot.requests, rank, members, self._slot_buffer)
+        return plan
 
     def _slot_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """A reusable CPU buffer for replay slots (per dtype, grown on demand)."""
         buffer = self._slot_buffers.get(dtype)
         if buffer is None or buffer.numel() < numel:
-            self._buffer_views.clear()
+            self._slot_plans.clear()  # they hold the buffer being replaced
             buffer = self._slot_buffers[dtype] = torch.empty(numel, dtype=dtype)
         return buffer[:numel]
 
