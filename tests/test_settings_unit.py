@@ -36,6 +36,7 @@ VARIABLES = [
     ("gpu_operations", "GPU_OPERATIONS", "nccl", ("GLOO", "gloo"), ["ccl", "cuda"]),
     ("bucket_cap_mb", "BUCKET_CAP_MB", 25.0, ("0", 0.0), ["-1", "big"]),
     ("shared_memory", "SHARED_MEMORY", True, ("0", False), ["maybe"]),
+    ("peer_links", "PEER_LINKS", True, ("0", False), ["maybe"]),
     ("steady_replay", "STEADY_REPLAY", True, ("0", False), ["maybe"]),
     ("coordinator_reduce_bytes", "COORDINATOR_REDUCE_BYTES", 4096, ("0", 0), ["-1", "65537", "4k"]),
     ("disable_group_fusion", "DISABLE_GROUP_FUSION", False, ("1", True), ["groups"]),

@@ -276,7 +276,7 @@ def _shutdown_at_exit() -> None:
 def _transport(settings: Settings) -> factory.Choice:
     return factory.Choice(settings.cpu_operations, settings.collective_timeout_s,
                           settings.hierarchical_allreduce, settings.hierarchical_allgather, settings.autotune,
-                          settings.gpu_operations, settings.shared_memory)
+                          settings.gpu_operations, settings.shared_memory, settings.peer_links)
 
 
 def runtime(what: str = "this operation") -> _Runtime:

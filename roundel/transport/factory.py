@@ -36,8 +36,9 @@ class Choice:
     """The transport the settings ask for: ``cpu_operations`` ("gloo" or "mpi"), the collectives'
     timeout in seconds, whether allreduce and allgather should be hierarchical, whether autotune may
     switch them (then a job that qualifies gets a hierarchical communicator either way),
-    ``gpu_operations`` ("nccl", or "gloo"/"mpi": CUDA tensors staged through the CPU transport), and
-    whether Gloo communicators of ranks on one host may use ``shared_memory``."""
+    ``gpu_operations`` ("nccl", or "gloo"/"mpi": CUDA tensors staged through the CPU transport),
+    whether Gloo communicators of ranks on one host may use ``shared_memory``, and whether Gloo communicators
+    move small allreduces over ``peer_links`` (see :mod:`roundel.transport.peer_links`)."""
 
     cpu_operations: str
     timeout_s: float
@@ -46,6 +47,7 @@ class Choice:
     autotune: bool = False
     gpu_operations: str = "nccl"
     shared_memory: bool = True
+    peer_links: bool = True
 
 
 def mpi_importable() -> bool:
@@ -98,11 +100,11 @@ def job_backend(choice: Choice, store, rank: int, size: int, hostname: str,
         def sub_communicator(label, members, rank, one_host):
             return world.subset(members)
     else:
-        flat = GlooBackend(store, rank, size, choice.timeout_s, hostname)
+        flat = GlooBackend(store, rank, size, choice.timeout_s, hostname, choice.peer_links)
 
         def sub_communicator(label, members, rank, one_host):
             group_store = dist.PrefixStore(f"{label}/", store)
-            gloo = GlooBackend(group_store, rank, len(members), choice.timeout_s, hostname)
+            gloo = GlooBackend(group_store, rank, len(members), choice.timeout_s, hostname, choice.peer_links)
             return _on_this_host(choice, gloo, group_store) if one_host else gloo
     backend: Backend = flat
     if wants_hierarchical and placement is not None:
@@ -125,7 +127,8 @@ def process_set_backend(choice: Choice, job: Backend, store, ranks: tuple[int, .
         # the set's communicator from its own members; the set's collectives go flat.
         backend = job.subset(ranks)
     else:
-        backend = GlooBackend(store, ranks.index(job.rank), len(ranks), choice.timeout_s, hostname)
+        backend = GlooBackend(store, ranks.index(job.rank), len(ranks), choice.timeout_s, hostname,
+                              choice.peer_links)
         if isinstance(job, shared_memory.SharedMemoryBackend):  # the whole job is on this host
             backend = _on_this_host(choice, backend, store)
     return _with_cuda(choice, backend, store)

@@ -22,10 +22,13 @@ import torch
 import torch.distributed as dist
 
 from roundel.transport.backend import COMBINE, TORCH_REDUCE_OPS, RootedBackend, narrow_back, shut_down, widened
+from roundel.transport.peer_links import LINK_BYTES, MOST_LINKED, PeerLinks
 
 log = logging.getLogger("roundel")
 
-# A small allreduce among 3 or more members runs as one allgather and a local reduction. Gloo's ring allreduce
+# A small allreduce (each member receiving at most LINK_BYTES) goes over roundel's own links between the
+# members, on the calling thread (see roundel.transport.peer_links), unless they are turned off. Otherwise, one
+# among 3 or more members runs as one allgather and a local reduction. Gloo's ring allreduce
 # takes 2 (n - 1) steps and receives 2 (n - 1) / n of the tensor per member; the allgather takes n - 1 steps
 # and receives n - 1 tensors, so it is used while what each member receives stays small, at most
 # GATHER_BYTES (4 ranks on 2 cores, 64 B to 64 KiB: 2.0-3.0 ms against the ring's 4.3-5.5). With 2 members
@@ -62,12 +65,24 @@ def raise_open_file_limit() -> None:
     log.debug("roundel: raised the open file limit (RLIMIT_NOFILE) from %s to %s", soft, target)
 
 
+def _combine_rows(flat: torch.Tensor, rows: torch.Tensor, combine) -> None:
+    """``flat`` = ``rows[0]``, then ``combine(flat, row)`` with each next row, in slices that stay on the calling
+    thread (see above)."""
+    for start in range(0, flat.numel(), _SERIAL_ELEMENTS):
+        into = flat[start:start + _SERIAL_ELEMENTS]
+        into.copy_(rows[0, start:start + _SERIAL_ELEMENTS])
+        for row in rows[1:]:
+            combine(into, row[start:start + _SERIAL_ELEMENTS])
+
+
 class GlooBackend(RootedBackend):
     """Collectives over a private ``ProcessGroupGloo``."""
 
     name = "gloo"
 
-    def __init__(self, store, rank: int, size: int, timeout_s: float, hostname: str = ""):
+    def __init__(self, store, rank: int, size: int, timeout_s: float, hostname: str = "", peer_links: bool = True):
+        """``peer_links``: small allreduces go over ``PeerLinks`` (where ``hostname``, the address to listen on,
+        is given) rather than through the process group."""
         super().__init__(rank, size)
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lacks _Options
         options._timeout = timedelta(seconds=timeout_s)
@@ -76,6 +91,14 @@ class GlooBackend(RootedBackend):
         self._pg: Any = dist.ProcessGroupGloo(store, rank, size, options)
         self._native_reduce_scatter = True  # older torch (2.6 among them) has no reduce_scatter in Gloo
         self._allreduce_options: dict = {}  # op -> its AllreduceOptions, made once (a call costs microseconds)
+        self._links: PeerLinks | None = None
+        self._kept_rows: torch.Tensor | None = None  # see _rows
+        if peer_links and 1 < size <= MOST_LINKED and hostname:
+            try:
+                self._links = PeerLinks(store, rank, size, hostname, timeout_s)
+            except BaseException:
+                self.close()
+                raise
 
     def _allreduce_work(self, sent, op):
         options = self._allreduce_options.get(op)
@@ -84,13 +107,36 @@ class GlooBackend(RootedBackend):
             options.reduceOp = TORCH_REDUCE_OPS[op]
         return self._pg.allreduce([sent], options)
 
+    def carrier(self, op_label: str) -> str:
+        return "gloo+links" if self._links is not None and op_label == "allreduce" else self.name
+
     def allreduce(self, tensor, op):
         sent = widened(tensor)
-        if 2 < self.size <= sent.numel() and (self.size - 1) * sent.numel() * sent.element_size() <= GATHER_BYTES:
+        links = self._links
+        if links is not None and (self.size - 1) * sent.numel() * sent.element_size() <= LINK_BYTES:
+            self._allreduce_on_links(links, sent, op)
+        elif 2 < self.size <= sent.numel() and (self.size - 1) * sent.numel() * sent.element_size() <= GATHER_BYTES:
             self._allreduce_by_allgather(sent, op)
         else:
             self._allreduce_work(sent, op).wait()
         narrow_back(tensor, sent)
+
+    def _allreduce_on_links(self, links: PeerLinks, tensor, op) -> None:
+        """Reduce a small ``tensor`` in place over ``links``: every member's copy, combined in rank order."""
+        flat = tensor.reshape(-1)  # a copy only where the tensor is not contiguous
+        rows = self._rows(flat)
+        rows[self.rank].copy_(flat)
+        links.allgather(rows)
+        _combine_rows(flat, rows, COMBINE[op])
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
+
+    def _rows(self, flat) -> torch.Tensor:
+        """A (members, elements) buffer for every member's copy of ``flat``, kept for the next call alike."""
+        rows = self._kept_rows
+        if rows is None or rows.dtype != flat.dtype or rows.shape[1] != flat.numel():
+            rows = self._kept_rows = torch.empty((self.size, flat.numel()), dtype=flat.dtype)
+        return rows
 
     def _allreduce_by_allgather(self, tensor, op) -> None:
         """Reduce a small ``tensor`` in place by gathering every member's copy (the same result, combined in
@@ -98,12 +144,7 @@ class GlooBackend(RootedBackend):
         flat = tensor.view(-1)
         rows = torch.empty((self.size, flat.numel()), dtype=flat.dtype, device=flat.device)
         self._pg._allgather_base(rows.view(-1), flat).wait()
-        combine = COMBINE[op]
-        for start in range(0, flat.numel(), _SERIAL_ELEMENTS):
-            into = flat[start:start + _SERIAL_ELEMENTS]
-            into.copy_(rows[0, start:start + _SERIAL_ELEMENTS])
-            for row in rows[1:]:
-                combine(into, row[start:start + _SERIAL_ELEMENTS])
+        _combine_rows(flat, rows, COMBINE[op])
 
     def allreduce_async(self, tensor, op):
         sent = widened(tensor)
@@ -178,6 +219,8 @@ class GlooBackend(RootedBackend):
         """Shut the process group down and drop it, its last reference: torch then destroys it at once
         (GIL released), joining its native threads while the interpreter still runs. A Gloo worker left
         to exit-time garbage collection aborts the process when it releases a tensor after Python has
-        begun to finalize."""
+        begun to finalize. The links close too."""
+        if self._links is not None:
+            self._links.close()
         pg, self._pg = self._pg, None
         shut_down(pg)

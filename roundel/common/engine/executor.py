@@ -170,7 +170,7 @@ class _SlotPlan:
 
     A slot's transfer ends in its *agreement*: whether this rank gives the slot up, then each rank's wait in its
     previous slot (ms), this rank's at its place. A small slot's tensors are copied into ``buffer`` (``inputs``,
-    ``tensors`` are its views) with the agreement after them, and take one transport call; a large one
+    ``tensors`` are its views; empty for a large one) with the agreement after them, and take one transport call; a large one
     (``buffer`` None) agrees on its own, then moves the tensors without a copy. The agreement is read and written
     through a NumPy view where its dtype has one (touching a tensor's element costs microseconds).
     """
@@ -189,7 +189,7 @@ class _SlotPlan:
         self.result_scale = requests[0].result_scale(members)
         self.buffer: torch.Tensor | None = None
         self.inputs: list = []
-        self.tensors: torch.Tensor | None = None
+        self.tensors = torch.empty(0)
         if total * dtype.itemsize >= OWN_CALL_BYTES:
             self.agreement = torch.zeros(1 + members)
         else:
