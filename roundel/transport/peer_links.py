@@ -34,10 +34,12 @@ import time
 
 import torch
 
-# an allreduce goes over the links while each member receives at most this (the others' copies); beyond, the
-# ring's bandwidth wins (2 ranks on 2 cores, blocking replayed allreduce, p50: 64 KiB 0.25 ms over the links,
-# 0.54 through Gloo, 0.28 for a raw Gloo call; 256 KiB 0.49, 0.85, 0.38; 1 MiB 5.3, 1.6, 1.3)
-LINK_BYTES = 256 * 1024
+# an allreduce goes over the links while each member receives at most this (the others' copies: 256 KiB, and room
+# for a replay slot's few agreement elements); beyond, the links fall off a cliff (measured on 2 cores with a
+# blocking replayed allreduce, p50, links / through Gloo / a raw Gloo call: 2 ranks 64 KiB 0.25 / 0.54 / 0.28 ms,
+# 256 KiB 0.45-0.49 / 0.71-0.85 / 0.33-0.38, 512 KiB 0.68 / - / 0.64, 1 MiB 5.3-5.7 / 1.6 / 1.1-1.3; 4 ranks
+# 16 KiB 0.86 / 2.9 / 4.1, 64 KiB 1.0 / 3.0 / 4.0, 82 KiB 1.2 / 3.0 / 4.1, 128 KiB 10.2 / 4.9 / 4.3, a copy each)
+LINK_BYTES = 260 * 1024
 MOST_LINKED = 64  # larger communicators make no links (each member would hold a connection to every other)
 _TOKEN_BYTES = 32
 _HELLO = struct.Struct(f"!I{_TOKEN_BYTES}s")  # the connector's rank, the listener's token
