@@ -72,10 +72,14 @@ from roundel.common.engine.wait_state import WaitTracker
 from roundel.common.settings import Settings
 from roundel.errors import RoundelInternalError
 from roundel.transport.backend import Backend
+from roundel.transport.peer_links import MOST_LINKED
 
 log = logging.getLogger("roundel")
 
 _ABANDON_S = 1.0
+# up to this many ranks (where a Gloo communicator has its peer links; shared memory is faster still), small
+# allreduces the schedule could replay are left to it rather than reduced by rank 0 (ScheduleReplay.runs_small)
+REPLAYS_SMALL_UP_TO = MOST_LINKED
 _SHUTTING_DOWN = "roundel is shutting down; no new collectives are accepted"
 
 
@@ -119,7 +123,8 @@ class Engine:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self.timeline = timeline or Timeline()  # recorded on rank 0 only, once a file is started
-        self._replay = ScheduleReplay(settings.steady_replay, self._slot_ready, self._someone_waits)
+        self._replay = ScheduleReplay(settings.steady_replay, self._slot_ready, self._someone_waits,
+                                      small_allreduces=size <= REPLAYS_SMALL_UP_TO)
         self._replay.tuning = self.tuned.tuning
         self._waits = WaitTracker(self._about_to_wait)
         self.executor = Executor(process_sets, self._transport_failed, self._executor_went_idle, self.timeline,
@@ -204,7 +209,8 @@ class Engine:
             handle = Handle(request.name, self._waits, (request.process_set_id, request.name, request.kind.label),
                             on_done=done)
             data = None
-            if small_allreduce.eligible(request, self.settings.coordinator_reduce_bytes):
+            if (small_allreduce.eligible(request, self.settings.coordinator_reduce_bytes)
+                    and not self._replay.runs_small(request)):
                 data = small_allreduce.snapshot(tensor)
             works.append(Work(request, tensor, output, handle, data, _ready_event(tensor, ready)))
         try:

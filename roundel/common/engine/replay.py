@@ -27,9 +27,11 @@ current slot up when:
   every rank sent it, and every rank gives up the slot it stands at, so the
   transport sees the same calls in the same order everywhere (ranks never
   stand more than one slot apart: a slot runs once every rank has entered it).
-  The smallest allreduces, which rank 0 reduces itself from the data sent
-  with the requests (faster than a transfer), are not replayed: they move
-  nothing on the transport, so they pass beside the slots;
+  The smallest allreduces that rank 0 reduces itself from the data sent
+  with the requests are not replayed: they move nothing on the transport, so
+  they pass beside the slots. In a job of up to ``REPLAYS_SMALL_UP_TO`` ranks
+  (the engine's), those the schedule could run (``runs_small``) go without
+  their data instead, and are replayed once they repeat;
 * it holds some of what the schedule expects, and one of its threads has
   been waiting (on anything) at two checks ``WAIT_GRACE_S`` apart while the
   slot still lacked a name, or it has held some of the slot's names but not
@@ -75,6 +77,7 @@ PARTIAL_LIMIT_S = 1.0
 # batches remembered for learning; beyond this (names that never repeat) the memory starts over
 _REMEMBERED = 4096
 _DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int32", "int64"})
+_REPLAYED_OPS = (ReduceOp.Sum, ReduceOp.Average)
 
 
 class Slot(NamedTuple):
@@ -99,7 +102,7 @@ def replayable(batch: Batch, works: list) -> bool:
         return False
     request = batch.entries[0].request
     return (request.device == "cpu" and request.dtype in _DTYPES
-            and request.reduce_op in (ReduceOp.Sum, ReduceOp.Average) and None not in works)
+            and request.reduce_op in _REPLAYED_OPS and None not in works)
 
 
 class ScheduleReplay:
@@ -111,8 +114,12 @@ class ScheduleReplay:
     ``someone_waits()`` says whether a thread of this rank is blocked in a collective now.
     """
 
-    def __init__(self, enabled: bool, wake: Callable[[int], None], someone_waits: Callable[[], bool]):
+    def __init__(self, enabled: bool, wake: Callable[[int], None], someone_waits: Callable[[], bool],
+                 small_allreduces: bool = False):
+        """``small_allreduces``: the allreduces the schedule could run are left to it however small (see
+        ``runs_small``)."""
         self.enabled = enabled
+        self._small = enabled and small_allreduces
         self._wake = wake
         self._someone_waits = someone_waits
         self._lock = threading.Lock()
@@ -137,6 +144,14 @@ class ScheduleReplay:
         self.slots_given_up = 0
 
     # ---------------------------------------------------------------- submitting threads
+    def runs_small(self, request: Request) -> bool:
+        """Whether an allreduce small enough for rank 0 to reduce from the requests' data goes without its data
+        instead, for the schedule to replay once it repeats (alike on every rank: decided from the request).
+        Rank 0's reduction saves a transfer after the negotiation's round trip; a replayed slot needs neither
+        round trip, and on a fast small-message path (shared memory, the peer links) its transfer costs less."""
+        return (self._small and request.process_set_id == 0 and request.device == "cpu"
+                and request.dtype in _DTYPES and request.reduce_op in _REPLAYED_OPS)
+
     @property
     def armed(self) -> bool:
         """Whether a slot is pending (a hint, read without the lock)."""
