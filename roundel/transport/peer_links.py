@@ -4,13 +4,14 @@ Gloo hands each collective to a worker thread of its process group, whose
 transfer waits on Gloo's own I/O thread, and wakes the caller when it is done:
 three thread wake-ups a call, which on a busy host cost more than moving a few
 kilobytes does. A ``PeerLinks`` keeps one TCP connection to every other member
-instead. An allreduce of at most ``LINK_BYTES`` per member sends this member's
-bytes on every link, reads every other member's, and combines the copies in
-rank order: the same result, bit for bit, on every member, with no thread but
-the caller's.
+instead. Its ``allgather`` sends this member's bytes on every link and reads
+every other member's; the Gloo communicator then combines the copies in rank
+order, so a small allreduce (each member receiving at most ``LINK_BYTES``)
+gives the same result, bit for bit, on every member, with no thread but the
+caller's.
 
 The links are made with the communicator. Every member listens on its
-advertised address, publishes that address and a fresh random token in the
+advertised address, publishes the address it bound and a fresh random token in the
 communicator's store (which only the job's ranks can read), connects to the
 members before it, and accepts the members after it. A connection counts once
 it shows the listener's token and gets the connector's token back; any other
@@ -78,7 +79,8 @@ class PeerLinks:
         try:
             listener.bind((address, 0))
             listener.listen(max(16, size))
-            store.set(_key(rank), json.dumps([address, listener.getsockname()[1], token.hex()]))
+            bound = listener.getsockname()  # the address itself, as resolved here (as Gloo publishes its own)
+            store.set(_key(rank), json.dumps([bound[0], bound[1], token.hex()]))
             deadline = time.monotonic() + timeout_s
             for peer in range(rank):
                 self._links[peer] = self._connect(store, peer, token, deadline)
@@ -146,7 +148,7 @@ class PeerLinks:
                     try:
                         conn.settimeout(max(0.001, deadline - time.monotonic()))
                         conn.sendall(bytes.fromhex(json.loads(store.get(_key(peer)))[2]))
-                    except OSError:  # gone already: the member, if it was one, connects again or times out
+                    except OSError:  # gone already: its rank stays awaited (and times out if it was the member)
                         conn.close()
                         continue
                     self._links[peer] = conn
@@ -254,7 +256,7 @@ class PeerLinks:
 
 def _read_hello(conn: socket.socket, pending: dict) -> bytes | None:
     """The hello ``conn`` sent, once all of it is in; None before. A connection that closes first comes back as
-    b"" (shows no token, so it is closed)."""
+    ``_CLOSED`` (which shows no token, so it is closed)."""
     try:
         chunk = conn.recv(_HELLO.size - len(pending[conn]))
     except (BlockingIOError, InterruptedError):
