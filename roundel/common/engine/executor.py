@@ -169,10 +169,11 @@ class _SlotPlan:
     runs the same slots again and again).
 
     A slot's transfer ends in its *agreement*: whether this rank gives the slot up, then each rank's wait in its
-    previous slot (ms), this rank's at its place. A small slot's tensors are copied into ``buffer`` (``inputs``,
-    ``tensors`` are its views; empty for a large one) with the agreement after them, and take one transport call; a large one
-    (``buffer`` None) agrees on its own, then moves the tensors without a copy. The agreement is read and written
-    through a NumPy view where its dtype has one (touching a tensor's element costs microseconds).
+    previous slot (ms), this rank's at its place. A small slot's tensors are copied into ``buffer`` (``inputs``
+    and ``tensors`` are its views) with the agreement after them, and take one transport call; a large one
+    (``buffer`` None, ``inputs`` and ``tensors`` empty) agrees on its own, then moves the tensors without a copy.
+    The agreement is read and written through a NumPy view where its dtype has one (touching a tensor's element
+    costs microseconds).
     """
 
     def __init__(self, requests: tuple, rank: int, members: int,
