@@ -1,6 +1,6 @@
 """Latency of one blocking collective at a time: roundel against raw ``torch.distributed`` Gloo, p50 and p99.
 
-    python benchmarks/latency.py                      # 2 and 4 ranks, shared memory on and off (~3 min)
+    python benchmarks/latency.py                      # 2 and 4 ranks, shared memory on and off (~1 min)
     python benchmarks/latency.py --hosts 1gbit,10gbit # also 2 network-namespace hosts, tc-shaped (root)
     python benchmarks/latency.py --quick              # fewer calls per size
 
@@ -9,9 +9,13 @@ Each configuration is one ``roundelrun`` job whose ranks run roundel
 the same ranks. For every collective (allreduce, broadcast, allgather) and
 size (4 B to 4 MiB), the two alternate in blocks of calls; every call is
 timed on every rank, and a call's latency is the slowest rank's. The table
-gives p50 and p99 per size and the ratio of raw Gloo's p50 to roundel's (>
-1: roundel is faster). ``ROUNDEL_SHARED_MEMORY=0`` makes roundel use Gloo
-too, which isolates what its engine costs over the same transport. Across
+gives p50 and p99 per size, the ratio of raw Gloo's p50 to roundel's (> 1:
+roundel is faster), and roundel's own cost: the p50 of a call's time outside
+the calls roundel makes on its transport (its Python, thread hand-offs and,
+where the call is negotiated, the round trip to rank 0), the slowest rank's;
+a transfer roundel starts in the background (a negotiated allreduce of 1 MiB
+or more) counts as its own. ``ROUNDEL_SHARED_MEMORY=0`` keeps roundel off
+shared memory: on Gloo, and on its peer links for small allreduces. Across
 hosts, each host is a network namespace whose link ``tc`` limits to the
 given rate (tests/netns_util.py); one rank per host. Writes
 ``latency.png`` (p50 against size, one panel per collective) and prints
@@ -52,6 +56,7 @@ def work(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     import roundel.torch as hvd
+    from roundel.common import basics
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -77,6 +82,21 @@ def work(args: argparse.Namespace) -> int:
     def barrier():
         raw_group.allreduce([torch.zeros(1)]).wait()
 
+    in_transport = [0.0]  # seconds this rank has spent inside roundel's transport calls
+    transport = basics.runtime().engine.job_backend
+
+    def timed(call):
+        def timed_call(*args):
+            began = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                in_transport[0] += time.perf_counter() - began
+        return timed_call
+
+    for method in ("allreduce", "allgather", "broadcast"):  # what roundel's blocking collectives call
+        setattr(transport, method, timed(getattr(transport, method)))
+
     def calls(op: str, nbytes: int) -> dict:
         numel = max(1, nbytes // 4)
         mine, raw = torch.zeros(numel), torch.zeros(numel)
@@ -100,17 +120,20 @@ def work(args: argparse.Namespace) -> int:
                 for _ in range(5):
                     step()
             times: dict[str, list[float]] = {label: [] for label in steps}
+            own: list[float] = []  # roundel's calls' time outside its transport
             block = 10
             for start in range(0, count, block):
                 order = list(steps) if (start // block) % 2 == 0 else list(steps)[::-1]
                 for label in order:
                     barrier()
                     for _ in range(block):
-                        began = time.perf_counter()
+                        began, inside = time.perf_counter(), in_transport[0]
                         steps[label]()
                         times[label].append(time.perf_counter() - began)
+                        if label == "roundel":
+                            own.append(times[label][-1] - (in_transport[0] - inside))
             row = {"op": op, "bytes": nbytes}
-            for label, seconds in times.items():
+            for label, seconds in (*times.items(), ("roundel_own", own)):
                 mine_t = torch.tensor(seconds, dtype=torch.float64)
                 raw_group.allreduce([mine_t], maximum).wait()  # each call's slowest rank
                 ordered = sorted(mine_t.tolist())
@@ -162,12 +185,13 @@ def across_hosts(args: argparse.Namespace, rate: str) -> list[dict]:
 def report(label: str, rows: list[dict]) -> None:
     print(f"\n**{label}** (seconds are the slowest rank's per call; ratio = raw p50 / roundel p50, > 1: "
           "roundel faster)\n")
-    print("| collective | size | roundel p50 | roundel p99 | raw Gloo p50 | raw Gloo p99 | ratio p50 |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| collective | size | roundel p50 | roundel p99 | raw Gloo p50 | raw Gloo p99 | ratio p50 | "
+          "roundel's own p50 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['op']} | {_human(row['bytes'])} | {row['roundel_p50'] * 1e3:.3f} ms | "
               f"{row['roundel_p99'] * 1e3:.3f} ms | {row['raw_p50'] * 1e3:.3f} ms | {row['raw_p99'] * 1e3:.3f} ms | "
-              f"{row['raw_p50'] / row['roundel_p50']:.2f} |")
+              f"{row['raw_p50'] / row['roundel_p50']:.2f} | {row['roundel_own_p50'] * 1e3:.3f} ms |")
 
 
 def plot(path: Path, results: dict[str, list[dict]]) -> Path:

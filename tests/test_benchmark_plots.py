@@ -9,7 +9,8 @@ names its plot, and the plot is a PNG matplotlib reads back.
 ``benchmarks/elastic_reset.py`` kills a rank of a 3-rank elastic job and must
 time the survivors' reset; ``benchmarks/relay_hops.py`` times a 2- and a 3-rank
 job with their relays chained and without; ``benchmarks/gloo_small_allreduce.py`` times both forms of
-a small Gloo allreduce at 2 ranks. ``benchmarks/scaling.py`` runs its copy, allreduce
+a small Gloo allreduce at 2 ranks; ``benchmarks/latency.py`` times each collective at 2 ranks, shared
+memory on and off, against raw Gloo, with roundel's own share of each call. ``benchmarks/scaling.py`` runs its copy, allreduce
 and training comparisons at 2 ranks, and skips a rank count above the cores.
 ``benchmarks/scaling_model.py`` fits the committed measurements, and recovers
 the parameters of synthetic ones made by its laws; its GPU-host form (``--gpu``)
@@ -114,6 +115,20 @@ def test_gloo_small_allreduce_benchmark_times_both_forms_at_every_size():
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| 2 |")]
     assert len(rows) == 7, describe(result)
     assert all(float(ring.split()[0]) > 0 and float(gather.split()[0]) > 0 for _, _, ring, gather, _ in rows), rows
+
+
+def test_latency_benchmark_times_each_collective_against_raw_gloo_and_roundels_own_share(tmp_path):
+    png = tmp_path / "latency.png"
+    result = run_command([sys.executable, BENCHMARKS / "latency.py", "--ranks", "2", "--calls", "10", "--png", png],
+                         timeout=300)
+    assert result.returncode == 0, describe(result)
+    assert_valid_png(png, result)
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
+            if line.startswith(("| allreduce |", "| broadcast |", "| allgather |"))]
+    assert len(rows) == 2 * 3 * 6, describe(result)  # shared memory on and off, 3 collectives, 6 sizes
+    for op, size, p50, _, raw, _, ratio, own in rows:
+        ms = [float(cell.split()[0]) for cell in (p50, raw, own)]
+        assert ms[0] > 0 and ms[1] > 0 and 0 <= ms[2] <= ms[0] + 0.001, (op, size, p50, raw, own)
 
 
 def test_elastic_reset_benchmark_times_a_reset_after_a_kill(tmp_path):

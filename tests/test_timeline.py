@@ -83,8 +83,9 @@ def test_timeline_file_has_a_row_per_name_and_horovods_phases_in_order(steps_tim
     expected = {*GRADS, *KINDS, "allreduce.noname.1", "allreduce.noname.2", "allreduce.noname.3"}
     assert expected <= set(rows), sorted(rows)
     for name in (*GRADS, *KINDS):
-        # grad.a goes through shared memory; the small grad.b and grad.late are reduced by the coordinator
-        reduced_by = "SHM_ALLREDUCE" if name == "allreduce.grad.a" else "COORDINATOR_ALLREDUCE"
+        # grad.a and the small grad.b (an Average) go through shared memory; grad.late (a Max) is reduced by the
+        # coordinator
+        reduced_by = "COORDINATOR_ALLREDUCE" if name == "allreduce.grad.late" else "SHM_ALLREDUCE"
         negotiate_op, op, transport = KINDS.get(name, ("NEGOTIATE_ALLREDUCE", "ALLREDUCE", reduced_by))
         negotiations, executions = _spans(rows[name], 1), _spans(rows[name], 2)
         assert len(negotiations) == len(executions) == STEPS, (name, negotiations, executions)

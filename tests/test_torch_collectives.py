@@ -19,7 +19,7 @@ GROUPS = {
     "a2a_rs": ("alltoall", "reducescatter"),
     "async": ("ordering", "barrier"),
     "join": ("join",),
-    "autograd": ("autograd",),
+    "autograd": ("autograd", "inference_mode"),
 }
 
 

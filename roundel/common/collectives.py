@@ -173,24 +173,35 @@ def _first(results):
 
 
 def _in_place_target(buffer: torch.Tensor):
-    """The contiguous buffer an in-place op writes to, and how to finish into ``buffer``."""
-    if buffer.is_contiguous():
+    """The contiguous buffer an in-place op writes to, and how to finish into ``buffer``. An inference tensor (made
+    under ``torch.inference_mode()``) is written through a normal copy: roundel's threads work outside that mode,
+    where such a tensor cannot be written in place."""
+    if buffer.is_contiguous() and not buffer.is_inference():
         return buffer, _first
-    target = buffer.contiguous()
+    if buffer.is_inference():
+        with torch.inference_mode(False):
+            target = buffer.clone(memory_format=torch.contiguous_format)
+    else:
+        target = buffer.contiguous()
 
     def finish(results):
-        buffer.copy_(results[0])
+        with torch.inference_mode(buffer.is_inference()):
+            buffer.copy_(results[0])
         return buffer
 
     return target, finish
 
 
 def _target(buffer: torch.Tensor, in_place: bool):
-    """What a collective reads from and writes to, and how its result becomes the caller's."""
+    """What a collective reads from and writes to, and how its result becomes the caller's (a normal tensor, even
+    when the caller is in ``torch.inference_mode()``: roundel's threads write it outside that mode)."""
     if in_place:
         target, finish = _in_place_target(buffer)
         return target, target, finish
     target = buffer.contiguous()
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return target, torch.empty_like(target), _first
     return target, torch.empty_like(target), _first
 
 

@@ -859,7 +859,29 @@ def scenario_autograd():
         check(x.grad, expected, tag)
 
 
+def scenario_inference_mode():
+    """Collectives on inference tensors (made under torch.inference_mode(), as a validation loop makes them), from
+    inside and outside that mode, small and large, out of place and in place: the right results, and an
+    out-of-place result the caller can use outside the mode."""
+    for count in (3, 300_000):  # replayed or sent to rank 0 alike; and a large one
+        with torch.inference_mode():
+            mine = torch.full((count,), float(RANK + 1))
+        for step in range(3):  # the later ones replayed
+            with torch.inference_mode():
+                inside = hvd.allreduce(mine, name=f"inference.{count}", op=hvd.Sum)
+            outside = hvd.allreduce(mine, name=f"inference.{count}", op=hvd.Sum)
+            total = float(sum(r + 1 for r in range(SIZE)))
+            assert torch.equal(inside, torch.full((count,), total)) and torch.equal(outside, inside), (count, step)
+            outside.add_(1)  # a normal tensor: writable outside the mode
+        with torch.inference_mode():
+            target = torch.full((count,), float(RANK + 1))
+            hvd.allreduce_(target, name=f"inference.in_place.{count}", op=hvd.Sum)
+        hvd.broadcast_(target, root_rank=0, name=f"inference.broadcast.{count}")  # in place, outside the mode
+        assert target.is_inference() and torch.equal(target, torch.full((count,), total)), (count, target)
+
+
 SCENARIOS = {
+    "inference_mode": scenario_inference_mode,
     "allreduce": scenario_allreduce,
     "allreduce_sizes": scenario_allreduce_sizes,
     "coordinator_reduce": scenario_coordinator_reduce,

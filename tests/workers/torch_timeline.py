@@ -37,8 +37,9 @@ def step(n: int) -> None:
     handles = [hvd.allreduce_async(a, name="grad.a"), hvd.allreduce_async(b, name="grad.b")]
     if rank == 1:
         time.sleep(LATE_S)
-    late = hvd.allreduce(torch.ones(4), name="grad.late", op=hvd.Sum)
-    assert late.tolist() == [float(size)] * 4, late
+    # a Max: rank 0 reduces it from the requests (a small Sum or Average would be left to the replayed schedule)
+    late = hvd.allreduce(torch.full((4,), float(rank)), name="grad.late", op=hvd.Max)
+    assert late.tolist() == [float(size - 1)] * 4, late
     out_a, out_b = (hvd.synchronize(h) for h in handles)
     assert torch.allclose(out_a, torch.full((2000,), (size - 1) / 2)), out_a[:4]
     assert torch.equal(out_b, b)
