@@ -114,9 +114,16 @@ def test_large_tensors_stay_in_gloo_and_links_can_be_turned_off():
     try:
         _, stores = _store(size)
         off = _together(size, lambda r: GlooBackend(stores[r], r, size, 20.0, "127.0.0.1", peer_links=False))
+        on_links: list = []
+        for backend in backends:
+            links = backend._links
+            links.allgather = lambda rows, gather=links.allgather: on_links.append(rows.shape) or gather(rows)
         big = _together(size, lambda r: backends[r].allreduce(t := torch.full((300_000,), r + 1.0), ReduceOp.Sum)
                         or t)
         assert all(torch.equal(t, torch.full((300_000,), 3.0)) for t in big)
+        assert on_links == [], on_links  # 1.2 MB: Gloo's ring
+        _together(size, lambda r: backends[r].allreduce(torch.ones(5), ReduceOp.Sum))
+        assert on_links == [(2, 5)] * size, on_links  # and a small one on the links
         assert off[0].carrier("allreduce") == "gloo"
         small = _together(size, lambda r: off[r].allreduce(t := torch.full((5,), r + 1.0), ReduceOp.Sum) or t)
         assert all(torch.equal(t, torch.full((5,), 3.0)) for t in small)

@@ -112,10 +112,10 @@ class GlooBackend(RootedBackend):
 
     def allreduce(self, tensor, op):
         sent = widened(tensor)
-        links = self._links
-        if links is not None and (self.size - 1) * sent.numel() * sent.element_size() <= LINK_BYTES:
+        links, received = self._links, (self.size - 1) * sent.numel() * sent.element_size()
+        if links is not None and received <= LINK_BYTES:
             self._allreduce_on_links(links, sent, op)
-        elif 2 < self.size <= sent.numel() and (self.size - 1) * sent.numel() * sent.element_size() <= GATHER_BYTES:
+        elif 2 < self.size <= sent.numel() and received <= GATHER_BYTES:
             self._allreduce_by_allgather(sent, op)
         else:
             self._allreduce_work(sent, op).wait()

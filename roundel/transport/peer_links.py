@@ -187,27 +187,8 @@ class PeerLinks:
         receiving = {sock: (peer, memoryview(raw[peer])) for peer, sock in self._order}
         deadline = None
         while sending or receiving:
-            moved = False
-            for sock, (peer, left) in list(sending.items()):
-                sent = self._io(sock.send, peer, left)
-                if sent:
-                    moved = True
-                    left = left[sent:]
-                    if left:
-                        sending[sock] = (peer, left)
-                    else:
-                        del sending[sock]
-            for sock, (peer, left) in list(receiving.items()):
-                got = self._io(sock.recv_into, peer, left)
-                if got == 0:
-                    raise self._closed_by(peer)
-                if got:
-                    moved = True
-                    left = left[got:]
-                    if left:
-                        receiving[sock] = (peer, left)
-                    else:
-                        del receiving[sock]
+            sent = self._move(sending, receive=False)
+            moved = self._move(receiving, receive=True) or sent
             if moved:
                 deadline = None  # silence is timed from the last byte moved
                 continue
@@ -224,6 +205,23 @@ class PeerLinks:
             for sock in sending:
                 poller.register(sock, select.POLLOUT | (select.POLLIN if sock in receiving else 0))
             poller.poll(left_s * 1e3)
+
+    def _move(self, pending: dict, receive: bool) -> bool:
+        """One non-blocking send (or receive) on each link of ``pending`` (link -> (peer, the bytes left)); drop
+        the links that are done; whether any byte moved."""
+        moved = False
+        for sock, (peer, left) in list(pending.items()):
+            count = self._io(sock.recv_into if receive else sock.send, peer, left)
+            if count == 0 and receive:
+                raise self._closed_by(peer)
+            if count:
+                moved = True
+                left = left[count:]
+                if left:
+                    pending[sock] = (peer, left)
+                else:
+                    del pending[sock]
+        return moved
 
     def _io(self, call, peer: int, view: memoryview) -> int | None:
         """``call(view)`` on a non-blocking socket: the bytes moved, None when it would block; a failed link
