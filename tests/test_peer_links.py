@@ -75,26 +75,46 @@ def test_allgather_fills_every_members_row(size):
             one.close()
 
 
+def _expected(inputs: list, op) -> torch.Tensor:
+    """The members' ``inputs`` combined in rank order."""
+    expected = inputs[0].clone()
+    for other in inputs[1:]:
+        if op == ReduceOp.Sum:
+            expected = expected + other if expected.dtype != torch.bool else expected | other
+        elif op == ReduceOp.Product:
+            expected = expected * other if expected.dtype != torch.bool else expected & other
+        elif op == ReduceOp.Min:
+            expected = torch.minimum(expected, other)
+        else:
+            expected = torch.maximum(expected, other)
+    return expected
+
+
+def _backends(size: int, **options) -> list:
+    _, stores = _store(size)
+    return _together(size, lambda r: GlooBackend(stores[r], r, size, 20.0, "127.0.0.1", **options))
+
+
+def _count_exchanges(backends: list) -> list:
+    """The length of each exchange any of ``backends``' links makes from now on (one entry per member's call)."""
+    calls: list = []
+    for backend in backends:
+        links = backend._links
+        links.exchange = lambda sends, receives, real=links.exchange: (
+            calls.append(sum(len(view) for view in receives.values())) or real(sends, receives))
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int16, torch.int64,
                                    torch.bool])
 @pytest.mark.parametrize("op", [ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product])
 def test_gloo_backend_reduces_small_tensors_on_the_links_alike_on_every_member(dtype, op):
     size = 3
-    _, stores = _store(size)
-    backends = _together(size, lambda r: GlooBackend(stores[r], r, size, 20.0, "127.0.0.1"))
+    backends = _backends(size)
     try:
         assert backends[0].carrier("allreduce") == "gloo+links"
         inputs = [(torch.arange(1, 601) % 7 + r).to(dtype).reshape(20, 30) for r in range(size)]
-        expected = inputs[0].clone()
-        for other in inputs[1:]:
-            if op == ReduceOp.Sum:
-                expected = expected + other if dtype != torch.bool else expected | other
-            elif op == ReduceOp.Product:
-                expected = expected * other if dtype != torch.bool else expected & other
-            elif op == ReduceOp.Min:
-                expected = torch.minimum(expected, other)
-            else:
-                expected = torch.maximum(expected, other)
+        expected = _expected(inputs, op)
 
         def reduce(rank):
             tensor = inputs[rank].clone().t()  # not contiguous: reduced in a copy, written back
@@ -107,30 +127,56 @@ def test_gloo_backend_reduces_small_tensors_on_the_links_alike_on_every_member(d
             backend.close()
 
 
-def test_large_tensors_stay_in_gloo_and_links_can_be_turned_off():
-    size = 2
-    _, stores = _store(size)
-    backends = _together(size, lambda r: GlooBackend(stores[r], r, size, 20.0, "127.0.0.1"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int16, torch.bool])
+@pytest.mark.parametrize("op", [ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product])
+def test_gloo_backend_reduces_larger_tensors_part_by_part_on_the_links(dtype, op):
+    """Above LINK_BYTES each member combines the part it owns and sends it back: 300,001 elements (parts of
+    unequal length) come out the same, bit for bit, on every member, and as expected."""
+    size = 3
+    backends = _backends(size)
     try:
-        _, stores = _store(size)
-        off = _together(size, lambda r: GlooBackend(stores[r], r, size, 20.0, "127.0.0.1", peer_links=False))
-        on_links: list = []
+        calls = _count_exchanges(backends)
+        inputs = [((torch.arange(300_001) * (r + 1)) % 5 + r).to(dtype) for r in range(size)]
+        results = _together(size, lambda r: backends[r].allreduce(t := inputs[r].clone(), op) or t)
+        expected = _expected(inputs, op)
+        for result in results:
+            assert torch.equal(result, results[0])
+            if dtype.is_floating_point:  # a part's copies are combined by its owner, own copy first
+                torch.testing.assert_close(result, expected, rtol=1e-2, atol=0)
+            else:
+                assert torch.equal(result, expected)
+        assert len(calls) == 2 * size, calls  # two exchanges a member
+    finally:
         for backend in backends:
-            links = backend._links
-            links.allgather = lambda rows, gather=links.allgather: on_links.append(rows.shape) or gather(rows)
-        big = _together(size, lambda r: backends[r].allreduce(t := torch.full((300_000,), r + 1.0), ReduceOp.Sum)
-                        or t)
-        assert all(torch.equal(t, torch.full((300_000,), 3.0)) for t in big)
-        assert on_links == [], on_links  # 1.2 MB: Gloo's ring
-        _together(size, lambda r: backends[r].allreduce(torch.ones(5), ReduceOp.Sum))
-        assert on_links == [(2, 5)] * size, on_links  # and a small one on the links
-        assert off[0].carrier("allreduce") == "gloo"
-        small = _together(size, lambda r: off[r].allreduce(t := torch.full((5,), r + 1.0), ReduceOp.Sum) or t)
+            backend.close()
+
+
+def test_which_allreduces_take_the_links_and_turning_them_off():
+    """Two members: every contiguous allreduce takes the links; three: up to SCATTER_BYTES; a non-contiguous
+    one above LINK_BYTES goes through Gloo, as everything does with the links off."""
+    pair, trio = _backends(2), _backends(3)
+    try:
+        on_pair, on_trio = _count_exchanges(pair), _count_exchanges(trio)
+        big = 5 * 1024 * 1024 // 4 + 3  # just above SCATTER_BYTES in float32
+        for backends, on_links in ((pair, on_pair), (trio, on_trio)):
+            size = len(backends)
+            results = _together(size, lambda r: backends[r].allreduce(t := torch.full((big,), r + 1.0),
+                                                                       ReduceOp.Sum) or t)
+            assert all(torch.equal(t, torch.full((big,), size * (size + 1) / 2)) for t in results)
+            assert len(on_links) == (2 * size if size == 2 else 0), on_links
+            on_links.clear()
+        strided = _together(2, lambda r: pair[r].allreduce(t := torch.ones((400, 400)).t(), ReduceOp.Max) or t)
+        assert all(torch.equal(t, torch.ones((400, 400))) for t in strided) and on_pair == []
+        _together(2, lambda r: pair[r].allreduce(torch.ones(5), ReduceOp.Sum))
+        assert on_pair == [20] * 2, on_pair  # a small one: one exchange, the peer's 5 floats
+        off = _backends(2, peer_links=False)
+        assert off[0].carrier("allreduce") == "gloo" and off[0]._links is None
+        small = _together(2, lambda r: off[r].allreduce(t := torch.full((5,), r + 1.0), ReduceOp.Sum) or t)
         assert all(torch.equal(t, torch.full((5,), 3.0)) for t in small)
         for backend in off:
             backend.close()
     finally:
-        for backend in backends:
+        for backend in (*pair, *trio):
             backend.close()
 
 

@@ -22,22 +22,31 @@ import torch
 import torch.distributed as dist
 
 from roundel.transport.backend import COMBINE, TORCH_REDUCE_OPS, RootedBackend, narrow_back, shut_down, widened
-from roundel.transport.peer_links import LINK_BYTES, MOST_LINKED, PeerLinks
+from roundel.transport.peer_links import MOST_LINKED, PeerLinks
 
 log = logging.getLogger("roundel")
 
-# A small allreduce (each member receiving at most LINK_BYTES) goes over roundel's own links between the
-# members, on the calling thread (see roundel.transport.peer_links), unless they are turned off. Otherwise, one
-# among 3 or more members runs as one allgather and a local reduction. Gloo's ring allreduce
-# takes 2 (n - 1) steps and receives 2 (n - 1) / n of the tensor per member; the allgather takes n - 1 steps
-# and receives n - 1 tensors, so it is used while what each member receives stays small, at most
-# GATHER_BYTES (4 ranks on 2 cores, 64 B to 64 KiB: 2.0-3.0 ms against the ring's 4.3-5.5). With 2 members
-# the ring is as fast or faster (two runs of benchmarks/gloo_small_allreduce.py, 4 B to 64 KiB: 0.18-0.34 ms
-# against 0.23-0.45, the gather ahead only once, at 4 KiB; 256 KiB: 0.42-0.51 against 0.78-0.81). A tensor
-# with fewer elements than members (ring chunks left empty) is as fast on the ring.
-# The local reduction goes in slices of half torch's intra-op parallel grain (32,768 elements), so it stays
-# on the calling thread: pool threads would contend with the transport's.
+# Where an allreduce goes (measured on 2 cores, shared memory off, each path called directly, p50):
+# - Over roundel's own links between the members, on the calling thread (see roundel.transport.peer_links),
+#   unless they are turned off:
+#   - while each member receives at most LINK_BYTES (the others' copies of 256 KiB, and room for a replay slot's
+#     few agreement elements), as one exchange of whole copies, which every member combines in rank order;
+#   - above that, in two exchanges: each member combines the part of the tensor it owns and sends it back. With
+#     2 members at every size (256 KiB 0.08 ms against Gloo's 0.40, 1 MiB 0.64 against 0.85, 4 MiB 2.2 against
+#     3.7, 16 MiB 11.4 against 15.6); from 3 members up to SCATTER_BYTES (4 ranks: 1 MiB 2.6 against 5.7, 4 MiB
+#     7.9 against 9.6, 16 MiB 35 against 34), above which Gloo's pipelined ring keeps up better.
+# - Without links, among 3 or more members, as one allgather and a local reduction while each member receives at
+#   most GATHER_BYTES. Gloo's ring allreduce takes 2 (n - 1) steps and receives 2 (n - 1) / n of the tensor per
+#   member; the allgather takes n - 1 steps and receives n - 1 tensors (4 ranks, 64 B to 64 KiB: 2.0-3.0 ms
+#   against the ring's 4.3-5.5). With 2 members the ring is as fast or faster (benchmarks/gloo_small_allreduce.py).
+#   A tensor with fewer elements than members (ring chunks left empty) is as fast on the ring.
+# - Otherwise on Gloo's ring.
+# Local copies and reductions go in slices of half torch's intra-op parallel grain (32,768 elements), so they stay
+# on the calling thread: pool threads spin for milliseconds against the transport and the job's other ranks (a
+# single 256 KiB copy on the pool made an exchange 20 to 40 times slower on 2 cores).
+LINK_BYTES = 260 * 1024
 GATHER_BYTES = 256 * 1024
+SCATTER_BYTES = 4 << 20
 _SERIAL_ELEMENTS = 16384
 
 
@@ -63,6 +72,12 @@ def raise_open_file_limit() -> None:
         log.debug("roundel: could not raise the open file limit from %s to %s: %s", soft, target, exc)
         return
     log.debug("roundel: raised the open file limit (RLIMIT_NOFILE) from %s to %s", soft, target)
+
+
+def _serial_copy(into: torch.Tensor, source: torch.Tensor) -> None:
+    """``into.copy_(source)`` (both flat) in slices that stay on the calling thread (see above)."""
+    for start in range(0, into.numel(), _SERIAL_ELEMENTS):
+        into[start:start + _SERIAL_ELEMENTS].copy_(source[start:start + _SERIAL_ELEMENTS])
 
 
 def _combine_rows(flat: torch.Tensor, rows: torch.Tensor, combine) -> None:
@@ -92,7 +107,7 @@ class GlooBackend(RootedBackend):
         self._native_reduce_scatter = True  # older torch (2.6 among them) has no reduce_scatter in Gloo
         self._allreduce_options: dict = {}  # op -> its AllreduceOptions, made once (a call costs microseconds)
         self._links: PeerLinks | None = None
-        self._kept_rows: torch.Tensor | None = None  # see _rows
+        self._kept_rows: torch.Tensor | None = None  # bytes; see _rows
         if peer_links and 1 < size <= MOST_LINKED and hostname:
             try:
                 self._links = PeerLinks(store, rank, size, hostname, timeout_s)
@@ -112,9 +127,12 @@ class GlooBackend(RootedBackend):
 
     def allreduce(self, tensor, op):
         sent = widened(tensor)
-        links, received = self._links, (self.size - 1) * sent.numel() * sent.element_size()
+        links, nbytes = self._links, sent.numel() * sent.element_size()
+        received = (self.size - 1) * nbytes
         if links is not None and received <= LINK_BYTES:
             self._allreduce_on_links(links, sent, op)
+        elif links is not None and sent.is_contiguous() and (self.size == 2 or nbytes <= SCATTER_BYTES):
+            self._allreduce_scattered(links, sent, op)
         elif 2 < self.size <= sent.numel() and received <= GATHER_BYTES:
             self._allreduce_by_allgather(sent, op)
         else:
@@ -125,18 +143,37 @@ class GlooBackend(RootedBackend):
         """Reduce a small ``tensor`` in place over ``links``: every member's copy, combined in rank order."""
         flat = tensor.reshape(-1)  # a copy only where the tensor is not contiguous
         rows = self._rows(flat)
-        rows[self.rank].copy_(flat)
+        _serial_copy(rows[self.rank], flat)
         links.allgather(rows)
         _combine_rows(flat, rows, COMBINE[op])
         if not tensor.is_contiguous():
             tensor.copy_(flat.view(tensor.shape))
 
+    def _allreduce_scattered(self, links: PeerLinks, tensor, op) -> None:
+        """Reduce a contiguous ``tensor`` in place over ``links`` in two exchanges: each member sends every other
+        the part of its copy that member owns (one of ``size`` near-equal parts) and combines the others' copies
+        of its own part into its own, in rank order; then each sends its combined part to every other."""
+        parts = tensor.view(-1).tensor_split(self.size)
+        views = [memoryview(part.view(torch.uint8).numpy()) for part in parts]
+        mine = parts[self.rank]
+        rows = self._rows(mine)
+        peers = [peer for peer in range(self.size) if peer != self.rank]
+        links.exchange({peer: views[peer] for peer in peers},
+                       {peer: memoryview(rows[peer].view(torch.uint8).numpy()) for peer in peers})
+        combine = COMBINE[op]
+        for start in range(0, mine.numel(), _SERIAL_ELEMENTS):
+            into = mine[start:start + _SERIAL_ELEMENTS]
+            for peer in peers:
+                combine(into, rows[peer, start:start + _SERIAL_ELEMENTS])
+        links.exchange({peer: views[self.rank] for peer in peers}, {peer: views[peer] for peer in peers})
+
     def _rows(self, flat) -> torch.Tensor:
-        """A (members, elements) buffer for every member's copy of ``flat``, kept for the next call alike."""
-        rows = self._kept_rows
-        if rows is None or rows.dtype != flat.dtype or rows.shape[1] != flat.numel():
-            rows = self._kept_rows = torch.empty((self.size, flat.numel()), dtype=flat.dtype)
-        return rows
+        """A (members, elements) buffer for every member's copy of ``flat``, in memory kept for later calls."""
+        nbytes = self.size * flat.numel() * flat.element_size()
+        kept = self._kept_rows
+        if kept is None or kept.numel() < nbytes:
+            kept = self._kept_rows = torch.empty(nbytes, dtype=torch.uint8)
+        return kept[:nbytes].view(flat.dtype).view(self.size, flat.numel())
 
     def _allreduce_by_allgather(self, tensor, op) -> None:
         """Reduce a small ``tensor`` in place by gathering every member's copy (the same result, combined in

@@ -1,13 +1,15 @@
-"""Direct TCP links between the members of a Gloo communicator: small allreduces on the calling thread.
+"""Direct TCP links between the members of a Gloo communicator: allreduces on the calling thread.
 
 Gloo hands each collective to a worker thread of its process group, whose
 transfer waits on Gloo's own I/O thread, and wakes the caller when it is done:
 three thread wake-ups a call, which on a busy host cost more than moving a few
 kilobytes does. A ``PeerLinks`` keeps one TCP connection to every other member
-instead. Its ``allgather`` sends this member's bytes on every link and reads
-every other member's; the Gloo communicator then combines the copies in rank
-order, so a small allreduce (each member receiving at most ``LINK_BYTES``)
-gives the same result, bit for bit, on every member, with no thread but the
+instead. Its ``exchange`` sends each peer its bytes on every link at once and
+reads what each peer sends (``allgather``: the same bytes to every peer). The
+Gloo communicator reduces on top of it (see ``roundel.transport.gloo``): a
+small tensor as one exchange of whole copies, which every member combines in
+rank order; a larger one as two, each member combining the part it owns. Either
+way every member gets the same result, bit for bit, with no thread but the
 caller's.
 
 The links are made with the communicator. Every member listens on its
@@ -35,12 +37,6 @@ import time
 
 import torch
 
-# an allreduce goes over the links while each member receives at most this (the others' copies: 256 KiB, and room
-# for a replay slot's few agreement elements); beyond, the links fall off a cliff (measured on 2 cores with a
-# blocking replayed allreduce, p50, links / through Gloo / a raw Gloo call: 2 ranks 64 KiB 0.25 / 0.54 / 0.28 ms,
-# 256 KiB 0.45-0.49 / 0.71-0.85 / 0.33-0.38, 512 KiB 0.68 / - / 0.64, 1 MiB 5.3-5.7 / 1.6 / 1.1-1.3; 4 ranks
-# 16 KiB 0.86 / 2.9 / 4.1, 64 KiB 1.0 / 3.0 / 4.0, 82 KiB 1.2 / 3.0 / 4.1, 128 KiB 10.2 / 4.9 / 4.3, a copy each)
-LINK_BYTES = 260 * 1024
 MOST_LINKED = 64  # larger communicators make no links (each member would hold a connection to every other)
 _TOKEN_BYTES = 32
 _HELLO = struct.Struct(f"!I{_TOKEN_BYTES}s")  # the connector's rank, the listener's token
@@ -177,14 +173,17 @@ class PeerLinks:
     def allgather(self, rows: torch.Tensor) -> None:
         """Fill each row of the contiguous CPU tensor ``rows`` (one per member, in rank order) with that member's:
         send this member's row on every link, receive each peer's into its row."""
+        raw = rows.view(torch.uint8).numpy()
+        mine = memoryview(raw[self.rank])
+        self.exchange({peer: mine for peer, _ in self._order}, {peer: memoryview(raw[peer]) for peer, _ in self._order})
+
+    def exchange(self, sends: dict, receives: dict) -> None:
+        """Send ``sends[peer]`` (bytes-like) to each peer and fill ``receives[peer]`` (a writable memoryview of
+        the same length as what that peer sends) from it, all links at once; empty views move nothing."""
         if self._broken is not None:
             raise RuntimeError(self._broken)
-        raw = rows.view(torch.uint8).numpy()
-        if raw.shape[1] == 0:  # empty tensors: nothing to move (a send of nothing would read as a closed link)
-            return
-        mine = memoryview(raw[self.rank])
-        sending = {sock: (peer, mine) for peer, sock in self._order}
-        receiving = {sock: (peer, memoryview(raw[peer])) for peer, sock in self._order}
+        sending = {sock: (peer, sends[peer]) for peer, sock in self._order if len(sends[peer])}
+        receiving = {sock: (peer, receives[peer]) for peer, sock in self._order if len(receives[peer])}
         deadline = None
         while sending or receiving:
             sent = self._move(sending, receive=False)
