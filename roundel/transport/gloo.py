@@ -29,8 +29,9 @@ log = logging.getLogger("roundel")
 # Where an allreduce goes (measured on 2 cores, shared memory off, each path called directly, p50):
 # - Over roundel's own links between the members, on the calling thread (see roundel.transport.peer_links),
 #   unless they are turned off:
-#   - while each member receives at most LINK_BYTES (the others' copies of 256 KiB, and room for a replay slot's
-#     few agreement elements), as one exchange of whole copies, which every member combines in rank order;
+#   - while each member receives at most LINK_BYTES (the others' copies of 128 KiB, and room for a replay slot's
+#     few agreement elements), as one exchange of whole copies, which every member combines in rank order (one
+#     round trip: 2 ranks, 128 KiB 0.07 ms against 0.10-0.13 in two exchanges; 256 KiB 0.14 against 0.08-0.11);
 #   - above that, in two exchanges: each member combines the part of the tensor it owns and sends it back. With
 #     2 members at every size (256 KiB 0.08 ms against Gloo's 0.40, 1 MiB 0.64 against 0.85, 4 MiB 2.2 against
 #     3.7, 16 MiB 11.4 against 15.6); from 3 members up to SCATTER_BYTES (4 ranks: 1 MiB 2.6 against 5.7, 4 MiB
@@ -44,7 +45,7 @@ log = logging.getLogger("roundel")
 # Local copies and reductions go in slices of half torch's intra-op parallel grain (32,768 elements), so they stay
 # on the calling thread: pool threads spin for milliseconds against the transport and the job's other ranks (a
 # single 256 KiB copy on the pool made an exchange 20 to 40 times slower on 2 cores).
-LINK_BYTES = 260 * 1024
+LINK_BYTES = 132 * 1024
 GATHER_BYTES = 256 * 1024
 SCATTER_BYTES = 4 << 20
 _SERIAL_ELEMENTS = 16384
