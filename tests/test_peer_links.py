@@ -180,6 +180,36 @@ def test_which_allreduces_take_the_links_and_turning_them_off():
             backend.close()
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_gloo_backend_broadcasts_and_allgathers_on_the_links(size):
+    """From every root, in a dtype Gloo widens (int16) and one it keeps; a tensor too large for 3 members' links
+    and a non-contiguous one go through Gloo, with the same results."""
+    backends = _backends(size)
+    try:
+        calls = _count_exchanges(backends)
+        assert backends[0].carrier("broadcast") == backends[0].carrier("allgather") == "gloo+links"
+        for dtype in (torch.float32, torch.int16):
+            for root in range(size):
+                results = _together(size, lambda r: backends[r].broadcast(
+                    t := torch.full((1000,), 10 * r + 1).to(dtype), root) or t)
+                assert all(torch.equal(t, torch.full((1000,), 10 * root + 1).to(dtype)) for t in results)
+            gathered = _together(size, lambda r: backends[r].allgather(
+                out := torch.empty((size, 700), dtype=dtype), torch.arange(700).to(dtype) + r) or out)
+            expected = torch.stack([torch.arange(700).to(dtype) + r for r in range(size)])
+            assert all(torch.equal(out, expected) for out in gathered)
+        assert len(calls) == 2 * (size + 1) * size, calls  # every member, every call above
+        calls.clear()
+        big = 5 * 1024 * 1024 // 4  # 5 MiB of float32: within the links for 2 members only
+        results = _together(size, lambda r: backends[r].broadcast(t := torch.full((big,), float(r)), size - 1) or t)
+        assert all(torch.equal(t, torch.full((big,), float(size - 1))) for t in results)
+        strided = _together(size, lambda r: backends[r].broadcast(t := torch.full((50, 40), float(r)).t(), 0) or t)
+        assert all(torch.equal(t, torch.zeros((40, 50))) for t in strided)
+        assert len(calls) == (size if size == 2 else 0), calls
+    finally:
+        for backend in backends:
+            backend.close()
+
+
 def test_a_connection_without_the_token_is_refused_and_linking_goes_on():
     _, stores = _store(2)
     rogue_answer: list = []

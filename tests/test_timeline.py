@@ -88,12 +88,21 @@ def test_timeline_file_has_a_row_per_name_and_horovods_phases_in_order(steps_tim
         reduced_by = "COORDINATOR_ALLREDUCE" if name == "allreduce.grad.late" else "SHM_ALLREDUCE"
         negotiate_op, op, transport = KINDS.get(name, ("NEGOTIATE_ALLREDUCE", "ALLREDUCE", reduced_by))
         negotiations, executions = _spans(rows[name], 1), _spans(rows[name], 2)
-        assert len(negotiations) == len(executions) == STEPS, (name, negotiations, executions)
-        for negotiation, execution in zip(negotiations, executions):
-            assert negotiation[0] == negotiate_op and execution[0] == op, (name, negotiation, execution)
-            assert negotiation[1] <= negotiation[2] <= execution[1] <= execution[2], (name, negotiation, execution)
-            assert sorted(e["name"] for e in negotiation[4]) == ["0", "1"], negotiation
-            assert all(negotiation[1] <= e["ts"] <= negotiation[2] for e in negotiation[4]), negotiation
+        # from the third step on, the replayed schedule may run an allreduce (sum or average), a broadcast or an
+        # allgather without negotiating it: those come last, after every negotiated one
+        replayable = name in ("allreduce.grad.a", "allreduce.grad.b", "broadcast.bcast", "allgather.gather")
+        assert len(executions) == STEPS, (name, executions)
+        assert STEPS - 1 <= len(negotiations) <= STEPS if replayable else len(negotiations) == STEPS, negotiations
+        for index, execution in enumerate(executions):
+            assert execution[0] == op, (name, execution)
+            if index < len(negotiations):
+                negotiation = negotiations[index]
+                assert negotiation[0] == negotiate_op, (name, negotiation)
+                assert negotiation[1] <= negotiation[2] <= execution[1] <= execution[2], (name, negotiation, execution)
+                assert sorted(e["name"] for e in negotiation[4]) == ["0", "1"], negotiation
+                assert all(negotiation[1] <= e["ts"] <= negotiation[2] for e in negotiation[4]), negotiation
+            else:
+                assert negotiations[-1][2] <= execution[1] <= execution[2], (name, negotiations, execution)
             activities = [child for child, _ in execution[3]]
             assert activities[0] == "QUEUE" and transport in activities, (name, activities)
             assert [a for a in activities if a in ("QUEUE", "MEMCPY_IN_FUSION_BUFFER", transport,

@@ -216,6 +216,41 @@ def scenario_last_metric() -> None:
     print(f"MEASURED {time.monotonic() - start:.3f}", flush=True)
 
 
+def scenario_other_kinds() -> None:
+    """Broadcasts and allgathers (each rank gathering its own number of rows) are replayed like allreduces; a step
+    where one rank gathers more rows, and one where a rank names another root, leave the schedule with the usual
+    result or error on every rank, and the loop goes on."""
+    root = 1 % SIZE
+
+    def step(i: int, first_rows: int = 1, my_root: int = root) -> None:
+        """Broadcast from ``my_root``, then gather RANK + 1 rows from each rank but rank 0's ``first_rows``."""
+        value = torch.full((300,), float(100 * RANK + i))
+        hvd.broadcast_(value, root_rank=my_root, name="kinds.broadcast")
+        assert torch.equal(value, torch.full((300,), float(100 * my_root + i))), (i, value)
+        sizes = [first_rows] + [r + 1 for r in range(1, SIZE)]
+        gathered = hvd.allgather(torch.full((sizes[RANK], 5), float(RANK + i)), name="kinds.allgather")
+        expected = torch.cat([torch.full((n, 5), float(r + i)) for r, n in enumerate(sizes)])
+        assert torch.equal(gathered, expected), (i, gathered)
+
+    for i in range(6):
+        step(i)
+    before = _counts()
+    for i in range(6, 16):
+        step(i)
+    ran, given_up = (a - b for a, b in zip(_counts(), before))
+    assert ran >= 16 and given_up == 0, f"rank {RANK}: broadcast/allgather slots ran {ran}, given up {given_up}"
+    for i in range(16, 20):  # rank 0 gathers 7 rows at step 17 only
+        step(i, first_rows=7 if i == 17 else 1)
+    try:
+        step(20, my_root=0 if RANK == SIZE - 1 else root)
+    except CollectiveMismatchError as exc:
+        assert "kinds.broadcast" in str(exc), exc
+    else:
+        raise AssertionError(f"rank {RANK}: no mismatch error for a broadcast with another root")
+    for i in range(21, 25):
+        step(i)
+
+
 def scenario_off() -> None:
     """With ROUNDEL_STEADY_REPLAY=0 nothing is replayed."""
     train(12)
@@ -234,6 +269,7 @@ SCENARIOS = {
     "rank_dies": scenario_rank_dies,
     "last_metric": scenario_last_metric,
     "off": scenario_off,
+    "other_kinds": scenario_other_kinds,
 }
 
 if __name__ == "__main__":

@@ -178,8 +178,8 @@ class _SlotPlan:
     A slot's transfer ends in its *agreement*: whether this rank gives the slot up, then each rank's wait in its
     previous slot (ms), this rank's at its place. A small slot's tensors are copied into ``buffer`` (``inputs``
     and ``tensors`` are its views) with the agreement after them, and take one transport call; one of at least
-    SLOT_OWN_BYTES (``buffer`` None, ``inputs`` and ``tensors`` empty) agrees on its own, then moves the tensors
-    without a copy.
+    SLOT_OWN_BYTES, and every broadcast or allgather slot (``buffer`` None, ``inputs`` and ``tensors`` empty),
+    agrees on its own, then moves the tensors without a copy, as a batch from the coordinator would.
     The agreement is read and written through a NumPy view where its dtype has one (touching a tensor's element
     costs microseconds).
     """
@@ -199,7 +199,7 @@ class _SlotPlan:
         self.buffer: torch.Tensor | None = None
         self.inputs: list = []
         self.tensors = torch.empty(0)
-        if total * dtype.itemsize >= SLOT_OWN_BYTES:
+        if requests[0].kind != OpKind.ALLREDUCE or total * dtype.itemsize >= SLOT_OWN_BYTES:
             self.agreement = torch.zeros(1 + members)
         else:
             self.buffer = slot_buffer(dtype, total + 1 + members)
@@ -606,8 +606,8 @@ class Executor:
             outcome = self._run_slot(slot, works)
         except Exception as exc:  # the transport failed mid-slot: every rank's schedule is in doubt
             error = exc if isinstance(exc, RoundelInternalError) else RoundelInternalError(
-                f"the replayed allreduce of '{slot.names[0]}' failed: {exc}. A peer process has probably died "
-                "or stopped; see the other ranks' output")
+                f"the replayed {slot.kind.label} of '{slot.names[0]}' failed: {exc}. A peer process has probably "
+                "died or stopped; see the other ranks' output")
             self._fail(works or [], error)
             self._replay.fail(error)
             self._finished_one(works)
@@ -624,19 +624,19 @@ class Executor:
 
     def _run_slot(self, slot: Slot, works: list | None) -> object:
         """One slot on the job's transport: ``_RAN``, ``_GIVEN_UP`` (by some rank; ``works`` None: by this one),
-        or ``_HANDED_ON`` (a large slot on the executor's thread, run as a batch from the coordinator would be
-        once all ranks agreed, possibly in the background)."""
+        or ``_HANDED_ON`` (a slot that agrees on its own, on the executor's thread: run as a batch from the
+        coordinator would be once all ranks agreed, possibly in the background)."""
         ranks, backend = self._process_sets.members_and_backend(0)
         backend = backend.for_device("cpu")
         plan = self._slot_plan(slot, backend.rank, len(ranks))
         names = list(slot.names) if self._timeline.active else None
-        if plan.buffer is None:  # a large slot: agree first, then move the tensors without a copy
+        if plan.buffer is None:  # agree first, then move the tensors without a copy
             plan.fill_agreement(works is None, self._slot_wait_ms)
             self._agree(backend, plan.agreement, plan, slot.serial)
             if works is None or plan.given_up():
                 return _GIVEN_UP
             if names is not None:
-                self._timeline.begin(names, OpKind.ALLREDUCE.label, "QUEUE")
+                self._timeline.begin(names, slot.kind.label, "QUEUE")
             if threading.current_thread() is not self._thread:  # a thread waiting for it: no hand-off back
                 self._stamp_tuned(0, slot.names)
                 self._execute(slot.batch, works)

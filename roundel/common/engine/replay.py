@@ -10,9 +10,16 @@ transport at once, without asking the coordinator. A training step after the
 first few submits the same named gradients in the same order, so its
 collectives cost the transfer and one thread hand-off.
 
+Allreduces (sum or average), broadcasts and allgathers of CPU tensors are
+replayed; a slot holds names of one kind. An allgather slot also remembers
+every rank's first dimension from last time: they are the same this time, or
+some rank's request differs and that rank gives the slot up.
+
 No rank can tell alone that the others will follow the schedule, so each
 slot's transfer carries one more element: 0 from a rank that brings its
-tensors, 1 from a rank that gives the slot up. The reduction of that element
+tensors, 1 from a rank that gives the slot up (a broadcast or allgather slot,
+and a large allreduce slot, first reduce that element in a small transfer of
+their own, then move the tensors). The reduction of that element
 tells every rank, alike, whether the slot ran (the transfer also carries each
 rank's wait in its previous slot, which tells rank 0 who came last, for the
 straggler report, as negotiation does); a slot given up anywhere is
@@ -81,28 +88,39 @@ _REPLAYED_OPS = (ReduceOp.Sum, ReduceOp.Average)
 
 
 class Slot(NamedTuple):
-    """An armed batch: its names in the agreed order, this rank's requests for them, and its serial number
-    (the count of slots armed so far, alike on every rank)."""
+    """An armed batch: its names in the agreed order, this rank's requests for them, its serial number (the count
+    of slots armed so far, alike on every rank), and, for an allgather, each name's first dimension on every rank
+    last time (the same this time, or some rank's request differs and it gives the slot up)."""
 
     names: tuple
     requests: tuple
     serial: int
+    first_dims: tuple = ()
+
+    @property
+    def kind(self) -> OpKind:
+        return self.requests[0].kind
 
     @property
     def batch(self) -> Batch:
         """The slot as a batch of the global set, as the executor runs one."""
-        return Batch(OpKind.ALLREDUCE, 0, tuple(Entry(n, r) for n, r in zip(self.names, self.requests)))
+        dims = self.first_dims or (None,) * len(self.names)
+        return Batch(self.kind, 0, tuple(Entry(n, r, first_dims=d) for n, r, d in zip(self.names, self.requests, dims)))
 
 
 def replayable(batch: Batch, works: list) -> bool:
-    """Whether ``batch`` may be replayed: an allreduce (sum or average) of CPU tensors of the global set, every
-    rank with a tensor, no error. Decided from the agreed batch, so alike on every rank (``works``, this rank's
-    part, only lacks entries where a rank joined, which the batch says too)."""
-    if batch.kind != OpKind.ALLREDUCE or batch.process_set_id != 0 or batch.error or batch.joined:
+    """Whether ``batch`` may be replayed: an allreduce (sum or average, of a dtype the slot's agreement can travel
+    in), a broadcast or an allgather of CPU tensors of the global set, every rank with a tensor, no error, not
+    reduced by rank 0. Decided from the agreed batch, so alike on every rank (``works``, this rank's part, only
+    lacks entries where a rank joined, which the batch says too)."""
+    if batch.process_set_id != 0 or batch.error or batch.joined or batch.reduced is not None:
         return False
     request = batch.entries[0].request
-    return (request.device == "cpu" and request.dtype in _DTYPES
-            and request.reduce_op in _REPLAYED_OPS and None not in works)
+    if request.device != "cpu" or None in works:
+        return False
+    if batch.kind == OpKind.ALLREDUCE:
+        return request.dtype in _DTYPES and request.reduce_op in _REPLAYED_OPS
+    return batch.kind in (OpKind.BROADCAST, OpKind.ALLGATHER)
 
 
 class ScheduleReplay:
@@ -127,6 +145,7 @@ class ScheduleReplay:
         self._batch_of: dict[str, tuple] = {}  # name -> the names of the last batch it ran in
         self._misses: dict[str, int] = {}  # name -> slots armed after it given up in a row
         self._requests: dict[str, Request] = {}  # name -> this rank's request, when its batch was replayable
+        self._first_dims: dict[str, tuple | None] = {}  # name -> every rank's first dimension (allgather)
         self._expected: dict[str, Request] = {}  # name -> request, of the armed slot and the ones sure to follow
         self._learned = 0  # bumped when the schedule's sure steps change
         self._expected_for: tuple = ()  # (learned, slot names) that _expected was found for
@@ -327,8 +346,9 @@ class ScheduleReplay:
             self._forget()
         if batch is not None and works is not None:
             fits = replayable(batch, works)
-            for name, work in zip(names, works):
+            for name, work, entry in zip(names, works, batch.entries):
                 request = work.request if fits else None
+                self._first_dims[name] = entry.first_dims
                 if self._requests.get(name) != request:
                     self._learned += 1  # what the schedule expects must be found again
                     if request is None:
@@ -350,7 +370,9 @@ class ScheduleReplay:
         if slot_names is None or self.tuning:
             return
         self._serial += 1
-        slot = self._slot = Slot(slot_names, tuple(self._requests[n] for n in slot_names), self._serial)
+        requests = tuple(self._requests[n] for n in slot_names)
+        first_dims = tuple(self._first_dims.get(n) for n in slot_names) if requests[0].kind == OpKind.ALLGATHER else ()
+        slot = self._slot = Slot(slot_names, requests, self._serial, first_dims)
         if self._expected_for != (self._learned, slot_names[0]):
             self._expected_for = (self._learned, slot_names[0])
             self._expected = self._expected_from(slot_names[0])
@@ -371,8 +393,9 @@ class ScheduleReplay:
             return None
         batch = self._batch_of[first]
         names = [first]
+        kind = self._requests[first].kind
         for name in batch[batch.index(first) + 1:]:
-            if self._sure_after(names[-1]) != name or name not in self._requests:
+            if self._sure_after(names[-1]) != name or name not in self._requests or self._requests[name].kind != kind:
                 break
             names.append(name)
         return tuple(names)
@@ -392,6 +415,7 @@ class ScheduleReplay:
         self._batch_of.clear()
         self._misses.clear()
         self._requests.clear()
+        self._first_dims.clear()
         self._expected.clear()
         self._last = None
         self._learned += 1
