@@ -152,8 +152,8 @@ def test_gloo_backend_reduces_larger_tensors_part_by_part_on_the_links(dtype, op
 
 
 def test_which_allreduces_take_the_links_and_turning_them_off():
-    """Two members: every contiguous allreduce takes the links; three: up to SCATTER_BYTES; a non-contiguous
-    one above LINK_BYTES goes through Gloo, as everything does with the links off."""
+    """Two members: every allreduce takes the links; three: up to SCATTER_BYTES; with the links off,
+    everything goes through Gloo."""
     pair, trio = _backends(2), _backends(3)
     try:
         on_pair, on_trio = _count_exchanges(pair), _count_exchanges(trio)
@@ -165,8 +165,23 @@ def test_which_allreduces_take_the_links_and_turning_them_off():
             assert all(torch.equal(t, torch.full((big,), size * (size + 1) / 2)) for t in results)
             assert len(on_links) == (2 * size if size == 2 else 0), on_links
             on_links.clear()
-        strided = _together(2, lambda r: pair[r].allreduce(t := torch.ones((400, 400)).t(), ReduceOp.Max) or t)
-        assert all(torch.equal(t, torch.ones((400, 400))) for t in strided) and on_pair == []
+        # the way is chosen from the size alone, alike on every member: a tensor one member passes transposed
+        # goes the same way as the other's contiguous one, and a call that does not block as a call that does
+        mixed = _together(2, lambda r: pair[r].allreduce(
+            t := (torch.full((400, 400), r + 1.0).t() if r else torch.full((400, 400), r + 1.0)), ReduceOp.Max) or t)
+        assert all(torch.equal(t, torch.full((400, 400), 2.0)) for t in mixed) and len(on_pair) == 4, on_pair
+        on_pair.clear()
+
+        def blocking_or_not(rank):
+            tensor = torch.full((400_000,), rank + 1.0)
+            if rank:
+                pair[rank].allreduce_async(tensor, ReduceOp.Sum).wait()
+            else:
+                pair[rank].allreduce(tensor, ReduceOp.Sum)
+            return tensor
+        assert all(torch.equal(t, torch.full((400_000,), 3.0)) for t in _together(2, blocking_or_not))
+        assert len(on_pair) == 4, on_pair
+        on_pair.clear()
         _together(2, lambda r: pair[r].allreduce(torch.ones(5), ReduceOp.Sum))
         assert on_pair == [20] * 2, on_pair  # a small one: one exchange, the peer's 5 floats
         off = _backends(2, peer_links=False)
@@ -183,7 +198,7 @@ def test_which_allreduces_take_the_links_and_turning_them_off():
 @pytest.mark.parametrize("size", [2, 3])
 def test_gloo_backend_broadcasts_and_allgathers_on_the_links(size):
     """From every root, in a dtype Gloo widens (int16) and one it keeps; a tensor too large for 3 members' links
-    and a non-contiguous one go through Gloo, with the same results."""
+    goes through Gloo, with the same results; a transposed one takes the links as a contiguous one does."""
     backends = _backends(size)
     try:
         calls = _count_exchanges(backends)
@@ -202,9 +217,12 @@ def test_gloo_backend_broadcasts_and_allgathers_on_the_links(size):
         big = 5 * 1024 * 1024 // 4  # 5 MiB of float32: within the links for 2 members only
         results = _together(size, lambda r: backends[r].broadcast(t := torch.full((big,), float(r)), size - 1) or t)
         assert all(torch.equal(t, torch.full((big,), float(size - 1))) for t in results)
-        strided = _together(size, lambda r: backends[r].broadcast(t := torch.full((50, 40), float(r)).t(), 0) or t)
-        assert all(torch.equal(t, torch.zeros((40, 50))) for t in strided)
         assert len(calls) == (size if size == 2 else 0), calls
+        calls.clear()
+        strided = _together(size, lambda r: backends[r].broadcast(
+            t := torch.full((50, 40), float(r)).t() if r % 2 else torch.full((40, 50), float(r)), 0) or t)
+        assert all(torch.equal(t, torch.zeros((40, 50))) for t in strided)
+        assert len(calls) == size, calls  # the transposed tensors too, through a contiguous copy
     finally:
         for backend in backends:
             backend.close()

@@ -13,10 +13,11 @@ allows.
 
 from __future__ import annotations
 
+import functools
 import logging
 import resource
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -128,36 +129,44 @@ class GlooBackend(RootedBackend):
     def carrier(self, op_label: str) -> str:
         return "gloo+links" if self._links is not None and op_label in _ON_LINKS else self.name
 
-    def _links_for(self, tensor, nbytes: int) -> PeerLinks | None:
+    def _links_for(self, nbytes: int) -> PeerLinks | None:
         """The links, where a broadcast or allgather of which one member sends ``nbytes`` to every other goes over
         them: with 2 members always, with more while the copies one member sends stay within SCATTER_BYTES."""
-        if self.size == 2 or (self.size - 1) * nbytes <= SCATTER_BYTES:
-            return self._links if tensor.is_contiguous() else None
+        return self._links if self.size == 2 or (self.size - 1) * nbytes <= SCATTER_BYTES else None
+
+    def _allreduce_way(self, sent) -> Callable[[Any, Any], None] | None:
+        """How an allreduce of the contiguous ``sent`` runs, None for Gloo's ring. Decided from its size alone, so
+        every member takes the same way, blocking or not, whichever thread calls."""
+        links, nbytes = self._links, sent.numel() * sent.element_size()
+        received = (self.size - 1) * nbytes
+        if links is not None and received <= LINK_BYTES:
+            return functools.partial(self._allreduce_on_links, links)
+        if links is not None and (self.size == 2 or nbytes <= SCATTER_BYTES):
+            return functools.partial(self._allreduce_scattered, links)
+        if 2 < self.size <= sent.numel() and received <= GATHER_BYTES:
+            return self._allreduce_by_allgather
         return None
 
     def allreduce(self, tensor, op):
         sent = widened(tensor)
-        links, nbytes = self._links, sent.numel() * sent.element_size()
-        received = (self.size - 1) * nbytes
-        if links is not None and received <= LINK_BYTES:
-            self._allreduce_on_links(links, sent, op)
-        elif links is not None and sent.is_contiguous() and (self.size == 2 or nbytes <= SCATTER_BYTES):
-            self._allreduce_scattered(links, sent, op)
-        elif 2 < self.size <= sent.numel() and received <= GATHER_BYTES:
-            self._allreduce_by_allgather(sent, op)
+        work = sent.contiguous()
+        way = self._allreduce_way(work)
+        if way is None:
+            self._allreduce_work(work, op).wait()
         else:
-            self._allreduce_work(sent, op).wait()
+            way(work, op)
+        if work is not sent:
+            sent.copy_(work)
         narrow_back(tensor, sent)
 
     def _allreduce_on_links(self, links: PeerLinks, tensor, op) -> None:
-        """Reduce a small ``tensor`` in place over ``links``: every member's copy, combined in rank order."""
-        flat = tensor.reshape(-1)  # a copy only where the tensor is not contiguous
+        """Reduce a small contiguous ``tensor`` in place over ``links``: every member's copy, combined in rank
+        order."""
+        flat = tensor.view(-1)
         rows = self._rows(flat)
         _serial_copy(rows[self.rank], flat)
         links.allgather(rows)
         _combine_rows(flat, rows, COMBINE[op])
-        if not tensor.is_contiguous():
-            tensor.copy_(flat.view(tensor.shape))
 
     def _allreduce_scattered(self, links: PeerLinks, tensor, op) -> None:
         """Reduce a contiguous ``tensor`` in place over ``links`` in two exchanges: each member sends every other
@@ -195,6 +204,11 @@ class GlooBackend(RootedBackend):
 
     def allreduce_async(self, tensor, op):
         sent = widened(tensor)
+        if self._allreduce_way(sent.contiguous()) is not None:  # the way a blocking call takes, alike everywhere
+            self.allreduce(tensor, op)
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(None)
+            return done
         future = self._allreduce_work(sent, op).get_future()
         if sent is tensor:
             return future
@@ -206,27 +220,33 @@ class GlooBackend(RootedBackend):
 
     def allgather(self, output, tensor):
         sent_out, sent_in = widened(output), widened(tensor)
-        links = self._links_for(sent_out, sent_in.numel() * sent_in.element_size())
+        work = sent_out.contiguous()
+        links = self._links_for(sent_in.numel() * sent_in.element_size())
         if links is None:
-            self._pg._allgather_base(sent_out, sent_in).wait()
+            self._pg._allgather_base(work, sent_in.contiguous()).wait()
         elif sent_in.numel():  # nothing to move otherwise
-            rows = sent_out.view(self.size, -1)
+            rows = work.view(self.size, -1)
             _serial_copy(rows[self.rank], sent_in.reshape(-1))
             links.allgather(rows)
+        if work is not sent_out:
+            sent_out.copy_(work)
         narrow_back(output, sent_out)
 
     def broadcast(self, tensor, root):
         sent = widened(tensor)
-        links = self._links_for(sent, sent.numel() * sent.element_size())
+        work = sent.contiguous()
+        links = self._links_for(work.numel() * work.element_size())
         if links is None:
             options = dist.BroadcastOptions()
             options.rootRank = root
-            self._pg.broadcast([sent], options).wait()
+            self._pg.broadcast([work], options).wait()
         else:
-            data, nothing = sent.view(-1).view(torch.uint8).numpy().data, memoryview(b"")
+            data, nothing = work.view(-1).view(torch.uint8).numpy().data, memoryview(b"")
             peers = [peer for peer in range(self.size) if peer != self.rank]
             links.exchange({peer: data if self.rank == root else nothing for peer in peers},
                            {peer: data if peer == root else nothing for peer in peers})
+        if work is not sent:
+            sent.copy_(work)
         narrow_back(tensor, sent)
 
     def reduce(self, tensor, root: int, op) -> None:

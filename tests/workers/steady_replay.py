@@ -251,6 +251,24 @@ def scenario_other_kinds() -> None:
         step(i)
 
 
+def scenario_mixed_threads() -> None:
+    """A replayed large allreduce that rank 0 waits for at once (its own thread runs the slot) and the others
+    submit, then wait for later (their executor runs it, as it runs large batches): every rank moves it the same
+    way, and the results are exact. Before, rank 0's links and the others' Gloo call waited for each other until
+    the transport's timeout."""
+    for step in range(10):
+        mine = torch.full((300_000,), float(RANK + step))
+        expected = torch.full((300_000,), float(sum(r + step for r in range(SIZE))))
+        if RANK == 0:
+            result = hvd.allreduce(mine, name="mixed", op=hvd.Sum)
+        else:
+            handle = hvd.allreduce_async(mine, name="mixed", op=hvd.Sum)
+            time.sleep(0.02)
+            result = hvd.synchronize(handle)
+        assert torch.equal(result, expected), (step, result)
+    assert _counts()[0] >= 6, _counts()
+
+
 def scenario_off() -> None:
     """With ROUNDEL_STEADY_REPLAY=0 nothing is replayed."""
     train(12)
@@ -270,6 +288,7 @@ SCENARIOS = {
     "last_metric": scenario_last_metric,
     "off": scenario_off,
     "other_kinds": scenario_other_kinds,
+    "mixed_threads": scenario_mixed_threads,
 }
 
 if __name__ == "__main__":
