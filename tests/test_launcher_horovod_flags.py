@@ -188,18 +188,23 @@ def test_prefix_output_with_timestamp():
         ["T[0]<stdout>:hello", "T[1]<stdout>:hello"], describe(result)
 
 
-def test_stall_check_shutdown_time_turns_a_stall_into_an_error():
-    code = ("import time, torch, roundel.torch as hvd; hvd.init()\n"
+def test_stall_check_shutdown_time_turns_a_stall_into_an_error(tmp_path):
+    # rank 1 stays up (never submitting 'never') until rank 0 has its error, at most 30 s
+    done = tmp_path / "done"
+    code = ("import os, sys, time, torch, roundel.torch as hvd; hvd.init()\n"
             "if hvd.rank() == 0:\n"
             "    try:\n"
             "        hvd.allreduce(torch.ones(1), name='never')\n"
             "    except Exception as exc:\n"
-            "        print('STALL ERROR', type(exc).__name__, exc)\n"
+            "        print('STALL ERROR', type(exc).__name__, exc, flush=True)\n"
+            "    open(sys.argv[1], 'w').close()\n"
             "else:\n"
-            "    time.sleep(8)\n")
+            "    deadline = time.monotonic() + 30\n"
+            "    while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:\n"
+            "        time.sleep(0.1)\n")
     start = time.monotonic()
     result = roundelrun("-np", 2, "--stall-check-warning-time-seconds", 1, "--stall-check-shutdown-time-seconds", 2,
-                        sys.executable, "-c", code, timeout=90)
+                        sys.executable, "-c", code, done, timeout=90)
     assert time.monotonic() - start < 60
     errors = [line for line in rank_lines(result.stdout, 0, "stdout") if line.startswith("STALL ERROR")]
     assert errors and "never" in errors[0], describe(result)

@@ -13,13 +13,9 @@ from launch_util import assert_checks_passed, run_job
 WORKER = "torch_collectives.py"
 
 GROUPS = {
-    "allreduce": ("allreduce", "allreduce_sizes", "grouped", "group_batches", "message_limits",
-                  "coordinator_reduce"),
-    "gather_bcast": ("allgather", "broadcast"),
-    "a2a_rs": ("alltoall", "reducescatter"),
-    "async": ("ordering", "barrier"),
-    "join": ("join",),
-    "autograd": ("autograd", "inference_mode"),
+    "allreduce_gather_bcast_a2a_rs": ("allreduce", "allreduce_sizes", "grouped", "group_batches", "message_limits",
+                                      "coordinator_reduce", "allgather", "broadcast", "alltoall", "reducescatter"),
+    "async_autograd_join": ("ordering", "barrier", "autograd", "inference_mode", "join"),
 }
 
 
@@ -27,7 +23,7 @@ GROUPS = {
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_collectives(np, group):
     scenarios = GROUPS[group]
-    result = run_job(np, WORKER, ",".join(scenarios))
+    result = run_job(np, WORKER, ",".join(scenarios), timeout=240)
     assert_checks_passed(result, np, *scenarios)
 
 

@@ -391,17 +391,28 @@ def check_process_sets():
     assert hvd.remove_process_set(odds) and hvd.remove_process_set(evens)
 
 
-if __name__ == "__main__":
-    hvd.init()
-    if sys.argv[1:] == ["process-sets"]:
-        check_process_sets()
-        print("CHECKS PASSED torch_optimizer")
-        sys.exit(0)
-    if len(sys.argv) > 1:  # cap-from-environment EXPECTED_MB
-        check_cap_from_environment(float(sys.argv[2]))
-        print("CHECKS PASSED torch_optimizer")
-        sys.exit(0)
+def check_training():
+    """Every check of distributed training against one process on the whole batch."""
     for check in (check_equivalence, check_bucket_views, check_rebuilt_order, check_sum_op, check_adasum,
                   check_broadcast_state, check_training_loop_rules, check_unused_and_frozen, check_sparse):
         check()
-    print("CHECKS PASSED torch_optimizer")
+
+
+SCENARIOS = {
+    "training": check_training,
+    "process-sets": check_process_sets,
+    "default-cap": lambda: check_cap_from_environment(25),  # no ROUNDEL_BUCKET_CAP_MB: 25 MB, as Horovod
+}
+
+
+if __name__ == "__main__":
+    # torch_optimizer.py [SCENARIO[,SCENARIO...]] (default: training), each ending in
+    # "CHECKS PASSED <scenario>"; or torch_optimizer.py cap-from-environment EXPECTED_MB
+    hvd.init()
+    if sys.argv[1:2] == ["cap-from-environment"]:
+        check_cap_from_environment(float(sys.argv[2]))
+        print("CHECKS PASSED torch_optimizer")
+        sys.exit(0)
+    for scenario in (sys.argv[1] if len(sys.argv) > 1 else "training").split(","):
+        SCENARIOS[scenario]()
+        print(f"CHECKS PASSED {scenario}", flush=True)
