@@ -175,24 +175,26 @@ class GlooBackend(RootedBackend):
         parts = tensor.view(-1).tensor_split(self.size)
         views = [part.view(torch.uint8).numpy().data for part in parts]
         mine = parts[self.rank]
-        rows = self._rows(mine)
         peers = [peer for peer in range(self.size) if peer != self.rank]
+        rows = self._rows(mine, len(peers))  # row i: peers[i]'s copy of this member's part
         links.exchange({peer: views[peer] for peer in peers},
-                       {peer: rows[peer].view(torch.uint8).numpy().data for peer in peers})
+                       {peer: row.view(torch.uint8).numpy().data for peer, row in zip(peers, rows)})
         combine = COMBINE[op]
         for start in range(0, mine.numel(), _SERIAL_ELEMENTS):
             into = mine[start:start + _SERIAL_ELEMENTS]
-            for peer in peers:
-                combine(into, rows[peer, start:start + _SERIAL_ELEMENTS])
+            for row in rows:
+                combine(into, row[start:start + _SERIAL_ELEMENTS])
         links.exchange({peer: views[self.rank] for peer in peers}, {peer: views[peer] for peer in peers})
 
-    def _rows(self, flat) -> torch.Tensor:
-        """A (members, elements) buffer for every member's copy of ``flat``, in memory kept for later calls."""
-        nbytes = self.size * flat.numel() * flat.element_size()
+    def _rows(self, flat, count: int | None = None) -> torch.Tensor:
+        """A (``count``, elements) buffer for copies of ``flat`` (one per member by default), in memory kept for
+        later calls (as large as the largest asked for so far)."""
+        count = self.size if count is None else count
+        nbytes = count * flat.numel() * flat.element_size()
         kept = self._kept_rows
         if kept is None or kept.numel() < nbytes:
             kept = self._kept_rows = torch.empty(nbytes, dtype=torch.uint8)
-        return kept[:nbytes].view(flat.dtype).view(self.size, flat.numel())
+        return kept[:nbytes].view(flat.dtype).view(count, flat.numel())
 
     def _allreduce_by_allgather(self, tensor, op) -> None:
         """Reduce a small ``tensor`` in place by gathering every member's copy (the same result, combined in
