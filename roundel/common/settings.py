@@ -461,13 +461,14 @@ SPECS = (
          _flag("--shared-memory", off=("--no-shared-memory",), off_help="keep collectives on one host on Gloo",
                group="library", help="collectives among the ranks of one host go through shared memory")),
     Spec("peer_links", "PEER_LINKS", _bool,
-         "Gloo communicators of up to 64 ranks move the allreduces they run in the calling thread (with 3 ranks or "
-         "more, up to 4 MiB) over roundel's own TCP links between the ranks; 0 keeps them in Gloo's process group "
-         "(roundel only)",
-         _flag("--peer-links", off=("--no-peer-links",), off_help="keep allreduces in Gloo's process group",
-               group="library", help="allreduces go over roundel's own links between the ranks")),
+         "Gloo communicators of up to 64 ranks move allreduces, broadcasts and allgathers (with 3 ranks or more, up "
+         "to 4 MiB) over roundel's own TCP links between the ranks, on the calling thread; 0 keeps them in Gloo's "
+         "process group (roundel only)",
+         _flag("--peer-links", off=("--no-peer-links",), off_help="keep collectives in Gloo's process group",
+               group="library", help="allreduces, broadcasts and allgathers go over roundel's own links")),
     Spec("steady_replay", "STEADY_REPLAY", _bool,
-         "once the job's allreduces repeat, each rank runs them from the learned schedule without asking rank 0 "
+         "once the job's allreduces, broadcasts and allgathers repeat, each rank runs them from the learned schedule "
+         "without asking rank 0 "
          "(a rank that leaves the schedule makes every rank fall back); 0 always asks (roundel only)",
          _flag("--steady-replay", off=("--no-steady-replay",), off_help="ask rank 0 for every collective",
                group="params", help="replay the repeating allreduces without a round trip to rank 0")),

@@ -135,8 +135,8 @@ class GlooBackend(RootedBackend):
         return self._links if self.size == 2 or (self.size - 1) * nbytes <= SCATTER_BYTES else None
 
     def _allreduce_way(self, sent) -> Callable[[Any, Any], None] | None:
-        """How an allreduce of the contiguous ``sent`` runs, None for Gloo's ring. Decided from its size alone, so
-        every member takes the same way, blocking or not, whichever thread calls."""
+        """How an allreduce of ``sent`` runs (the way is handed a contiguous tensor), None for Gloo's ring. Decided
+        from its size alone, so every member takes the same way, blocking or not, whichever thread calls."""
         links, nbytes = self._links, sent.numel() * sent.element_size()
         received = (self.size - 1) * nbytes
         if links is not None and received <= LINK_BYTES:
@@ -206,7 +206,7 @@ class GlooBackend(RootedBackend):
 
     def allreduce_async(self, tensor, op):
         sent = widened(tensor)
-        if self._allreduce_way(sent.contiguous()) is not None:  # the way a blocking call takes, alike everywhere
+        if self._allreduce_way(sent) is not None:  # the way a blocking call takes, alike everywhere
             self.allreduce(tensor, op)
             done: torch.futures.Future = torch.futures.Future()
             done.set_result(None)
