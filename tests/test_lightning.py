@@ -1,8 +1,9 @@
 """``roundel.lightning.RoundelStrategy`` under the real launcher: Lightning 2.x trains on roundel's ranks.
 
 This file is also the worker: ``roundelrun -np 2 python tests/test_lightning.py SCENARIO ...`` runs one
-of the scenarios at the bottom on every rank (``python tests/test_lightning.py reference OUT``, without the
-launcher, is the single-process run to compare with). Each job runs several ``Trainer.fit`` calls in one
+of the scenarios at the bottom on every rank, ``... sequence NAME[=ARGUMENT] ...`` several in turn
+(``python tests/test_lightning.py reference OUT``, without the launcher, is the single-process run to
+compare with). Each job runs several ``Trainer.fit`` calls in one
 process: teardown shuts roundel down and the next fit joins the job again, so that path is exercised too.
 
 The data are fixed (64 samples of 8 features, 3 classes); each rank takes batches of 8. For training,
@@ -355,6 +356,18 @@ def scenario_failure() -> None:
     print("FINISHED (should not happen)", flush=True)
 
 
+def scenario_sequence(*steps: str) -> None:
+    """Several scenarios in one job, in order: each step ``NAME`` or ``NAME=ARGUMENT`` (Lightning's import is
+    paid once); a failing one says so on stderr before its traceback."""
+    for step in steps:
+        name, _, argument = step.partition("=")
+        try:
+            globals()[f"scenario_{name}"](*([argument] if argument else []))
+        except BaseException:
+            print(f"rank {os.environ.get('ROUNDEL_RANK')}: scenario {name} FAILED", file=sys.stderr, flush=True)
+            raise
+
+
 def _worker(argv: list[str]) -> None:
     os.environ.pop("PL_GLOBAL_SEED", None)  # the training sampler's seed must be 0, as the reference's
     _quiet()
@@ -387,13 +400,25 @@ def test_importing_without_lightning_says_what_to_install():
     assert last.startswith("ImportError: ") and 'pip install "roundel[lightning]"' in last, describe(result)
 
 
-def test_parameters_match_a_single_process_run_on_the_combined_batches(tmp_path):
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """One 2-rank job for the fidelity, collectives and checkpoint scenarios, in that order (each fit tears
+    roundel down and the next joins the job again); returns (result, the fidelity output, the checkpoints)."""
+    directory = tmp_path_factory.mktemp("lightning")
+    distributed, checkpoints = directory / "distributed.json", directory / "checkpoints"
+    checkpoints.mkdir()
+    result = run_job(2, __file__, "sequence", f"fidelity={distributed}", "collectives",
+                     f"checkpoint={checkpoints}", timeout=360)
+    return result, distributed, checkpoints
+
+
+def test_parameters_match_a_single_process_run_on_the_combined_batches(shared_run, tmp_path):
     """2 ranks x batch 8 with averaged gradients == 1 process x batch 16 on the same samples, for plain SGD,
     for gradient accumulation with norm clipping (clipping must see the averaged gradients), for an
     accumulation schedule that changes between epochs, for sharded optimizer state with momentum, and for
     manual optimization (manual_backward, then step); PowerSGD runs and the ranks agree."""
-    distributed, reference = tmp_path / "distributed.json", tmp_path / "reference.json"
-    result = run_job(2, __file__, "fidelity", distributed, timeout=150)
+    result, distributed, _ = shared_run
+    reference = tmp_path / "reference.json"
     assert_checks_passed(result, 2, "fidelity")
     single = run_python(__file__, "reference", reference, timeout=90)
     assert single.returncode == 0, describe(single)
@@ -410,8 +435,8 @@ def test_parameters_match_a_single_process_run_on_the_combined_batches(tmp_path)
 
 
 @pytest.fixture(scope="module")
-def collectives_run():
-    return run_job(2, __file__, "collectives", timeout=120)
+def collectives_run(shared_run):
+    return shared_run[0]
 
 
 def test_sync_dist_metrics_are_averaged_over_the_ranks(collectives_run):
@@ -428,10 +453,10 @@ def test_strategy_string_roundel_and_the_collectives(collectives_run):
     assert_checks_passed(collectives_run, 2, "collectives")
 
 
-def test_checkpoint_written_by_rank_0_only_and_training_resumes_from_it(tmp_path):
-    result = run_job(2, __file__, "checkpoint", tmp_path, timeout=150)
+def test_checkpoint_written_by_rank_0_only_and_training_resumes_from_it(shared_run):
+    result, _, checkpoints = shared_run
     assert_checks_passed(result, 2, "checkpoint")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"epoch={e}.ckpt" for e in range(4)]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"epoch={e}.ckpt" for e in range(4)]
     assert rank_lines(result.stdout, 0, "stdout").count("WROTE rank 0 epoch=1.ckpt") == 1, describe(result)
     assert not any(line.startswith("WROTE") for line in rank_lines(result.stdout, 1)), describe(result)
     resumed = f"RESUMED at epoch 2 step {2 * STEPS_PER_EPOCH}, ended at epoch 4 step {4 * STEPS_PER_EPOCH}"
