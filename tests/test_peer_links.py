@@ -213,6 +213,9 @@ def test_gloo_backend_broadcasts_and_allgathers_on_the_links(size):
             expected = torch.stack([torch.arange(700).to(dtype) + r for r in range(size)])
             assert all(torch.equal(out, expected) for out in gathered)
         assert len(calls) == 2 * (size + 1) * size, calls  # every member, every call above
+        # an empty tensor (as torch may make one, with a stride of 0) moves nothing, and fails nothing
+        empty = _together(size, lambda r: backends[r].broadcast(t := torch.empty_strided((0,), (0,)), 0) or t)
+        assert all(t.shape == (0,) for t in empty)
         calls.clear()
         big = 5 * 1024 * 1024 // 4  # 5 MiB of float32: within the links for 2 members only
         results = _together(size, lambda r: backends[r].broadcast(t := torch.full((big,), float(r)), size - 1) or t)

@@ -84,6 +84,11 @@ def _serial_copy(into: torch.Tensor, source: torch.Tensor) -> None:
         into[start:start + _SERIAL_ELEMENTS].copy_(source[start:start + _SERIAL_ELEMENTS])
 
 
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU ``tensor``'s memory, as the links send and receive it (an empty one: no bytes)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else memoryview(b"")
+
+
 def _combine_rows(flat: torch.Tensor, rows: torch.Tensor, combine) -> None:
     """``flat`` = ``rows[0]``, then ``combine(flat, row)`` with each next row, in slices that stay on the calling
     thread (see above)."""
@@ -173,12 +178,12 @@ class GlooBackend(RootedBackend):
         the part of its copy that member owns (one of ``size`` near-equal parts) and combines the others' copies
         of its own part into its own, in rank order; then each sends its combined part to every other."""
         parts = tensor.view(-1).tensor_split(self.size)
-        views = [part.view(torch.uint8).numpy().data for part in parts]
+        views = [_bytes_of(part) for part in parts]
         mine = parts[self.rank]
         peers = [peer for peer in range(self.size) if peer != self.rank]
         rows = self._rows(mine, len(peers))  # row i: peers[i]'s copy of this member's part
         links.exchange({peer: views[peer] for peer in peers},
-                       {peer: row.view(torch.uint8).numpy().data for peer, row in zip(peers, rows)})
+                       {peer: _bytes_of(row) for peer, row in zip(peers, rows)})
         combine = COMBINE[op]
         for start in range(0, mine.numel(), _SERIAL_ELEMENTS):
             into = mine[start:start + _SERIAL_ELEMENTS]
@@ -243,7 +248,7 @@ class GlooBackend(RootedBackend):
             options.rootRank = root
             self._pg.broadcast([work], options).wait()
         else:
-            data, nothing = work.view(-1).view(torch.uint8).numpy().data, memoryview(b"")
+            data, nothing = _bytes_of(work), memoryview(b"")
             peers = [peer for peer in range(self.size) if peer != self.rank]
             links.exchange({peer: data if self.rank == root else nothing for peer in peers},
                            {peer: data if peer == root else nothing for peer in peers})
