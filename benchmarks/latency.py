@@ -13,9 +13,9 @@ gives p50 and p99 per size, the ratio of raw Gloo's p50 to roundel's (> 1:
 roundel is faster), and roundel's own cost: the p50 of a call's time outside
 the calls roundel makes on its transport (its Python, thread hand-offs and,
 where the call is negotiated, the round trip to rank 0), the slowest rank's;
-a transfer roundel starts in the background (a negotiated allreduce of 1 MiB
-or more) counts as its own. ``ROUNDEL_SHARED_MEMORY=0`` keeps roundel off
-shared memory: on Gloo, and on its peer links for small allreduces. Across
+a transfer roundel starts in Gloo's background (an allreduce of 1 MiB or more
+that Gloo's ring carries) counts as its own. ``ROUNDEL_SHARED_MEMORY=0`` keeps
+roundel off shared memory: on Gloo, and on its peer links. Across
 hosts, each host is a network namespace whose link ``tc`` limits to the
 given rate (tests/netns_util.py); one rank per host. Writes
 ``latency.png`` (p50 against size, one panel per collective) and prints

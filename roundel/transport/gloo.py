@@ -105,8 +105,8 @@ class GlooBackend(RootedBackend):
     name = "gloo"
 
     def __init__(self, store, rank: int, size: int, timeout_s: float, hostname: str = "", peer_links: bool = True):
-        """``peer_links``: small allreduces go over ``PeerLinks`` (where ``hostname``, the address to listen on,
-        is given) rather than through the process group."""
+        """``peer_links``: allreduces, broadcasts and allgathers go over ``PeerLinks`` (where ``hostname``, the
+        address to listen on, is given) rather than through the process group, where the size allows."""
         super().__init__(rank, size)
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lacks _Options
         options._timeout = timedelta(seconds=timeout_s)
