@@ -172,7 +172,9 @@ class _Allgather(torch.autograd.Function):
     def forward(ctx, tensor, name, process_set):
         ctx.shape = tensor.shape
         ctx.process_set = process_set
-        return synchronize(allgather_async(tensor, name, process_set))
+        with collectives.waited():
+            handle = allgather_async(tensor, name, process_set)
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -196,7 +198,9 @@ class _GroupedAllgather(torch.autograd.Function):
     def forward(ctx, name, process_set, *tensors):
         ctx.shapes = [t.shape for t in tensors]
         ctx.process_set = process_set
-        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+        with collectives.waited():
+            handle = grouped_allgather_async(list(tensors), name, process_set)
+        return tuple(synchronize(handle))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -227,7 +231,9 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank = root_rank
         ctx.process_set = process_set
-        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+        with collectives.waited():
+            handle = broadcast_async(tensor, root_rank, name, process_set)
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -245,7 +251,9 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     """Overwrite ``tensor`` with the root's copy, in place, and return it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    with collectives.waited():
+        handle = broadcast_async_(tensor, root_rank, name, process_set)
+    return synchronize(handle)
 
 
 # ------------------------------------------------------------------- alltoall

@@ -223,14 +223,24 @@ def scenario_other_kinds() -> None:
     root = 1 % SIZE
 
     def step(i: int, first_rows: int = 1, my_root: int = root) -> None:
-        """Broadcast from ``my_root``, then gather RANK + 1 rows from each rank but rank 0's ``first_rows``."""
+        """Broadcast from ``my_root`` (a small tensor, a few bools, one too large for a slot's rows), then gather
+        RANK + 1 rows from each rank but rank 0's ``first_rows``, alone and as a group of two int8 tensors."""
         value = torch.full((300,), float(100 * RANK + i))
         hvd.broadcast_(value, root_rank=my_root, name="kinds.broadcast")
         assert torch.equal(value, torch.full((300,), float(100 * my_root + i))), (i, value)
+        flags = hvd.broadcast(torch.tensor([RANK == 0, i % 2 == 0, RANK != 0]), root_rank=my_root, name="kinds.flags")
+        assert flags.tolist() == [my_root == 0, i % 2 == 0, my_root != 0], (i, flags)
+        large = hvd.broadcast(torch.full((70_000,), float(RANK + i)), root_rank=my_root, name="kinds.large")
+        assert torch.equal(large, torch.full((70_000,), float(my_root + i))), (i, large[:4])
         sizes = [first_rows] + [r + 1 for r in range(1, SIZE)]
         gathered = hvd.allgather(torch.full((sizes[RANK], 5), float(RANK + i)), name="kinds.allgather")
         expected = torch.cat([torch.full((n, 5), float(r + i)) for r, n in enumerate(sizes)])
         assert torch.equal(gathered, expected), (i, gathered)
+        rows, column = hvd.grouped_allgather([torch.full((sizes[RANK], 3), RANK + i, dtype=torch.int8),
+                                              torch.full((RANK + 1,), -RANK, dtype=torch.int8)], name="kinds.group")
+        assert torch.equal(rows, torch.cat([torch.full((n, 3), r + i, dtype=torch.int8)
+                                            for r, n in enumerate(sizes)])), (i, rows)
+        assert column.tolist() == [-r for r in range(SIZE) for _ in range(r + 1)], (i, column)
 
     for i in range(6):
         step(i)
@@ -238,7 +248,7 @@ def scenario_other_kinds() -> None:
     for i in range(6, 16):
         step(i)
     ran, given_up = (a - b for a, b in zip(_counts(), before))
-    assert ran >= 16 and given_up == 0, f"rank {RANK}: broadcast/allgather slots ran {ran}, given up {given_up}"
+    assert ran >= 40 and given_up == 0, f"rank {RANK}: broadcast/allgather slots ran {ran}, given up {given_up}"
     for i in range(16, 20):  # rank 0 gathers 7 rows at step 17 only
         step(i, first_rows=7 if i == 17 else 1)
     try:

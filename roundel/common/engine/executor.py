@@ -35,9 +35,10 @@ instead of returning a result the abort may have cut short.
 
 Once the batch sequence repeats, the executor also runs *slots*: batches
 replayed from the learned schedule without the coordinator (see
-:mod:`roundel.common.engine.replay`). A slot's transfer carries one more
-element, the count of ranks that gave it up, and one per rank, its wait in its
-previous slot (for rank 0's straggler record); a slot given up anywhere is
+:mod:`roundel.common.engine.replay`). A slot's transfer carries its
+agreement: whether some rank gave it up, and each rank's wait in its previous
+slot (for rank 0's straggler record); how it travels is worked out once per
+slot (:mod:`roundel.common.engine.slot_plans`). A slot given up anywhere is
 dropped everywhere and its tensors go to the coordinator again. A slot runs
 before any batch from the coordinator that reaches the executor while it is
 pending, and that batch makes every rank give it up; a batch rank 0 reduced
@@ -56,12 +57,13 @@ import math
 import queue
 import threading
 import time
-from typing import Callable, NamedTuple, NoReturn
+from typing import Callable, NamedTuple, NoReturn, Sequence
 
 import torch
 
 from roundel.common.engine import small_allreduce
 from roundel.common.engine.replay import ScheduleReplay, Slot
+from roundel.common.engine.slot_plans import ReducedPlan, RowsPlan, plan_slot, serial_copy, serial_scale
 from roundel.common.engine.adasum import adasum_tree
 from roundel.common.control.records import Batch, OpKind, Request, TunedParams
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
@@ -107,13 +109,6 @@ def torch_dtype(name: str) -> torch.dtype:
 OWN_CALL_BYTES = 1 << 20
 
 
-# A replay slot of at least this many bytes agrees in a small transfer of its own, then reduces its tensors where
-# they are; a smaller one copies them into one buffer with the agreement after them. On 2 cores, 2 ranks, shared
-# memory off, a blocking 256 KiB allreduce (benchmarks/latency.py): roundel's own share 0.09 ms this way against
-# 0.21 ms copied; shared memory on, 0.91 of raw Gloo this way against 0.83-1.05 copied.
-SLOT_OWN_BYTES = 128 * 1024
-
-
 def _runs_side_by_side(backend) -> bool:
     """Whether ``backend`` can run allreduces on its own threads (``allreduce_async``)."""
     return getattr(backend, "allreduce_async", None) is not None
@@ -142,87 +137,6 @@ def _in_hand(batch: Batch) -> bool:
 
 def _reraise(exc: Exception):
     raise exc
-
-
-# A slot's copies and scaling go in pieces of at most this many elements, below torch's intra-op parallel grain:
-# a rank that runs a slot on its own thread, with the job's other ranks on the same cores, must not wake
-# torch's pool (its threads spin against the other processes' for milliseconds).
-_SERIAL_ELEMENTS = 16384
-
-
-def _pieces(tensor: torch.Tensor) -> list:
-    flat = tensor.view(-1)
-    return [flat] if flat.numel() <= _SERIAL_ELEMENTS else list(flat.split(_SERIAL_ELEMENTS))
-
-
-def _serial_copy(destinations: list, sources: list, cut: bool = True) -> None:
-    """``destinations[i].copy_(sources[i])`` for each i (under ``torch.no_grad()``), in pieces that torch runs on
-    the calling thread (``cut`` False: every tensor is small enough already)."""
-    if cut and all(t.is_contiguous() for t in (*destinations, *sources)):
-        destinations = [piece for t in destinations for piece in _pieces(t)]
-        sources = [piece for t in sources for piece in _pieces(t)]
-    torch._foreach_copy_(destinations, sources)
-
-
-def _serial_scale(buffer: torch.Tensor, factor: float) -> None:
-    """``scale(buffer, factor)`` in pieces that torch runs on the calling thread."""
-    if factor != 1.0:
-        for piece in _pieces(buffer):
-            scale(piece, factor)
-
-
-class _SlotPlan:
-    """How this rank runs a replay slot of given requests among ``members`` ranks, worked out once (a steady step
-    runs the same slots again and again).
-
-    A slot's transfer ends in its *agreement*: whether this rank gives the slot up, then each rank's wait in its
-    previous slot (ms), this rank's at its place. A small slot's tensors are copied into ``buffer`` (``inputs``
-    and ``tensors`` are its views) with the agreement after them, and take one transport call; one of at least
-    SLOT_OWN_BYTES, and every broadcast or allgather slot (``buffer`` None, ``inputs`` and ``tensors`` empty),
-    agrees on its own, then moves the tensors without a copy, as a batch from the coordinator would.
-    The agreement is read and written through a NumPy view where its dtype has one (touching a tensor's element
-    costs microseconds).
-    """
-
-    def __init__(self, requests: tuple, rank: int, members: int,
-                 slot_buffer: Callable[[torch.dtype, int], torch.Tensor]):
-        self.requests = requests
-        self.members = members
-        self._place = 1 + rank
-        dtype = torch_dtype(requests[0].dtype)
-        shapes = tuple(torch.Size(r.shape) for r in requests)
-        sizes = [math.prod(shape) for shape in shapes]
-        total = sum(sizes)
-        self.cut = max(sizes) > _SERIAL_ELEMENTS
-        self.prescale = requests[0].prescale
-        self.result_scale = requests[0].result_scale(members)
-        self.buffer: torch.Tensor | None = None
-        self.inputs: list = []
-        self.tensors = torch.empty(0)
-        if requests[0].kind != OpKind.ALLREDUCE or total * dtype.itemsize >= SLOT_OWN_BYTES:
-            self.agreement = torch.zeros(1 + members)
-        else:
-            self.buffer = slot_buffer(dtype, total + 1 + members)
-            self.inputs = [piece.view(shape) for piece, shape in zip(self.buffer[:total].split(sizes), shapes)]
-            self.tensors = self.buffer[:total]
-            self.agreement = self.buffer[total:]
-        self._integral = not self.agreement.is_floating_point()
-        self._cells = self.agreement if self.agreement.dtype == torch.bfloat16 else self.agreement.numpy()
-
-    def fill_agreement(self, giving_up: bool, wait_ms: float) -> None:
-        """This rank's agreement: whether it gives the slot up, and its wait in its previous slot."""
-        cells = self._cells
-        cells[:] = 0
-        cells[0] = 1 if giving_up else 0
-        cells[self._place] = round(wait_ms) if self._integral else wait_ms
-
-    def given_up(self) -> bool:
-        """After the transfer: whether some rank gave the slot up."""
-        return bool(self._cells[0] != 0)
-
-    def waits(self) -> list:
-        """After the transfer: every rank's wait in its previous slot (ms)."""
-        return self._cells[1:].tolist()
 
 
 # what running a replay slot came to (see Executor._run_slot)
@@ -345,7 +259,7 @@ class Executor:
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._slot_buffers: dict[torch.dtype, torch.Tensor] = {}  # the slots' (a batch in flight may hold the other)
         self._buffer_views = ShapedViews()  # the fusion buffers cut as the batches' tensors
-        self._slot_plans: dict[tuple, _SlotPlan] = {}  # a slot's names -> how it runs here
+        self._slot_plans: dict[tuple, tuple] = {}  # a slot's names -> (what it was planned for, how it runs here)
         self.cuda_device: torch.device | None = None  # see _cuda_device; join(device=...) may set it
         self._tuned: tuple[int, TunedParams | None] = (0, None)  # autotune's changes so far, the latest
         # (set id, name) -> self._tuned when that collective last ran
@@ -628,11 +542,15 @@ class Executor:
         coordinator would be once all ranks agreed, possibly in the background)."""
         ranks, backend = self._process_sets.members_and_backend(0)
         backend = backend.for_device("cpu")
-        plan = self._slot_plan(slot, backend.rank, len(ranks))
-        names = list(slot.names) if self._timeline.active else None
+        plan = self._slot_plan(slot, ranks, backend.rank)
+        # only this rank's own run of the slot is on the timeline: a rank that gives it up may meanwhile have put
+        # one of its names, negotiated, whose record the slot's must not end
+        names = list(slot.names) if self._timeline.active and works is not None else None
+        if isinstance(plan, RowsPlan):
+            return self._run_rows(slot, plan, works, backend, names)
         if plan.buffer is None:  # agree first, then move the tensors without a copy
             plan.fill_agreement(works is None, self._slot_wait_ms)
-            self._agree(backend, plan.agreement, plan, slot.serial)
+            self._agree(lambda: backend.allreduce(plan.agreement, ReduceOp.Sum), plan, slot.serial)
             if works is None or plan.given_up():
                 return _GIVEN_UP
             if names is not None:
@@ -648,19 +566,43 @@ class Executor:
             if works is not None:
                 if names is not None:
                     self._timeline.begin(names, OpKind.ALLREDUCE.label, "REPLAY_MEMCPY_IN")
-                _serial_copy(plan.inputs, [w.tensor for w in works], cut)
-                _serial_scale(plan.tensors, plan.prescale)
+                serial_copy(plan.inputs, [w.tensor for w in works], cut)
+                serial_scale(plan.tensors, plan.prescale)
             plan.fill_agreement(works is None, self._slot_wait_ms)
             if names is not None:
                 self._timeline.activity(names, transport_activity(backend.carrier("allreduce"), "allreduce"))
-            self._agree(backend, plan.buffer, plan, slot.serial)
+            self._agree(lambda: backend.allreduce(plan.buffer, ReduceOp.Sum), plan, slot.serial)
             if works is None or plan.given_up():
                 if names is not None:
                     self._timeline.end(names, None)
                 return _GIVEN_UP
-            _serial_scale(plan.tensors, plan.result_scale)
+            serial_scale(plan.tensors, plan.result_scale)
             outputs = self._outputs_in_place(works, [w.tensor for w in works])
-            _serial_copy(outputs, plan.inputs, cut)
+            serial_copy(outputs, plan.inputs, cut)
+        return self._slot_ran(slot, works, outputs, names)
+
+    def _run_rows(self, slot: Slot, plan: RowsPlan, works: list | None, backend, names: list | None) -> object:
+        """A broadcast or allgather slot in one allgather of rows, each a rank's agreement and then its data."""
+        with torch.no_grad():
+            if works is not None:
+                if names is not None:
+                    self._timeline.begin(names, slot.kind.label, "QUEUE")
+                if plan.sends_data:
+                    serial_copy(plan.inputs, [w.tensor for w in works])
+            plan.fill_agreement(works is None, self._slot_wait_ms)
+            if names is not None:
+                self._timeline.activity(names, transport_activity(backend.carrier("allgather"), "allgather"))
+            self._agree(lambda: backend.allgather(plan.rows, plan.send), plan, slot.serial)
+            if works is None or plan.given_up():
+                if names is not None:
+                    self._timeline.end(names, None)
+                return _GIVEN_UP
+            tensors = [w.tensor for w in works]
+            outputs = plan.results(tensors, self._outputs_in_place(works, tensors) if plan.root is not None else [])
+        return self._slot_ran(slot, works, outputs, names)
+
+    def _slot_ran(self, slot: Slot, works: list, outputs: list, names: list | None) -> object:
+        """Complete the handles of a slot that ran on this thread with its ``outputs``."""
         self._stamp_tuned(0, slot.names)
         for work, output in zip(works, outputs):
             work.handle.set_result(output)
@@ -873,13 +815,13 @@ class Executor:
             self._buffers[key] = buffer
         return buffer[:numel]
 
-    def _agree(self, backend, buffer: torch.Tensor, plan: _SlotPlan, serial: int) -> None:
-        """Reduce slot ``serial``'s ``buffer`` (ending in, or being, its ``plan``'s agreement); time this rank's wait,
-        and hand every rank's wait in its previous slot to ``on_slot_waits`` (rank 0's straggler record)."""
+    def _agree(self, transfer: Callable[[], None], plan: ReducedPlan | RowsPlan, serial: int) -> None:
+        """Run slot ``serial``'s ``transfer`` (which carries its ``plan``'s agreement); time this rank's wait, and
+        hand every rank's wait in its previous slot to ``on_slot_waits`` (rank 0's straggler record)."""
         token = None if self._waits is None else self._waits.enter((0, f"slot {serial}", REPLAY_WAIT))
         started = time.perf_counter()
         try:
-            backend.allreduce(buffer, ReduceOp.Sum)
+            transfer()
         finally:
             if self._waits is not None and token is not None:
                 self._waits.leave(token)
@@ -889,13 +831,16 @@ class Executor:
             if any(waits):
                 self._on_slot_waits(waits)
 
-    def _slot_plan(self, slot: Slot, rank: int, members: int) -> _SlotPlan:
-        """How this rank runs ``slot``: kept per name list while its requests stay (a step's slots repeat)."""
-        plan = self._slot_plans.get(slot.names)
-        if plan is None or plan.requests != slot.requests or plan.members != members:
+    def _slot_plan(self, slot: Slot, ranks: Sequence[int], rank: int) -> ReducedPlan | RowsPlan:
+        """How this rank runs ``slot``: kept per name list while its requests, first dimensions and members stay
+        (a step's slots repeat)."""
+        key = (slot.requests, slot.first_dims, len(ranks))
+        planned, plan = self._slot_plans.get(slot.names, (None, None))
+        if planned != key:
             if len(self._slot_plans) >= _KEPT_PLANS:
                 self._slot_plans.clear()
-            plan = self._slot_plans[slot.names] = _SlotPlan(slot.requests, rank, members, self._slot_buffer)
+            plan = plan_slot(slot, ranks, rank, self._slot_buffer)
+            self._slot_plans[slot.names] = (key, plan)
         return plan
 
     def _slot_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:

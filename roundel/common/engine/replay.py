@@ -17,9 +17,11 @@ some rank's request differs and that rank gives the slot up.
 
 No rank can tell alone that the others will follow the schedule, so each
 slot's transfer carries one more element: 0 from a rank that brings its
-tensors, 1 from a rank that gives the slot up (a broadcast or allgather slot,
-and a large allreduce slot, first reduce that element in a small transfer of
-their own, then move the tensors). The reduction of that element
+tensors, 1 from a rank that gives the slot up (see
+:mod:`roundel.common.engine.slot_plans` for where it travels: after a small
+allreduce slot's tensors, at the head of each rank's row of a small broadcast
+or allgather slot, or in a small transfer of its own before a large slot's
+tensors move). That element
 tells every rank, alike, whether the slot ran (the transfer also carries each
 rank's wait in its previous slot, which tells rank 0 who came last, for the
 straggler report, as negotiation does); a slot given up anywhere is
