@@ -991,24 +991,32 @@ class Executor:
         width = max(counts) if counts else 0
         mine = [w.tensor.reshape(-1) for w in works if w is not None]
         send = self._pack(mine, dtype, entries[0].request.device) if len(mine) != 1 else mine[0]
+        cpu = send.device.type == "cpu"  # there, large copies go in pieces on this thread (see serial_copy)
         if send.numel() < width:
             padded = torch.zeros(width, dtype=dtype, device=send.device)
-            padded[:send.numel()].copy_(send)
+            serial_copy([padded[:send.numel()]], [send], cut=cpu)
             send = padded
         received = torch.empty(width * len(ranks), dtype=dtype, device=send.device)
         self._phase(transport_activity(backend.carrier("allgather"), "allgather"))
         backend.allgather(received, send)
+        shapes = [(sum(e.first_dims),) + tuple(e.request.shape[1:]) for e in entries]
+        if len(entries) == 1 and min(counts) == width:  # every rank's rows back to back: the result as it is
+            return [received.view(shapes[0])]
         self._phase("MEMCPY_OUT_FUSION_BUFFER")
         chunks = received.view(len(ranks), width) if width else received.view(len(ranks), 0)
         outputs = []
         offsets = [0] * len(ranks)
-        for entry, row in zip(entries, rows):
-            parts = []
+        for entry, row, shape in zip(entries, rows, shapes):
+            output = torch.empty(shape, dtype=dtype, device=send.device)
+            flat, at, into, parts = output.view(-1), 0, [], []
             for r in range(len(ranks)):
                 n = entry.first_dims[r] * row
+                into.append(flat[at:at + n])
                 parts.append(chunks[r, offsets[r]:offsets[r] + n])
+                at += n
                 offsets[r] += n
-            outputs.append(torch.cat(parts).view((sum(entry.first_dims),) + tuple(entry.request.shape[1:])))
+            serial_copy(into, parts, cut=cpu)
+            outputs.append(output)
         return outputs
 
     # --------------------------------------------------------------- alltoall
