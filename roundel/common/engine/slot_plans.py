@@ -159,6 +159,7 @@ class RowsPlan:
         table = self.rows.view(members, width)
         self.inputs = data(self.send, rank)  # where this rank's tensors go
         self.received = [data(table[r], r) for r in range(members)]  # [rank][name], as that rank sent it
+        self._dtype = dtype
         self._gathered = [(sum(per_rank[i][0] for per_rank in shapes),) + shape[1:]
                           for i, shape in enumerate(shapes[0])] if root is None else []
 
@@ -188,8 +189,17 @@ class RowsPlan:
         """After the transfer: a broadcast's ``outputs`` (for this rank's ``tensors``) filled with the root's
         tensors, or each allgather's tensors from every rank's row, in rank order."""
         if self.root is None:
-            return [torch.cat([self.received[r][i].reshape(-1) for r in range(self.members)]).view(shape)
-                    for i, shape in enumerate(self._gathered)]
+            gathered = [torch.empty(shape, dtype=self._dtype) for shape in self._gathered]
+            into, sources = [], []
+            for i, output in enumerate(gathered):
+                flat, at = output.view(-1), 0
+                for received in self.received:
+                    part = received[i].view(-1)
+                    into.append(flat[at:at + part.numel()])
+                    sources.append(part)
+                    at += part.numel()
+            serial_copy(into, sources)
+            return gathered
         into, sources = [], []
         for output, tensor, source in zip(outputs, tensors, self.received[self.root]):
             if not (self.sends_data and output is tensor):  # the root's own tensor holds its result already
