@@ -3,6 +3,7 @@
     python benchmarks/latency.py                      # 2 and 4 ranks, shared memory on and off (~1 min)
     python benchmarks/latency.py --hosts 1gbit,10gbit # also 2 network-namespace hosts, tc-shaped (root)
     python benchmarks/latency.py --quick              # fewer calls per size
+    python benchmarks/latency.py --pin                # each rank on a core of its own (taskset-like)
 
 Each configuration is one ``roundelrun`` job whose ranks run roundel
 (``hvd.init()``) and, in the same processes, a plain Gloo process group of
@@ -17,7 +18,10 @@ a transfer roundel starts in Gloo's background (an allreduce of 1 MiB or more
 that Gloo's ring carries) counts as its own. ``ROUNDEL_SHARED_MEMORY=0`` keeps
 roundel off shared memory: on Gloo, and on its peer links. Across
 hosts, each host is a network namespace whose link ``tc`` limits to the
-given rate (tests/netns_util.py); one rank per host. Writes
+given rate (tests/netns_util.py); one rank per host. ``--pin`` keeps each
+rank of a local job (all its threads) on core ``local rank % cores``: left to itself, the
+scheduler may run both ranks of a 2-rank job on one core for a whole run,
+which at 256 KiB costs about four times the time on this machine. Writes
 ``latency.png`` (p50 against size, one panel per collective) and prints
 Markdown, ready for docs/performance.md.
 """
@@ -58,6 +62,8 @@ def work(args: argparse.Namespace) -> int:
     import roundel.torch as hvd
     from roundel.common import basics
 
+    if args.pin:  # before any thread starts: roundel's threads and Gloo's inherit it
+        os.sched_setaffinity(0, {int(os.environ["ROUNDEL_LOCAL_RANK"]) % os.cpu_count()})
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     # raw Gloo on the same interface as roundel's: the host's own address (loopback on one host)
@@ -158,13 +164,15 @@ def _run(command: list, env: dict) -> list[dict]:
                        f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
 
 
-def _worker_command(args: argparse.Namespace) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--calls", str(args.calls)]
+def _worker_command(args: argparse.Namespace, pin: bool = False) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--calls", str(args.calls),
+            *(["--pin"] if pin else [])]
 
 
 def local(args: argparse.Namespace, ranks: int, shared_memory: bool) -> list[dict]:
     env = {**os.environ, "ROUNDEL_SHARED_MEMORY": "1" if shared_memory else "0"}
-    return _run([sys.executable, "-m", "roundel.runner.launch", "-np", str(ranks), *_worker_command(args)], env)
+    return _run([sys.executable, "-m", "roundel.runner.launch", "-np", str(ranks), *_worker_command(args, args.pin)],
+                env)
 
 
 def across_hosts(args: argparse.Namespace, rate: str) -> list[dict]:
@@ -230,6 +238,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=200, help="calls per size up to 64 KiB, a quarter above (200)")
     p.add_argument("--quick", action="store_true", help="40 calls per size")
     p.add_argument("--png", default="latency.png", help="where to write the plot (default latency.png)")
+    p.add_argument("--pin", action="store_true", help="each rank of a local job on core (local rank %% cores)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
