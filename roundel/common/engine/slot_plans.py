@@ -80,7 +80,6 @@ class ReducedPlan:
 
     def __init__(self, slot: Slot, rank: int, members: int, slot_buffer: Callable[[torch.dtype, int], torch.Tensor]):
         requests = slot.requests
-        self.members = members
         self._place = 1 + rank
         dtype = getattr(torch, requests[0].dtype)
         shapes = tuple(torch.Size(r.shape) for r in requests)
@@ -140,7 +139,6 @@ class RowsPlan:
 
     def __init__(self, slot: Slot, rank: int, root: int | None, members: int):
         """``root``: a broadcast's root, as a member of the job (None for an allgather)."""
-        self.members = members
         self.root = root
         self.sends_data = root is None or root == rank
         dtype = getattr(torch, slot.requests[0].dtype)
