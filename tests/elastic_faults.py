@@ -13,6 +13,9 @@ after a random number of commits (a random batch):
 * ``hosts``: a third host is added through discovery, then a random one of
   the three is removed.
 
+Training pauses 0.2 s a step until the fault has been handled, then runs
+the rest of its epochs at full speed.
+
 A run passes when the job ends with status 0 having trained every epoch,
 rank 0's committed step never went back, every sample of every epoch was
 seen (repeating only the work since the last commit and shard padding),
@@ -47,7 +50,7 @@ WORKER = str(WORKERS_DIR / "torch_elastic.py")
 EPOCHS, SAMPLES, BATCH = 4, 96, 4
 HEARTBEAT_TIMEOUT_S = 4  # how long a stopped worker may stay silent before its peers declare it lost
 SKIPPED = 77
-FORWARD = ("-x", "EPOCHS", "-x", "SAMPLES", "-x", "BATCH", "-x", "STEP_SLEEP")  # the worker's settings, over ssh
+FORWARD = ("-x", "EPOCHS", "-x", "SAMPLES", "-x", "BATCH", "-x", "STEP_SLEEP", "-x", "FAST_FILE")  # over ssh
 
 
 def _generations(lines: list[str]) -> list[list[str]]:
@@ -92,7 +95,8 @@ def run_once(fault: str, rng: random.Random, workdir: Path, log: Path | None = N
     job = None
     try:
         first = net.addrs if fault != "hosts" else net.addrs[:2]
-        env = {"EPOCHS": EPOCHS, "SAMPLES": SAMPLES, "BATCH": BATCH, "STEP_SLEEP": 0.2,
+        fast = workdir / "fast"  # once the fault is handled, the rest of the training need not be slowed down
+        env = {"EPOCHS": EPOCHS, "SAMPLES": SAMPLES, "BATCH": BATCH, "STEP_SLEEP": 0.2, "FAST_FILE": fast,
                "ROUNDEL_HEARTBEAT_TIMEOUT_SECONDS": HEARTBEAT_TIMEOUT_S, **net.ssh_env()}
         job = ElasticJob(workdir, "".join(f"{a}:1\n" for a in first), WORKER,
                          ["-np", len(first), "--min-np", "1", "-p", SSH_PORT, "-i", net.key,
@@ -115,6 +119,7 @@ def run_once(fault: str, rng: random.Random, workdir: Path, log: Path | None = N
             job.wait_count(f"worker {victim} was killed by signal SIGKILL", 1, timeout=120)
             done = f"{victim} {'killed' if fault == 'kill' else 'stopped'} after {at} commits"
             failures = 1
+        fast.touch()
         code = job.finish(timeout=180)
         ended = time.monotonic()
         assert code == 0, f"exit status {code}\n{job.describe()}"

@@ -54,6 +54,18 @@ ENGINE_MESSAGES = [
 
 
 # ------------------------------------------------- a fake coordinator and a rank
+def _until_the_peer_closes(sock: socket.socket, seconds: float) -> None:
+    """Read (and drop) what the peer sends until it closes its end, for at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            if not sock.recv(65536):
+                return
+        except socket.timeout:
+            return
+
+
 def _serve_once(behaviour) -> tuple[int, threading.Thread]:
     """A one-connection server on 127.0.0.1 running ``behaviour(sock)``; returns its port and thread."""
     server = socket.create_server(("127.0.0.1", 0))
@@ -66,7 +78,7 @@ def _serve_once(behaviour) -> tuple[int, threading.Thread]:
                 sock.settimeout(5)
                 try:
                     behaviour(sock)
-                    time.sleep(1.0)  # let the rank read everything before the connection closes
+                    _until_the_peer_closes(sock, 1.0)  # let the rank read everything before the connection closes
                 except OSError:
                     pass
 

@@ -5,7 +5,8 @@ host to the driver, so a failure blacklists only that one). Every training
 run is checked with ``check_training`` (epochs completed, identical
 parameters, committed step only forward, every sample covered, every
 restart resumed from committed weights, an unnamed allgather after
-training agreeing on every rank). The last test runs tests/elastic_faults.py
+training agreeing on every rank); once a fault has been handled, training
+runs on without its pause between steps. The last test runs tests/elastic_faults.py
 in short: one run of each fault on network-namespace hosts (a worker
 SIGKILLed, a worker SIGSTOPped, a host added then one removed), with a
 random victim each time.
@@ -24,8 +25,14 @@ SAMPLES, BATCH = 96, 4
 
 
 def _job(tmp_path, hosts, *launcher_args, epochs=2, step_sleep=0.1, **env):
-    env = {"EPOCHS": epochs, "SAMPLES": SAMPLES, "BATCH": BATCH, "STEP_SLEEP": step_sleep, **env}
+    env = {"EPOCHS": epochs, "SAMPLES": SAMPLES, "BATCH": BATCH, "STEP_SLEEP": step_sleep,
+           "FAST_FILE": tmp_path / "fast", **env}
     return ElasticJob(tmp_path, hosts, WORKER, launcher_args, env)
+
+
+def _full_speed(tmp_path) -> None:
+    """The fault has been handled: the rest of the training need not pause between steps."""
+    (tmp_path / "fast").touch()
 
 
 def _repeats_allowed(failures: int, generations: int, largest: int = 3) -> int:
@@ -44,6 +51,7 @@ def test_newcomer_keeps_the_committed_weights_when_every_old_worker_dies(tmp_pat
                  what="the newcomer's first start")
     job.kill("127.0.0.2:0")
     job.wait_count("generation 2: 1 worker(s)", 1)
+    _full_speed(tmp_path)
     assert job.finish(timeout=120) == 0, job.describe()
     text = job.text()
     newcomer_starts = [r for who, r in records(text, "START") if who == "127.0.0.3:0"]
@@ -77,6 +85,7 @@ def test_unnamed_allgather_after_a_kill_and_a_join(tmp_path):
     job.wait_count("COMMIT", sum("COMMIT" in line for line in job.output()) + 2)
     job.set_hosts("127.0.0.2:1\n127.0.0.3:1\n127.0.0.4:1\n127.0.0.5:1\n")
     job.wait_count("generation 2: 3 worker(s)", 1)
+    _full_speed(tmp_path)
     assert job.finish(timeout=120) == 0, job.describe()
     finals = check_training(job.text(), 3, SAMPLES, BATCH, _repeats_allowed(1, 3))
     assert len(finals) == 3 and all(r["gathered"] == [0, 1, 2] for r in finals), finals
@@ -88,6 +97,7 @@ def test_a_worker_reported_lost_that_exits_by_itself_reports_its_own_status(tmp_
     job = _job(tmp_path, "127.0.0.2:1\n127.0.0.3:1\n", "-np", "2", "--min-np", "1", "--elastic-timeout", "60",
                LOST_AT_STEP=4, LOST_EXITS=1)
     job.wait_count("generation 1: 1 worker(s)", 1, timeout=60)
+    _full_speed(tmp_path)
     assert job.finish(timeout=120) == 0, job.describe()
     text = job.text()
     assert "EXITING 1" in text and "killing it" not in text, job.describe()
@@ -101,6 +111,7 @@ def test_a_worker_reported_lost_is_killed_and_the_job_goes_on(tmp_path):
                LOST_AT_STEP=4)
     job.wait_count("STOPPING 1", 1)
     job.wait_count("generation 1: 1 worker(s)", 1, timeout=60)
+    _full_speed(tmp_path)
     assert job.finish(timeout=120) == 0, job.describe()
     text = job.text()
     assert "worker 127.0.0.3:0: rank 1 (host test) was lost: no heartbeat for 0 s (faked by the test); " \

@@ -2,7 +2,8 @@
 
 The runs train tests/workers/keras_elastic.py (``model.fit`` with
 ``hvd.elastic.KerasState`` and the commit/update callbacks, a commit after
-every batch) and check: the job exits 0 having completed the requested
+every batch; once the test has added the host or killed the worker, without
+its pause between steps) and check: the job exits 0 having completed the requested
 epochs, every rank of the last generation ends with the same weights, and
 rank 0's committed step only goes forward. Sample coverage is not checked:
 ``model.fit`` on in-memory shards has no ElasticSampler to record it.
@@ -27,8 +28,13 @@ EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "keras_mnist
 
 
 def _job(tmp_path, hosts, *launcher_args, epochs=3, step_sleep=0.05):
-    env = {"EPOCHS": epochs, "STEP_SLEEP": step_sleep}
+    env = {"EPOCHS": epochs, "STEP_SLEEP": step_sleep, "FAST_FILE": tmp_path / "fast"}
     return ElasticJob(tmp_path, hosts, WORKER, ("--elastic-timeout", "60", *launcher_args), env)
+
+
+def _full_speed(tmp_path) -> None:
+    """The test has done what needed training slowed down: the rest need not pause between steps."""
+    (tmp_path / "fast").touch()
 
 
 def _check(job, epochs: int, size: int) -> list[int]:
@@ -54,6 +60,7 @@ def test_host_added_mid_training_retraces_the_step(tmp_path):
     job.wait_count("COMMIT", 5)
     job.set_hosts("localhost:2\n")
     job.wait_count("generation 1: 2 worker(s)", 1)
+    _full_speed(tmp_path)
     _check(job, 3, 2)
     resets = [payload for _, _, payload in worker_lines(job.text()) if payload.startswith("RESET")]
     assert resets == ["RESET 2"], resets  # only the old worker resets; the new one starts from the sync
@@ -65,6 +72,7 @@ def test_worker_killed_mid_epoch(tmp_path):
     job.wait_count("COMMIT", 6)
     job.kill("127.0.0.2:0")
     job.wait_count("generation 1: 1 worker(s)", 1)
+    _full_speed(tmp_path)
     committed = _check(job, 3, 1)
     text = job.text()
     assert "rolling back to the last commit" in text, job.describe()

@@ -25,7 +25,7 @@ RECOVERY_S = 2.0
 
 def _job(tmp_path, hosts, *launcher_args, **env):
     env = {"EPOCHS": 1000, "SAMPLES": SAMPLES, "BATCH": BATCH, "STEP_SLEEP": 0.1, "STOP_FILE": tmp_path / "stop",
-           **env}
+           "FAST_FILE": tmp_path / "fast", **env}
     return ElasticJob(tmp_path, hosts, WORKER, ["--elastic-timeout", "60", *launcher_args], env)
 
 
@@ -54,7 +54,8 @@ def _recovers_and_finishes(tmp_path, job: ElasticJob, killed: dict, generation: 
     seconds = job.time_of(generation) - killed["at"]
     print(f"the generation after the second kill formed {seconds:.2f} s after it")
     job.wait_for(lambda lines: _commits_after(job, killed["at"]) >= 3, timeout=60, what="training after the kills")
-    (tmp_path / "stop").touch()
+    (tmp_path / "stop").touch()  # ends after this epoch, which need not pause between steps
+    (tmp_path / "fast").touch()
     assert job.finish(timeout=120) == 0, job.describe()
     assert seconds < RECOVERY_S, f"the next generation formed {seconds:.2f} s after the second kill\n{job.describe()}"
     text = job.text()

@@ -37,10 +37,12 @@ def test_collectives_gradients_and_optimizer(np):
 
 def test_elastic_training_survives_a_killed_worker(tmp_path):
     job = ElasticJob(tmp_path, "localhost:1\n127.0.0.2:1\n", str(WORKERS_DIR / "jax_elastic.py"),
-                     ("--elastic-timeout", "60", "--min-np", "1"), {"EPOCHS": 2, "STEP_SLEEP": 0.05})
+                     ("--elastic-timeout", "60", "--min-np", "1"),
+                     {"EPOCHS": 2, "STEP_SLEEP": 0.05, "FAST_FILE": tmp_path / "fast"})
     job.wait_count("COMMIT", 4, timeout=180)
     job.kill("127.0.0.2:0")  # a failure takes its whole host out (as Horovod): one slot per host
     job.wait_count("generation 1: 1 worker(s)", 1)
+    (tmp_path / "fast").touch()  # the survivor need not pause between its steps any more
     assert job.finish(timeout=180) == 0, job.describe()
     text = job.text()
     assert "rolling back to the last commit" in text and "RESET 1" in text, job.describe()

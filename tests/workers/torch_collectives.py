@@ -626,13 +626,13 @@ def scenario_barrier():
     import time
     for i in range(3):
         if RANK == i % SIZE:
-            time.sleep(0.3)
+            time.sleep(0.1)  # late: the others wait for it
         hvd.barrier()
     # barrier after the ranks submitted a different number of unnamed collectives would need
     # per-rank counters to agree; that is covered in test_process_sets. Here: barrier orders work.
     stamp = torch.tensor([time.time()], dtype=torch.float64)
     if RANK == 0:
-        time.sleep(0.5)
+        time.sleep(0.2)
         stamp = torch.tensor([time.time()], dtype=torch.float64)
     hvd.barrier()
     after = time.time()

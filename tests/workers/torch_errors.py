@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 import roundel.torch as hvd
+from roundel.common import basics
 from roundel.errors import SettingsError
 from _checks import check, expect_raises, make, run_scenarios, to_np
 
@@ -52,6 +53,18 @@ def others_and_odd(values_by_rank: dict) -> list[str]:
 
 def expect_mismatch(fn, *needles, what):
     return expect_raises(hvd.CollectiveMismatchError, fn, *needles, what=what)
+
+
+def tell_the_others(event: str) -> None:
+    """Record ``event`` in the job's rendezvous store, for the ranks that ``wait_for`` it."""
+    runtime = basics.runtime()
+    runtime.client.set(f"{runtime.prefix}test/{event}", b"1")
+
+
+def wait_for(event: str) -> None:
+    """Block until a rank has called ``tell_the_others(event)``."""
+    runtime = basics.runtime()
+    runtime.client.get(f"{runtime.prefix}test/{event}", timeout=60)
 
 
 # ------------------------------------------------------------------ mismatches
@@ -175,9 +188,10 @@ def scenario_duplicate():
                                   "already in flight", f"rank {dup_rank}",
                                   what=f"duplicate on rank {dup_rank} (the duplicating rank)")
             assert not isinstance(error, hvd.HorovodInternalError), type(error)
+            tell_the_others(f"{name} refused")
             check(hvd.synchronize(first), np.full(3, float(SIZE)), "the first submission completes")
         else:
-            time.sleep(1.0)
+            wait_for(f"{name} refused")  # the duplicating rank's first submission stays in flight until then
             check(hvd.allreduce(x, name=name, op=hvd.Sum), np.full(3, float(SIZE)), "the others are not disturbed")
         job_still_works(f"duplicate on rank {dup_rank}")
         # the name is free again: used twice in a row (the second time from the cache), it works
@@ -189,9 +203,10 @@ def scenario_duplicate():
         first = hvd.allreduce_async(x, name=f"{group}.1", op=hvd.Sum)
         expect_raises(ValueError, lambda: hvd.grouped_allreduce_async([x, x, x], name=group, op=hvd.Sum),
                       f"'{group}.1'", "already in flight", what="a grouped call with a member's name in flight")
+        tell_the_others(f"{group} refused")
         check(hvd.synchronize(first), np.full(3, float(SIZE)), "the member's name submitted first completes")
     else:
-        time.sleep(1.0)  # so that the last rank's first submission is still in flight when it makes the grouped call
+        wait_for(f"{group} refused")  # so that the last rank's first submission is in flight at its grouped call
         check(hvd.allreduce(x, name=f"{group}.1", op=hvd.Sum), np.full(3, float(SIZE)), "the others' member name")
     for i, out in enumerate(hvd.grouped_allreduce([x, x, x], name=group, op=hvd.Sum)):
         check(out, np.full(3, float(SIZE)), f"the grouped call after the refused one [{i}]")
