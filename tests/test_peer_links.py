@@ -12,6 +12,7 @@ import itertools
 import json
 import socket
 import struct
+import warnings
 import threading
 import time
 from datetime import timedelta
@@ -128,20 +129,37 @@ def _count_exchanges(backends: list) -> list:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int16, torch.int64,
                                    torch.bool])
 @pytest.mark.parametrize("op", [ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product])
-def test_gloo_backend_reduces_small_tensors_on_the_links_alike_on_every_member(dtype, op):
-    size = 3
+@pytest.mark.parametrize("size", [2, 3])
+def test_gloo_backend_reduces_small_tensors_on_the_links_alike_on_every_member(dtype, op, size):
     backends = _backends(size)
     try:
         assert backends[0].carrier("allreduce") == "gloo+links"
-        inputs = [(torch.arange(1, 601) % 7 + r).to(dtype).reshape(20, 30) for r in range(size)]
-        expected = _expected(inputs, op)
+        for call in range(2):  # the second call reuses what the first set up for this dtype and size
+            inputs = [(torch.arange(1, 601) % 7 + r + call).to(dtype).reshape(20, 30) for r in range(size)]
+            expected = _expected(inputs, op)
 
+            def reduce(rank):
+                tensor = inputs[rank].clone().t()  # not contiguous: reduced in a copy, written back
+                backends[rank].allreduce(tensor, op)
+                return tensor.t()
+            for result in _together(size, reduce):
+                assert torch.equal(result, expected), (call, result, expected)
+    finally:
+        for backend in backends:
+            backend.close()
+
+
+def test_a_sum_that_overflows_on_the_links_is_inf_without_a_warning():
+    backends = _backends(2)
+    try:
         def reduce(rank):
-            tensor = inputs[rank].clone().t()  # not contiguous: reduced in a copy, written back
-            backends[rank].allreduce(tensor, op)
-            return tensor.t()
-        for result in _together(size, reduce):
-            assert torch.equal(result, expected), (result, expected)
+            tensor = torch.tensor([60000.0, 1.0, -60000.0], dtype=torch.float16)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # NumPy's overflow warning would fail the call
+                backends[rank].allreduce(tensor, ReduceOp.Sum)
+            return tensor
+        for result in _together(2, reduce):
+            assert result.tolist() == [float("inf"), 2.0, float("-inf")], result
     finally:
         for backend in backends:
             backend.close()
