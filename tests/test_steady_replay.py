@@ -25,8 +25,9 @@ def _measured(result, rank: int) -> float:
 
 @pytest.mark.parametrize("np,shared_memory", [(2, "0"), (3, "1")])
 def test_steady_schedule_is_replayed(np, shared_memory):
-    result = run_job(np, WORKER, "steady,other_kinds,mixed_threads", env={"ROUNDEL_SHARED_MEMORY": shared_memory})
-    assert_checks_passed(result, np, "steady", "other_kinds", "mixed_threads")
+    scenarios = ("steady", "other_kinds", "mixed_threads", "caller_runs")
+    result = run_job(np, WORKER, ",".join(scenarios), env={"ROUNDEL_SHARED_MEMORY": shared_memory})
+    assert_checks_passed(result, np, *scenarios)
 
 
 def test_leaving_the_schedule_gives_the_usual_results_and_errors():

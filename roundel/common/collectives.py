@@ -27,9 +27,9 @@ from roundel.common.process_sets import global_process_set
 from roundel.common.control.records import OpKind, Request
 from roundel.ops import ReduceOp
 
-__all__ = ["Pending", "waited", "allgather_async", "allreduce_async", "alltoall_async", "barrier", "broadcast_async",
-           "grouped_allgather_async", "grouped_allreduce_async", "grouped_reducescatter_async", "join", "poll",
-           "note_gradient_buckets", "reducescatter_async", "set_id", "synchronize", "tuned_settings"]
+__all__ = ["Pending", "blocking", "waited", "allgather_async", "allreduce_async", "alltoall_async", "barrier",
+           "broadcast_async", "grouped_allgather_async", "grouped_allreduce_async", "grouped_reducescatter_async",
+           "join", "poll", "note_gradient_buckets", "reducescatter_async", "set_id", "synchronize", "tuned_settings"]
 
 
 class Pending:
@@ -67,6 +67,14 @@ def waited() -> Iterator[None]:
         yield
     finally:
         _caller.waits = False
+
+
+def blocking(start: Callable[[], int]):
+    """Start a collective with ``start()`` (which returns its handle) and wait for its result, as one blocking
+    call: the calling thread runs the collective's replayed slot itself (see ``waited``)."""
+    with waited():
+        handle = start()
+    return synchronize(handle)
 
 
 def _register(pending: Pending) -> int:

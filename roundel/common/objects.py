@@ -97,12 +97,12 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
         record = seal.size_record(root_rank, message.numel())
     else:
         record = torch.zeros(_SIZE_RECORD_BYTES, dtype=torch.uint8)
-    collectives.synchronize(collectives.broadcast_async(record, root_rank, seal.size_name, process_set,
-                                                        in_place=True))
+    collectives.blocking(lambda: collectives.broadcast_async(record, root_rank, seal.size_name, process_set,
+                                                             in_place=True))
     if not is_root:
         message = torch.empty(seal.length(root_rank, record.numpy().data), dtype=torch.uint8)
-    collectives.synchronize(collectives.broadcast_async(message, root_rank, seal.data_name, process_set,
-                                                        in_place=True))
+    collectives.blocking(lambda: collectives.broadcast_async(message, root_rank, seal.data_name, process_set,
+                                                             in_place=True))
     if is_root:
         return obj
     return seal.object(root_rank, message.numpy().data)
@@ -115,12 +115,13 @@ def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     me = process_set.rank()  # senders are numbered by their rank in the set, as the gathered list is
     sender = -1 if me is None else me
     message = seal.message(obj, sender)
-    records = memoryview(collectives.synchronize(collectives.allgather_async(
-        seal.size_record(sender, message.numel()), seal.size_name, process_set)).numpy())
+    record = seal.size_record(sender, message.numel())
+    records = memoryview(collectives.blocking(
+        lambda: collectives.allgather_async(record, seal.size_name, process_set)).numpy())
     sizes = [seal.length(r, records[r * _SIZE_RECORD_BYTES:(r + 1) * _SIZE_RECORD_BYTES])
              for r in range(len(records) // _SIZE_RECORD_BYTES)]
-    gathered = memoryview(collectives.synchronize(
-        collectives.allgather_async(message, seal.data_name, process_set)).numpy())
+    gathered = memoryview(collectives.blocking(
+        lambda: collectives.allgather_async(message, seal.data_name, process_set)).numpy())
     objects, offset = [], 0
     for r, size in enumerate(sizes):
         objects.append(seal.object(r, gathered[offset:offset + size]))

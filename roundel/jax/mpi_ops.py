@@ -121,11 +121,11 @@ def _allreduce_host(name, op, pre, post, process_set):
     def host(arrays):
         buffers = [host_calls.to_buffer(a) for a in arrays]
         if len(buffers) == 1:
-            results = [collectives.synchronize(collectives.allreduce_async(buffers[0], name, op, pre, post,
-                                                                           process_set))]
+            results = [collectives.blocking(lambda: collectives.allreduce_async(buffers[0], name, op, pre, post,
+                                                                                process_set))]
         else:
-            results = collectives.synchronize(collectives.grouped_allreduce_async(buffers, name, op, pre, post,
-                                                                                  process_set))
+            results = collectives.blocking(lambda: collectives.grouped_allreduce_async(buffers, name, op, pre, post,
+                                                                                       process_set))
         return results
 
     return host
@@ -177,9 +177,9 @@ def _allgather_host(name, process_set, expected=None):
     def host(arrays):
         buffers = [host_calls.to_buffer(a) for a in arrays]
         if len(buffers) == 1:
-            results = [collectives.synchronize(collectives.allgather_async(buffers[0], name, process_set))]
+            results = [collectives.blocking(lambda: collectives.allgather_async(buffers[0], name, process_set))]
         else:
-            results = collectives.synchronize(collectives.grouped_allgather_async(buffers, name, process_set))
+            results = collectives.blocking(lambda: collectives.grouped_allgather_async(buffers, name, process_set))
         if expected is not None:
             for result, spec in zip(results, expected):
                 if tuple(result.shape) != tuple(spec.shape):
@@ -249,8 +249,9 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> lis
 def _broadcast_host(root_rank, name, process_set):
     def host(arrays):
         names = [name] if len(arrays) == 1 else [None if name is None else f"{name}.{i}" for i in range(len(arrays))]
-        handles = [collectives.broadcast_async(host_calls.to_buffer(a), root_rank, n, process_set)
-                   for a, n in zip(arrays, names)]
+        with collectives.waited():  # waited for at once: this thread runs their replayed slot itself
+            handles = [collectives.broadcast_async(host_calls.to_buffer(a), root_rank, n, process_set)
+                       for a, n in zip(arrays, names)]
         return _wait_all(handles)
 
     return host
@@ -285,8 +286,8 @@ def _received_splits(received) -> torch.Tensor:
 
 def _alltoall_host(splits, name, process_set):
     def host(arrays):
-        out, received = collectives.synchronize(
-            collectives.alltoall_async(host_calls.to_buffer(arrays[0]), splits, name, process_set))
+        out, received = collectives.blocking(
+            lambda: collectives.alltoall_async(host_calls.to_buffer(arrays[0]), splits, name, process_set))
         return [out, _received_splits(received)]
 
     return host
@@ -332,11 +333,11 @@ def _reducescatter_host(name, op, pre, post, process_set):
     def host(arrays):
         buffers = [host_calls.to_buffer(a) for a in arrays]
         if len(buffers) == 1:
-            results = [collectives.synchronize(collectives.reducescatter_async(buffers[0], name, op, process_set,
-                                                                               pre, post))]
+            results = [collectives.blocking(lambda: collectives.reducescatter_async(buffers[0], name, op, process_set,
+                                                                                    pre, post))]
         else:
-            results = collectives.synchronize(collectives.grouped_reducescatter_async(buffers, name, op, process_set,
-                                                                                      pre, post))
+            results = collectives.blocking(lambda: collectives.grouped_reducescatter_async(buffers, name, op,
+                                                                                           process_set, pre, post))
         return results
 
     return host

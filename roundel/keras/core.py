@@ -86,31 +86,37 @@ def _buffer(value):
     return buffers.from_numpy(np.array(keras.ops.convert_to_numpy(value), copy=True, order="C"))
 
 
-def _result(handle) -> np.ndarray:
-    return buffers.to_numpy(collectives.synchronize(handle))  # bfloat16 comes back as float32
+def _result(start) -> np.ndarray:
+    """Run the collective ``start()`` begins and wait for it; its result as NumPy (bfloat16 comes back as
+    float32)."""
+    return buffers.to_numpy(collectives.blocking(start))
 
 
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
               compression=None, process_set=global_process_set):
     """Reduce a tensor-like ``value`` (Average by default) across the set; returns a NumPy array."""
     op = resolve_op(op, average)
-    return _result(collectives.allreduce_async(_buffer(value), name, op, prescale_factor, postscale_factor,
-                                               process_set))
+    buffer = _buffer(value)
+    return _result(lambda: collectives.allreduce_async(buffer, name, op, prescale_factor, postscale_factor,
+                                                       process_set))
 
 
 def allgather(value, name=None, process_set=global_process_set):
     """Concatenate every rank's ``value`` along dimension 0; returns a NumPy array."""
-    return _result(collectives.allgather_async(_buffer(value), name, process_set))
+    buffer = _buffer(value)
+    return _result(lambda: collectives.allgather_async(buffer, name, process_set))
 
 
 def broadcast(value, root_rank, name=None, process_set=global_process_set):
     """The root rank's ``value`` on every rank, as a NumPy array."""
-    return _result(collectives.broadcast_async(_buffer(value), root_rank, name, process_set))
+    buffer = _buffer(value)
+    return _result(lambda: collectives.broadcast_async(buffer, root_rank, name, process_set))
 
 
 def reducescatter(value, name=None, op=ReduceOp.Average, process_set=global_process_set):
     """Reduce ``value`` and return this rank's slice of dimension 0, as a NumPy array."""
-    return _result(collectives.reducescatter_async(_buffer(value), name, resolve_op(op), process_set))
+    buffer = _buffer(value)
+    return _result(lambda: collectives.reducescatter_async(buffer, name, resolve_op(op), process_set))
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
@@ -130,7 +136,7 @@ def broadcast_variables(variables, root_rank=0, process_set=global_process_set, 
     for i, v in enumerate(variables):
         handles.append(collectives.broadcast_async(_buffer(v), root_rank, f"keras.{prefix}.{i}", process_set))
     for v, h in zip(variables, handles):
-        v.assign(_result(h))  # Keras casts to the variable's dtype
+        v.assign(buffers.to_numpy(collectives.synchronize(h)))  # Keras casts to the variable's dtype
 
 
 _optimizers: list = []

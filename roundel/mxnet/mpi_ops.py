@@ -94,9 +94,9 @@ def start_allreduce_(tensor, average=None, name=None, priority=0, prescale_facto
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
               process_set=global_process_set, op=None) -> mx.nd.NDArray:
     """Reduce ``tensor`` across the set (Average by default) into a new NDArray; ``tensor`` is unchanged."""
-    handle = collectives.allreduce_async(_to_buffer(tensor, "allreduce"), name, _reduce_op(op, average),
-                                         prescale_factor, postscale_factor, process_set, in_place=True)
-    return _new_ndarray(collectives.synchronize(handle), tensor)
+    source = _to_buffer(tensor, "allreduce")
+    return _new_ndarray(collectives.blocking(lambda: collectives.allreduce_async(
+        source, name, _reduce_op(op, average), prescale_factor, postscale_factor, process_set, in_place=True)), tensor)
 
 
 def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
@@ -122,9 +122,9 @@ def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_fac
     if not tensors:
         return tensors
     sources = _to_buffers(tensors, "grouped_allreduce")
-    handle = collectives.grouped_allreduce_async(sources, name, _reduce_op(op, average), prescale_factor,
-                                                 postscale_factor, process_set, in_place=True)
-    return [_new_ndarray(b, t) for t, b in zip(tensors, collectives.synchronize(handle))]
+    results = collectives.blocking(lambda: collectives.grouped_allreduce_async(
+        sources, name, _reduce_op(op, average), prescale_factor, postscale_factor, process_set, in_place=True))
+    return [_new_ndarray(b, t) for t, b in zip(tensors, results)]
 
 
 def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
@@ -140,14 +140,15 @@ def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_fa
 # ------------------------------------------------------------ allgather
 def allgather(tensor, name=None, priority=0, process_set=global_process_set) -> mx.nd.NDArray:
     """Concatenate every rank's ``tensor`` along dimension 0 (first dimensions may differ) into a new NDArray."""
-    handle = collectives.allgather_async(_to_buffer(tensor, "allgather"), name, process_set)
-    return _new_ndarray(collectives.synchronize(handle), tensor)
+    source = _to_buffer(tensor, "allgather")
+    return _new_ndarray(collectives.blocking(lambda: collectives.allgather_async(source, name, process_set)), tensor)
 
 
 def grouped_allgather(tensors, name=None, priority=0, process_set=global_process_set) -> list:
     """Allgather a list of NDArrays together; returns a list of new NDArrays."""
-    handle = collectives.grouped_allgather_async(_to_buffers(tensors, "grouped_allgather"), name, process_set)
-    return [_new_ndarray(b, t) for t, b in zip(tensors, collectives.synchronize(handle))]
+    sources = _to_buffers(tensors, "grouped_allgather")
+    results = collectives.blocking(lambda: collectives.grouped_allgather_async(sources, name, process_set))
+    return [_new_ndarray(b, t) for t, b in zip(tensors, results)]
 
 
 # ------------------------------------------------------------ broadcast
@@ -161,9 +162,9 @@ def start_broadcast_(tensor, root_rank, name=None, priority=0, process_set=globa
 
 def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_process_set) -> mx.nd.NDArray:
     """Return the root's ``tensor`` on every rank as a new NDArray (``root_rank`` is a global rank)."""
-    handle = collectives.broadcast_async(_to_buffer(tensor, "broadcast"), root_rank, name, process_set,
-                                         in_place=True)
-    return _new_ndarray(collectives.synchronize(handle), tensor)
+    source = _to_buffer(tensor, "broadcast")
+    return _new_ndarray(collectives.blocking(lambda: collectives.broadcast_async(source, root_rank, name, process_set,
+                                                                                 in_place=True)), tensor)
 
 
 def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_process_set) -> mx.nd.NDArray:

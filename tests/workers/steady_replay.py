@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -281,6 +282,27 @@ def scenario_mixed_threads() -> None:
     assert ran >= 6, f"rank {RANK}: only {ran} of 10 steps replayed"
 
 
+def scenario_caller_runs() -> None:
+    """A replayed collective that a blocking call of roundel's common layer waits for (here broadcast_object's,
+    which every framework uses) runs on the calling thread, not handed to the executor's thread and back."""
+    backend = basics.runtime().engine.job_backend
+    threads: list = []
+    for method in ("allreduce", "allgather", "broadcast"):
+        def recorded(*args, _call=getattr(backend, method)):
+            threads.append(threading.current_thread() is threading.main_thread())
+            return _call(*args)
+        setattr(backend, method, recorded)
+    for i in range(30):
+        if i == 10:
+            ran_before, threads[:] = _counts()[0], []
+        assert hvd.broadcast_object({"step": i, "from": RANK}, root_rank=0, name="caller.object") == \
+            {"step": i, "from": 0}, i
+    ran = _counts()[0] - ran_before
+    on_caller = sum(threads)
+    assert ran >= 30 and on_caller >= 0.9 * len(threads), \
+        f"rank {RANK}: {ran} slots ran, {on_caller} of {len(threads)} transport calls on the calling thread"
+
+
 def scenario_off() -> None:
     """With ROUNDEL_STEADY_REPLAY=0 nothing is replayed."""
     train(12)
@@ -301,6 +323,7 @@ SCENARIOS = {
     "off": scenario_off,
     "other_kinds": scenario_other_kinds,
     "mixed_threads": scenario_mixed_threads,
+    "caller_runs": scenario_caller_runs,
 }
 
 if __name__ == "__main__":
