@@ -25,6 +25,12 @@ __all__ = ["allgather", "allgather_async", "allreduce", "allreduce_", "allreduce
            "sparse_allreduce_async", "synchronize"]
 
 
+def _in_graph(tensors) -> bool:
+    """Whether a differentiable collective of ``tensors`` joins autograd's graph: otherwise it skips
+    ``torch.autograd.Function`` (whose bookkeeping is a good part of a small blocking call's cost)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 # ------------------------------------------------------------------ allreduce
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set) -> int:
@@ -61,7 +67,11 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """Reduce ``tensor`` across the set (Average by default) and return the result; differentiable."""
     op = resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
+    if _in_graph([compressed]):
+        reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
+    else:
+        reduced = collectives.blocking(lambda: allreduce_async(compressed, None, name, op, prescale_factor,
+                                                               postscale_factor, process_set))
     return compression.decompress(reduced, ctx)
 
 
@@ -109,8 +119,12 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     """Reduce a list of tensors together and return the list of results; differentiable."""
     op = resolve_op(op, average)
     compressed = [compression.compress(t) for t in tensors]
-    reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
-                                      *[c[0] for c in compressed])
+    sent = [c[0] for c in compressed]
+    if _in_graph(sent):
+        reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set, *sent)
+    else:
+        reduced = collectives.blocking(lambda: grouped_allreduce_async(sent, None, name, op, prescale_factor,
+                                                                       postscale_factor, process_set))
     return [compression.decompress(r, c[1]) for r, c in zip(reduced, compressed)]
 
 
@@ -185,7 +199,9 @@ class _Allgather(torch.autograd.Function):
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along dimension 0 (first dimensions may differ); differentiable."""
-    return _Allgather.apply(tensor, name, process_set)
+    if _in_graph([tensor]):
+        return _Allgather.apply(tensor, name, process_set)
+    return collectives.blocking(lambda: allgather_async(tensor, name, process_set))
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
@@ -209,7 +225,10 @@ class _GroupedAllgather(torch.autograd.Function):
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     """Allgather a list of tensors together and return the list of results; differentiable."""
-    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+    tensors = list(tensors)
+    if _in_graph(tensors):
+        return list(_GroupedAllgather.apply(name, process_set, *tensors))
+    return list(collectives.blocking(lambda: grouped_allgather_async(tensors, name, process_set)))
 
 
 # ------------------------------------------------------------------ broadcast
@@ -246,7 +265,9 @@ class _Broadcast(torch.autograd.Function):
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """Return the root's ``tensor`` on every rank; differentiable (the root gets the averaged gradient)."""
-    return _Broadcast.apply(tensor, root_rank, name, process_set)
+    if _in_graph([tensor]):
+        return _Broadcast.apply(tensor, root_rank, name, process_set)
+    return collectives.blocking(lambda: broadcast_async(tensor, root_rank, name, process_set))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
