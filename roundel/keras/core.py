@@ -87,8 +87,8 @@ def _buffer(value):
 
 
 def _result(start) -> np.ndarray:
-    """Run the collective ``start()`` begins and wait for it; its result as NumPy (bfloat16 comes back as
-    float32)."""
+    """Start a collective with ``start()``, wait for it, and return its result as NumPy (bfloat16 comes back
+    as float32)."""
     return buffers.to_numpy(collectives.blocking(start))
 
 

@@ -207,8 +207,8 @@ def _collective(kind: str, inputs: list, name, submit, finish, out_dtypes: list,
     """
     if tf.executing_eagerly():
         try:
-            arrays = [_shared_numpy(t) for t in inputs]
-            arrays = finish(collectives.blocking(lambda: submit(arrays, name, False)))
+            shared = [_shared_numpy(t) for t in inputs]
+            arrays = finish(collectives.blocking(lambda: submit(shared, name, False)))
         except CollectiveMismatchError as error:
             raise tf_errors.translate(kind, error) from error
         return [_as_tensor(a, d) for a, d in zip(arrays, out_dtypes)]
