@@ -149,6 +149,22 @@ def test_gloo_backend_reduces_small_tensors_on_the_links_alike_on_every_member(d
             backend.close()
 
 
+def test_a_conjugate_view_is_reduced_in_place_on_the_links():
+    backends = _backends(2)
+    try:
+        def reduce(rank):
+            values = torch.tensor([1 + 2j, -3 + 0.5j], dtype=torch.complex64) * (rank + 1)
+            view = values.conj()  # torch's lazy conjugate: no NumPy view of it
+            backends[rank].allreduce(view, ReduceOp.Sum)
+            return view.clone(), values
+        for view, values in _together(2, reduce):
+            assert view.tolist() == [3 - 6j, -9 - 1.5j], view
+            assert values.tolist() == [3 + 6j, -9 + 1.5j], values  # the view's storage holds the conjugate
+    finally:
+        for backend in backends:
+            backend.close()
+
+
 def test_a_sum_that_overflows_on_the_links_is_inf_without_a_warning():
     backends = _backends(2)
     try:
