@@ -7,14 +7,15 @@ test_shared_memory.py, the multi-host tests) run them under the launcher.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
 import socket
 import struct
-import warnings
 import threading
 import time
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -116,6 +117,17 @@ def _backends(size: int, **options) -> list:
     return _together(size, lambda r: GlooBackend(stores[r], r, size, 20.0, "127.0.0.1", **options))
 
 
+@contextlib.contextmanager
+def _gloo_backends(size: int):
+    """``size`` linked Gloo backends, closed afterwards."""
+    backends = _backends(size)
+    try:
+        yield backends
+    finally:
+        for backend in backends:
+            backend.close()
+
+
 def _count_exchanges(backends: list) -> list:
     """The length of each exchange any of ``backends``' links makes from now on (one entry per member's call)."""
     calls: list = []
@@ -131,8 +143,7 @@ def _count_exchanges(backends: list) -> list:
 @pytest.mark.parametrize("op", [ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product])
 @pytest.mark.parametrize("size", [2, 3])
 def test_gloo_backend_reduces_small_tensors_on_the_links_alike_on_every_member(dtype, op, size):
-    backends = _backends(size)
-    try:
+    with _gloo_backends(size) as backends:
         assert backends[0].carrier("allreduce") == "gloo+links"
         for call in range(2):  # the second call reuses what the first set up for this dtype and size
             inputs = [(torch.arange(1, 601) % 7 + r + call).to(dtype).reshape(20, 30) for r in range(size)]
@@ -144,14 +155,10 @@ def test_gloo_backend_reduces_small_tensors_on_the_links_alike_on_every_member(d
                 return tensor.t()
             for result in _together(size, reduce):
                 assert torch.equal(result, expected), (call, result, expected)
-    finally:
-        for backend in backends:
-            backend.close()
 
 
 def test_a_conjugate_view_is_reduced_in_place_on_the_links():
-    backends = _backends(2)
-    try:
+    with _gloo_backends(2) as backends:
         def reduce(rank):
             values = torch.tensor([1 + 2j, -3 + 0.5j], dtype=torch.complex64) * (rank + 1)
             view = values.conj()  # torch's lazy conjugate: no NumPy view of it
@@ -160,14 +167,10 @@ def test_a_conjugate_view_is_reduced_in_place_on_the_links():
         for view, values in _together(2, reduce):
             assert view.tolist() == [3 - 6j, -9 - 1.5j], view
             assert values.tolist() == [3 + 6j, -9 + 1.5j], values  # the view's storage holds the conjugate
-    finally:
-        for backend in backends:
-            backend.close()
 
 
 def test_a_sum_that_overflows_on_the_links_is_inf_without_a_warning():
-    backends = _backends(2)
-    try:
+    with _gloo_backends(2) as backends:
         def reduce(rank):
             tensor = torch.tensor([60000.0, 1.0, -60000.0], dtype=torch.float16)
             with warnings.catch_warnings():
@@ -176,9 +179,6 @@ def test_a_sum_that_overflows_on_the_links_is_inf_without_a_warning():
             return tensor
         for result in _together(2, reduce):
             assert result.tolist() == [float("inf"), 2.0, float("-inf")], result
-    finally:
-        for backend in backends:
-            backend.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int16, torch.bool])
