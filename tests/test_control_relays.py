@@ -515,11 +515,12 @@ def test_the_timeline_shows_when_each_rank_behind_a_relay_submitted(tmp_path):
     for name in ("allreduce.grad.a", "allreduce.grad.late"):  # rank 2's arrivals come through rank 1's relay
         arrivals = Counter(e["name"] for e in events if e.get("ph") == "X" and rows.get(e.get("pid")) == name)
         assert arrivals == {"0": 3, "1": 3, "2": 3}, (name, arrivals)
-    # rank 1 sends 'grad.c' 50 ms after the others; from the second step it is a cache bit, and the relay holds
+    # rank 1 sends 'grad.c' 300 ms after the others; from the second step it is a cache bit, and the relay holds
     # rank 2's bit until rank 1's: rank 2's mark must still show when rank 2 sent it, not when it was let go
+    # (on a loaded machine rank 2 itself may lag rank 0 by tens of ms: the bounds leave room for that)
     [pid] = [pid for pid, name in rows.items() if name == "allreduce.grad.c"]
     marks = [(e["name"], e["ts"]) for e in events if e.get("ph") == "X" and e.get("pid") == pid]
     steps = [dict(marks[i:i + 3]) for i in range(0, len(marks), 3)]
     assert len(steps) == 3 and all(len(step) == 3 for step in steps), marks
     for step in steps[1:]:
-        assert step["1"] - step["2"] >= 20_000 and abs(step["2"] - step["0"]) < 20_000, steps
+        assert step["1"] - step["2"] >= 150_000 and abs(step["2"] - step["0"]) < 150_000, steps
