@@ -141,7 +141,7 @@ def _count_exchanges(backends: list) -> list:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int16, torch.int64,
                                    torch.bool])
 @pytest.mark.parametrize("op", [ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product])
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [2, 3, 4])
 def test_gloo_backend_reduces_small_tensors_on_the_links_alike_on_every_member(dtype, op, size):
     with _gloo_backends(size) as backends:
         assert backends[0].carrier("allreduce") == "gloo+links"
@@ -155,6 +155,42 @@ def test_gloo_backend_reduces_small_tensors_on_the_links_alike_on_every_member(d
                 return tensor.t()
             for result in _together(size, reduce):
                 assert torch.equal(result, expected), (call, result, expected)
+
+
+@pytest.mark.parametrize("size", [4, 8])
+def test_a_small_sum_among_a_power_of_two_members_is_pairwise_with_one_partner_a_round(size):
+    """Recursive doubling: log2(size) exchanges with one partner each; every member gets the same bits, those of
+    the pairwise sum (lower ranks' partial first)."""
+    generator = torch.Generator().manual_seed(size)
+    inputs = [torch.randn(5, generator=generator) * 10 ** r for r in range(size)]  # far from associative
+    pairs = list(inputs)
+    while len(pairs) > 1:
+        pairs = [pairs[i] + pairs[i + 1] for i in range(0, len(pairs), 2)]
+    with _gloo_backends(size) as backends:
+        calls = _count_exchanges(backends)
+
+        def reduce(rank):
+            tensor = inputs[rank].clone()
+            backends[rank].allreduce(tensor, ReduceOp.Sum)
+            return tensor
+        results = _together(size, reduce)
+    assert calls == [4 * 5] * (size * (size.bit_length() - 1)), calls  # one partner's 5 float32 per exchange
+    for result in results:
+        assert torch.equal(result, pairs[0]), (result, pairs[0])
+
+
+def test_a_member_gone_mid_doubling_fails_every_member_at_once():
+    """Member 3 closes its links: member 2, its first partner, fails and closes its own, so that members 0 and 1,
+    whose second-round partners are 2 and 3, fail at once too instead of waiting out the 20 s timeout."""
+    with _gloo_backends(4) as backends:
+        backends[3]._links.close()
+        started = time.monotonic()
+
+        def reduce(rank):
+            with pytest.raises(RuntimeError, match=r"rank \d closed its link to rank \d"):
+                backends[rank].allreduce(torch.ones(3), ReduceOp.Sum)
+            return time.monotonic() - started
+        assert max(_together(3, reduce)) < 5
 
 
 def test_a_conjugate_view_is_reduced_in_place_on_the_links():

@@ -34,7 +34,12 @@ log = logging.getLogger("roundel")
 #   unless they are turned off:
 #   - while each member receives at most LINK_BYTES (the others' copies of 128 KiB, and room for a replay slot's
 #     few agreement elements), as one exchange of whole copies, which every member combines in rank order (one
-#     round trip: 2 ranks, 128 KiB 0.07 ms against 0.10-0.13 in two exchanges; 256 KiB 0.14 against 0.08-0.11);
+#     round trip: 2 ranks, 128 KiB 0.07 ms against 0.10-0.13 in two exchanges; 256 KiB 0.14 against 0.08-0.11).
+#     A Sum or Average among a power of two members from 4 up is recursive doubling instead: log2(n) exchanges,
+#     each of the whole partial sum with one partner, so each member sends log2(n) messages where the single
+#     exchange sends n - 1 (the textbook short-message allreduce). With 4 ranks on 2 cores each send woke a
+#     peer that took this member's core; a 4 B allreduce in benchmarks/latency.py, shared memory off: p50
+#     0.87-1.14 ms against 1.09-1.33 in one exchange, p99 1.6-3.7 against 4.5-4.6;
 #   - above that, in two exchanges: each member combines the part of the tensor it owns and sends it back. With
 #     2 members at every size (256 KiB 0.08 ms against Gloo's 0.40, 1 MiB 0.64 against 0.85, 4 MiB 2.2 against
 #     3.7, 16 MiB 11.4 against 15.6); from 3 members up to SCATTER_BYTES (4 ranks: 1 MiB 2.6 against 5.7, 4 MiB
@@ -111,7 +116,8 @@ def _combine_rows(flat: torch.Tensor, rows: torch.Tensor, combine) -> None:
 
 class _CopiesOnLinks:
     """Every member's copy of a tensor of one dtype and size, as rows, with the NumPy views the links send from
-    and receive into: made once, for every later allreduce of that dtype and size."""
+    and receive into: made once, for every later allreduce of that dtype and size. A Sum or Average among a power
+    of two members from 4 up goes round by round (``rounds``), otherwise in one exchange with every peer."""
 
     def __init__(self, rows: torch.Tensor, rank: int):
         self.rows = rows
@@ -121,12 +127,29 @@ class _CopiesOnLinks:
         self.mine = self.arrays[rank]
         self.sends = {peer: memoryview(raw[rank]) for peer in peers}
         self.receives = {peer: memoryview(raw[peer]) for peer in peers}
+        size = len(raw)
+        # recursive doubling, where the member count is a power of two above 2: (the partner, which goes first)
+        # per round, each round one exchange with one partner
+        self.rounds = [] if size <= 2 or size & (size - 1) else [
+            (rank ^ mask, rank & mask == 0) for mask in (1 << bit for bit in range(size.bit_length() - 1))]
 
     def reduce(self, links: PeerLinks, flat: torch.Tensor, op) -> None:
         """Reduce the flat ``flat`` in place: send it to every peer, then combine every member's copy in rank
-        order."""
+        order; or, by recursive doubling, add the partner's partial sum each round (the lower ranks' first, so
+        that every member gets the same bits)."""
         into = flat.detach().numpy()
         np.copyto(self.mine, into)
+        if self.rounds and op in _SUMS:
+            mine, arrays = self.mine, self.arrays
+            with np.errstate(all="ignore"):
+                for peer, first in self.rounds:
+                    links.exchange({peer: self.sends[peer]}, {peer: self.receives[peer]})
+                    if first:
+                        np.add(mine, arrays[peer], out=mine)
+                    else:
+                        np.add(arrays[peer], mine, out=mine)
+            np.copyto(into, mine)
+            return
         links.exchange(self.sends, self.receives)
         if op not in _SUMS:
             _combine_rows(flat, self.rows, COMBINE[op])

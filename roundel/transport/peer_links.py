@@ -8,7 +8,8 @@ instead. Its ``exchange`` sends each peer its bytes on every link at once and
 reads what each peer sends (``allgather``: the same bytes to every peer). The
 Gloo communicator reduces on top of it (see ``roundel.transport.gloo``): a
 small tensor as one exchange of whole copies, which every member combines in
-rank order; a larger one as two, each member combining the part it owns. Either
+rank order (a small sum among 4, 8, 16... members by recursive doubling, one
+partner a round); a larger one as two, each member combining the part it owns. Either
 way every member gets the same result, bit for bit, with no thread but the
 caller's.
 
@@ -20,8 +21,9 @@ it shows the listener's token and gets the connector's token back; any other
 is closed. The listener closes once every member is linked.
 
 A link whose peer is gone, or silent for the collective timeout, fails the
-call and every later one with an error that names the peer: a failed transport
-breaks the job, as a failed Gloo call does.
+call and every later one with an error that names the peer, and closes every
+link of this member, so that the peers waiting on it fail too: a failed
+transport breaks the job, as a failed Gloo call does.
 """
 
 from __future__ import annotations
@@ -178,12 +180,13 @@ class PeerLinks:
         self.exchange({peer: mine for peer, _ in self._order}, {peer: memoryview(raw[peer]) for peer, _ in self._order})
 
     def exchange(self, sends: dict, receives: dict) -> None:
-        """Send ``sends[peer]`` (bytes-like) to each peer and fill ``receives[peer]`` (a writable memoryview of
-        the same length as what that peer sends) from it, all links at once; empty views move nothing."""
+        """Send ``sends[peer]`` (bytes-like) to each peer named and fill ``receives[peer]`` (a writable memoryview
+        of the same length as what that peer sends) from it, all links at once; empty views move nothing."""
         if self._broken is not None:
             raise RuntimeError(self._broken)
-        sending = {sock: (peer, sends[peer]) for peer, sock in self._order if len(sends[peer])}
-        receiving = {sock: (peer, receives[peer]) for peer, sock in self._order if len(receives[peer])}
+        links = self._links
+        sending = {links[peer]: (peer, view) for peer, view in sends.items() if len(view)}
+        receiving = {links[peer]: (peer, view) for peer, view in receives.items() if len(view)}
         deadline = None
         while sending or receiving:
             sent = self._move(sending, receive=False)
@@ -239,8 +242,11 @@ class PeerLinks:
                                "died); see its output")
 
     def _broken_by(self, reason: str) -> RuntimeError:
-        """Mark the links broken for good (a call cut short leaves the peers' streams out of step)."""
+        """Mark the links broken for good (a call cut short leaves the peers' streams out of step) and close every
+        link: a peer waiting on this member (recursive doubling waits on one partner a round, not on the member
+        that failed) then sees it closed at once, rather than silence until the timeout."""
         self._broken = reason
+        self.close()
         return RuntimeError(reason)
 
     def close(self) -> None:

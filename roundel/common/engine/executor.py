@@ -818,7 +818,7 @@ class Executor:
     def _agree(self, transfer: Callable[[], None], plan: ReducedPlan | RowsPlan, serial: int) -> None:
         """Run slot ``serial``'s ``transfer`` (which carries its ``plan``'s agreement); time this rank's wait, and
         hand every rank's wait in its previous slot to ``on_slot_waits`` (rank 0's straggler record)."""
-        token = None if self._waits is None else self._waits.enter((0, f"slot {serial}", REPLAY_WAIT))
+        token = None if self._waits is None else self._waits.enter((0, f"slot {serial}", REPLAY_WAIT), notify=False)
         started = time.perf_counter()
         try:
             transfer()

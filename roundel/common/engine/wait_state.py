@@ -29,13 +29,14 @@ class WaitTracker:
         self._waiting: dict[int, tuple] = {}
         self._seq = 0
 
-    def enter(self, what: tuple) -> int:
-        """Record a thread waiting for ``what`` (process set id, name, kind label); return a token."""
+    def enter(self, what: tuple, notify: bool = True) -> int:
+        """Record a thread waiting for ``what`` (process set id, name, kind label); return a token. ``notify``
+        False: without calling ``on_enter`` (roundel's own wait, inside work it is already doing)."""
         with self._lock:
             token = next(self._tokens)
             self._waiting[token] = what
             self._seq += 1
-        if self._on_enter is not None:
+        if notify and self._on_enter is not None:
             self._on_enter()
         return token
 
