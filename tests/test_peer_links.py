@@ -78,9 +78,12 @@ def _linked(size: int, timeout_s: float = 10.0) -> list:
     return _together(size, lambda r: PeerLinks(stores[r], r, size, "127.0.0.1", timeout_s))
 
 
-@pytest.mark.parametrize("size", [2, 3, 5])
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 8])
 def test_allgather_fills_every_members_row(size):
     links = _linked(size)
+    sent: list = []  # each member's sends per call: n - 1 at once, or log2(n) by recursive doubling
+    for one in links:
+        one.exchange = lambda sends, receives, real=one.exchange: sent.append(len(sends)) or real(sends, receives)
     try:
         def gather(rank):
             rows = torch.zeros((size, 3000))
@@ -90,6 +93,8 @@ def test_allgather_fills_every_members_row(size):
         for _ in range(3):  # the links are reused call after call
             for rows in _together(size, gather):
                 assert torch.equal(rows, torch.stack([torch.arange(3000) + 10_000.0 * r for r in range(size)]))
+        doubling = size in (4, 8)
+        assert sorted(sent) == sorted(([1] * (size.bit_length() - 1) if doubling else [size - 1]) * size * 3), sent
         empty = _together(size, lambda r: links[r].allgather(torch.zeros((size, 0))))  # returns at once
         assert empty == [None] * size
     finally:
@@ -285,7 +290,7 @@ def test_which_allreduces_take_the_links_and_turning_them_off():
             backend.close()
 
 
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [2, 3, 4])
 def test_gloo_backend_broadcasts_and_allgathers_on_the_links(size):
     """From every root, in a dtype Gloo widens (int16) and one it keeps; a tensor too large for 3 members' links
     goes through Gloo, with the same results; a transposed one takes the links as a contiguous one does."""
@@ -302,7 +307,8 @@ def test_gloo_backend_broadcasts_and_allgathers_on_the_links(size):
                 out := torch.empty((size, 700), dtype=dtype), torch.arange(700).to(dtype) + r) or out)
             expected = torch.stack([torch.arange(700).to(dtype) + r for r in range(size)])
             assert all(torch.equal(out, expected) for out in gathered)
-        assert len(calls) == 2 * (size + 1) * size, calls  # every member, every call above
+        per_allgather = 2 if size == 4 else 1  # by recursive doubling among 4: two exchanges, one partner each
+        assert len(calls) == 2 * (size + per_allgather) * size, calls  # every member, every call above
         # an empty tensor (as torch may make one, with a stride of 0) moves nothing, and fails nothing
         empty = _together(size, lambda r: backends[r].broadcast(t := torch.empty_strided((0,), (0,)), 0) or t)
         assert all(t.shape == (0,) for t in empty)

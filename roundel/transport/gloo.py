@@ -119,7 +119,7 @@ class _CopiesOnLinks:
     and receive into: made once, for every later allreduce of that dtype and size. A Sum or Average among a power
     of two members from 4 up goes round by round (``rounds``), otherwise in one exchange with every peer."""
 
-    def __init__(self, rows: torch.Tensor, rank: int):
+    def __init__(self, rows: torch.Tensor, rank: int, doubles: bool):
         self.rows = rows
         self.arrays = rows.numpy()
         raw = self.arrays.view(np.uint8)
@@ -127,11 +127,10 @@ class _CopiesOnLinks:
         self.mine = self.arrays[rank]
         self.sends = {peer: memoryview(raw[rank]) for peer in peers}
         self.receives = {peer: memoryview(raw[peer]) for peer in peers}
-        size = len(raw)
-        # recursive doubling, where the member count is a power of two above 2: (the partner, which goes first)
-        # per round, each round one exchange with one partner
-        self.rounds = [] if size <= 2 or size & (size - 1) else [
-            (rank ^ mask, rank & mask == 0) for mask in (1 << bit for bit in range(size.bit_length() - 1))]
+        # recursive doubling (see PeerLinks.doubles): per round, the partner and whether this member's partial
+        # sum goes first
+        masks = [1 << bit for bit in range(len(raw).bit_length() - 1)] if doubles else []
+        self.rounds = [(rank ^ mask, rank & mask == 0) for mask in masks]
 
     def reduce(self, links: PeerLinks, flat: torch.Tensor, op) -> None:
         """Reduce the flat ``flat`` in place: send it to every peer, then combine every member's copy in rank
@@ -245,7 +244,7 @@ class GlooBackend(RootedBackend):
         if copies is None:
             if len(self._copies) >= _KEPT_COPIES:
                 self._copies.clear()
-            copies = self._copies[key] = _CopiesOnLinks(self._rows(flat), self.rank)
+            copies = self._copies[key] = _CopiesOnLinks(self._rows(flat), self.rank, links.doubles)
         copies.reduce(links, flat, op)
 
     def _allreduce_scattered(self, links: PeerLinks, tensor, op) -> None:
