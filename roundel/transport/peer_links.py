@@ -183,8 +183,8 @@ class PeerLinks:
                 width = 1 << round_
                 peer = self.rank ^ width
                 own, theirs = self.rank & -width, peer & -width  # the first row of each side's block
-                self.exchange({peer: memoryview(raw[own:own + width].reshape(-1))},
-                              {peer: memoryview(raw[theirs:theirs + width].reshape(-1))})
+                self.exchange({peer: raw[own:own + width].reshape(-1).data},
+                              {peer: raw[theirs:theirs + width].reshape(-1).data})
             return
         mine = memoryview(raw[self.rank])
         self.exchange({peer: mine for peer, _ in self._order}, {peer: memoryview(raw[peer]) for peer, _ in self._order})
