@@ -39,7 +39,7 @@ log = logging.getLogger("roundel")
 #     each of the whole partial sum with one partner, so each member sends log2(n) messages where the single
 #     exchange sends n - 1 (the textbook short-message allreduce). With 4 ranks on 2 cores each send woke a
 #     peer that took this member's core; a 4 B allreduce in benchmarks/latency.py, shared memory off: p50
-#     0.87-1.14 ms against 1.09-1.33 in one exchange, p99 1.6-3.7 against 4.5-4.6;
+#     0.77-1.15 ms against 1.09-1.34 in one exchange, p99 1.6-3.7 against 4.5-6.3;
 #   - above that, in two exchanges: each member combines the part of the tensor it owns and sends it back. With
 #     2 members at every size (256 KiB 0.08 ms against Gloo's 0.40, 1 MiB 0.64 against 0.85, 4 MiB 2.2 against
 #     3.7, 16 MiB 11.4 against 15.6); from 3 members up to SCATTER_BYTES (4 ranks: 1 MiB 2.6 against 5.7, 4 MiB

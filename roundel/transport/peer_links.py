@@ -9,9 +9,9 @@ reads what each peer sends (``allgather``: the same bytes to every peer). The
 Gloo communicator reduces on top of it (see ``roundel.transport.gloo``): a
 small tensor as one exchange of whole copies, which every member combines in
 rank order (a small sum among 4, 8, 16... members by recursive doubling, one
-partner a round); a larger one as two, each member combining the part it owns. Either
-way every member gets the same result, bit for bit, with no thread but the
-caller's.
+partner a round); a larger one as two, each member combining the part it
+owns. Either way every member gets the same result, bit for bit, with no
+thread but the caller's.
 
 The links are made with the communicator. Every member listens on its
 advertised address, publishes the address it bound and a fresh random token in the
