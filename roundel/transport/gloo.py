@@ -117,9 +117,10 @@ def _combine_rows(flat: torch.Tensor, rows: torch.Tensor, combine) -> None:
 class _CopiesOnLinks:
     """Every member's copy of a tensor of one dtype and size, as rows, with the NumPy views the links send from
     and receive into: made once, for every later allreduce of that dtype and size. A Sum or Average among a power
-    of two members from 4 up goes round by round (``rounds``), otherwise in one exchange with every peer."""
+    of two members from 4 up goes round by round (``rounds``, one per partner), otherwise in one exchange with
+    every peer."""
 
-    def __init__(self, rows: torch.Tensor, rank: int, doubles: bool):
+    def __init__(self, rows: torch.Tensor, rank: int, partners: list):
         self.rows = rows
         self.arrays = rows.numpy()
         raw = self.arrays.view(np.uint8)
@@ -127,10 +128,10 @@ class _CopiesOnLinks:
         self.mine = self.arrays[rank]
         self.sends = {peer: memoryview(raw[rank]) for peer in peers}
         self.receives = {peer: memoryview(raw[peer]) for peer in peers}
-        # recursive doubling (see PeerLinks.doubles): per round, the partner and whether this member's partial
-        # sum goes first
-        masks = [1 << bit for bit in range(len(raw).bit_length() - 1)] if doubles else []
-        self.rounds = [(rank ^ mask, rank & mask == 0) for mask in masks]
+        # recursive doubling (see PeerLinks.partners): per round, what goes to the partner and what comes back,
+        # the partner's partial sum, and whether this member's goes first (the lower rank's does)
+        self.rounds = [({peer: self.sends[peer]}, {peer: self.receives[peer]}, self.arrays[peer], rank < peer)
+                       for peer in partners]
 
     def reduce(self, links: PeerLinks, flat: torch.Tensor, op) -> None:
         """Reduce the flat ``flat`` in place: send it to every peer, then combine every member's copy in rank
@@ -139,14 +140,14 @@ class _CopiesOnLinks:
         into = flat.detach().numpy()
         np.copyto(self.mine, into)
         if self.rounds and op in _SUMS:
-            mine, arrays = self.mine, self.arrays
+            mine = self.mine
             with np.errstate(all="ignore"):
-                for peer, first in self.rounds:
-                    links.exchange({peer: self.sends[peer]}, {peer: self.receives[peer]})
+                for send, receive, theirs, first in self.rounds:
+                    links.exchange(send, receive)
                     if first:
-                        np.add(mine, arrays[peer], out=mine)
+                        np.add(mine, theirs, out=mine)
                     else:
-                        np.add(arrays[peer], mine, out=mine)
+                        np.add(theirs, mine, out=mine)
             np.copyto(into, mine)
             return
         links.exchange(self.sends, self.receives)
@@ -244,7 +245,7 @@ class GlooBackend(RootedBackend):
         if copies is None:
             if len(self._copies) >= _KEPT_COPIES:
                 self._copies.clear()
-            copies = self._copies[key] = _CopiesOnLinks(self._rows(flat), self.rank, links.doubles)
+            copies = self._copies[key] = _CopiesOnLinks(self._rows(flat), self.rank, links.partners)
         copies.reduce(links, flat, op)
 
     def _allreduce_scattered(self, links: PeerLinks, tensor, op) -> None:

@@ -72,6 +72,10 @@ class PeerLinks:
         self._links: dict[int, socket.socket] = {}
         self._broken: str | None = None
         self._order: list[tuple[int, socket.socket]] = []  # (peer, link), in rank order
+        # among a power of two members from 4 up, small collectives go by recursive doubling: this member's
+        # partner in each round (none otherwise)
+        doubles = size > 2 and size & (size - 1) == 0
+        self.partners = [rank ^ (1 << bit) for bit in range(size.bit_length() - 1)] if doubles else []
         token = secrets.token_bytes(_TOKEN_BYTES)
         listener = _tuned(socket.socket(_family(address), socket.SOCK_STREAM))
         try:
@@ -178,22 +182,15 @@ class PeerLinks:
         4 up, by recursive doubling instead: each round, the rows gathered so far go to one partner, whose own
         come back (log2(n) messages a member, not n - 1; the same bytes)."""
         raw = rows.view(torch.uint8).numpy()
-        if self.doubles:
-            for round_ in range(self.size.bit_length() - 1):
+        if self.partners:
+            for round_, peer in enumerate(self.partners):
                 width = 1 << round_
-                peer = self.rank ^ width
                 own, theirs = self.rank & -width, peer & -width  # the first row of each side's block
                 self.exchange({peer: raw[own:own + width].reshape(-1).data},
                               {peer: raw[theirs:theirs + width].reshape(-1).data})
             return
         mine = memoryview(raw[self.rank])
         self.exchange({peer: mine for peer, _ in self._order}, {peer: memoryview(raw[peer]) for peer, _ in self._order})
-
-    @property
-    def doubles(self) -> bool:
-        """Whether the member count is a power of two from 4 up: small collectives then go by recursive doubling,
-        one partner a round."""
-        return self.size > 2 and self.size & (self.size - 1) == 0
 
     def exchange(self, sends: dict, receives: dict) -> None:
         """Send ``sends[peer]`` (bytes-like) to each peer named and fill ``receives[peer]`` (a writable memoryview
