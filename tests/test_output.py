@@ -170,8 +170,8 @@ def test_ranks_filter_shows_some_ranks_and_the_hidden_failing_ranks_last_lines(t
     assert bad.returncode == 2 and "--ranks-filter names rank 2, but -np 2 has ranks 0 to 1" in bad.stderr
 
 
-def test_op_before_init_prints_one_line_per_rank():
-    result = run_job(2, WORKER, "before_init", timeout=60)
+def test_op_before_init_prints_one_line_per_rank(tmp_path):
+    result = run_job(2, WORKER, "before_init", env={"BEFORE_INIT_MEETING": str(tmp_path)}, timeout=60)
     assert result.returncode != 0
     for rank in (0, 1):
         lines = rank_lines(result.stdout + result.stderr, rank)
@@ -180,8 +180,9 @@ def test_op_before_init_prints_one_line_per_rank():
         assert "output_worker.py" in lines[0] and "train_step" in lines[0], lines
 
 
-def test_verbose_shows_the_traceback_and_each_start():
-    result = run_job(2, WORKER, "before_init", launcher_args=["--verbose"], timeout=60)
+def test_verbose_shows_the_traceback_and_each_start(tmp_path):
+    result = run_job(2, WORKER, "before_init", launcher_args=["--verbose"], env={"BEFORE_INIT_MEETING": str(tmp_path)},
+                     timeout=60)
     assert result.returncode != 0
     for rank in (0, 1):
         assert f"roundelrun: started rank {rank} on localhost (watchdog pid " in result.stderr

@@ -47,6 +47,13 @@ def test_scaled_float_reductions_are_bitwise_a_sum_then_scaled(np):
     assert backends(result, np) == [["BACKEND SharedMemoryBackend"]] * np, describe(result)
 
 
+@pytest.mark.parametrize("np", [2, 4])
+def test_small_sums_and_gathers_go_through_numpy_views_with_the_bits_torch_gives(np):
+    result = run_job(np, WORKER, "small", timeout=300)
+    assert_checks_passed(result, np, "small")
+    assert backends(result, np) == [["BACKEND SharedMemoryBackend"]] * np, describe(result)
+
+
 @pytest.mark.parametrize("dtype, op, prescale, postscale, expected", [
     (torch.float32, ReduceOp.Average, 1.0, 0.5, (0.5, 1.0, 1.0)),  # an average over 2: all on the copy
     (torch.float64, ReduceOp.Sum, 3.0, 0.25, (0.75, 1.0, 1.0)),

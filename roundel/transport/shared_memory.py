@@ -54,6 +54,7 @@ import tempfile
 import uuid
 from typing import Callable
 
+import numpy as np
 import torch
 
 from roundel.ops import ReduceOp
@@ -66,11 +67,18 @@ log = logging.getLogger("roundel")
 SLOT_BYTES = 4 << 20
 DIRECT_BYTES = 1 << 20  # a reduction up to this size is combined whole by every member, after one wait
 MANY_SMALL_BYTES = 64 << 10  # a direct fused allreduce of tensors this small on average goes as one range
+SMALL_BYTES = 64 << 10  # a Sum or Average allreduce, or an allgather, up to this size goes through NumPy views
 _VIEWS_KEPT = 8192  # views of the segment kept: four per tensor (two banks, slot and result) of 2,000 tensors
 _SHARE_ALIGNMENT = 16  # elements: members' shares of a piece start 64 bytes apart or more (float32)
 _PAIRWISE: dict[ReduceOp, Callable[..., torch.Tensor]] = {
     ReduceOp.Sum: torch.add, ReduceOp.Average: torch.add, ReduceOp.Min: torch.minimum, ReduceOp.Max: torch.maximum,
     ReduceOp.Product: torch.mul}
+_ARRAYS_KEPT = 256  # the NumPy views of small collectives kept for that many dtypes and sizes at most
+# the dtypes whose small collectives go through NumPy (not bfloat16, which has no NumPy dtype, nor the widened ones)
+_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32,
+                           torch.int64})
+_TORCH_DTYPE = {torch.empty(0, dtype=dtype).numpy().dtype: dtype for dtype in _NUMPY_DTYPES}
+_SUMS = frozenset({ReduceOp.Sum, ReduceOp.Average})
 _RANK = struct.Struct("!i")
 _OWN = ("allreduce", "allgather", "broadcast", "barrier", "reduce", "gather", "reducescatter")  # moved here
 
@@ -85,6 +93,15 @@ def attach(inner: RootedBackend, store, timeout_s: float) -> RootedBackend:
     except _NotShared as exc:
         log.info("roundel: collectives stay on %s (no shared memory: %s)", inner.name, exc)
         return inner
+
+
+def _small(tensor: torch.Tensor) -> bool:
+    """Whether a collective of ``tensor`` goes through NumPy views: small but not empty (an empty one waits for no
+    one), contiguous, of a dtype NumPy has, and neither a conjugate nor a negative view (which have no NumPy view).
+    Either way it takes one bank and one wait, with the same data at the start of every member's slot, so members
+    may differ in the way they take."""
+    return (tensor.dtype in _NUMPY_DTYPES and 0 < tensor.numel() * tensor.element_size() <= SMALL_BYTES
+            and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()))
 
 
 def _combine(out, rows: list, op) -> None:
@@ -212,6 +229,7 @@ class SharedMemoryBackend(RootedBackend):
         self._peers: dict[int, socket.socket] = {}
         self._barrier: HostBarrier | None = None
         self._views: dict = {}
+        self._arrays: dict = {}  # (dtype, elements) -> per bank, each member's slot as NumPy (see _next_arrays)
         # slots, result and scratch areas cut as the tensors of fused batches (a few views per tensor)
         self._shaped = ShapedViews(kept=_VIEWS_KEPT)
         self._scratch: dict = {}  # dtype -> this member's own DIRECT_BYTES, for results of many small tensors
@@ -314,6 +332,23 @@ class SharedMemoryBackend(RootedBackend):
         """The next bank's slots (one per member) and its result area, as whole ``dtype`` views."""
         bank = self._calls % 2
         self._calls += 1
+        return self._banks(dtype)[bank]
+
+    def _next_arrays(self, dtype: torch.dtype, count: int) -> list:
+        """The next bank's slots (one per member) as NumPy arrays of ``count`` ``dtype`` elements, made once per
+        dtype and count."""
+        bank = self._calls % 2
+        self._calls += 1
+        arrays = self._arrays.get((dtype, count))
+        if arrays is None:
+            if len(self._arrays) >= _ARRAYS_KEPT:
+                self._arrays.clear()
+            arrays = self._arrays[(dtype, count)] = [
+                [slot[:count].numpy() for slot in slots] for slots, _ in self._banks(dtype)]
+        return arrays[bank]
+
+    def _banks(self, dtype: torch.dtype) -> list:
+        """Both banks' slots (one per member) and result areas, as whole ``dtype`` views."""
         views = self._views.get(dtype)
         if views is None:
             per_slot = SLOT_BYTES // dtype.itemsize
@@ -324,7 +359,7 @@ class SharedMemoryBackend(RootedBackend):
                   for m in range(self.size)],
                  typed[(b * (self.size + 1) + self.size) * per_slot:(b + 1) * (self.size + 1) * per_slot])
                 for b in range(2)]
-        return views[bank]
+        return views
 
     def _share(self, count: int) -> tuple[int, int]:
         """The elements ``[low, high)`` of a ``count``-element piece that this member reduces."""
@@ -354,7 +389,21 @@ class SharedMemoryBackend(RootedBackend):
     def allreduce(self, tensor, op):
         if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.allreduce(tensor, op)
+        if op in _SUMS and _small(tensor):
+            return self._sum_small(tensor.detach().view(-1).numpy())
         self._reduce_whole(tensor, op, None)
+
+    def _sum_small(self, into) -> None:
+        """Sum the NumPy array ``into`` over every member, in place: copied into this member's slot, then every
+        slot added in member order (the same bits as ``_combine``'s, in a few NumPy calls rather than a dozen
+        torch calls on tiny tensors)."""
+        rows = self._next_arrays(_TORCH_DTYPE[into.dtype], into.size)
+        np.copyto(rows[self.rank], into)
+        self._wait()
+        with np.errstate(all="ignore"):  # an overflow to inf is the result, as in torch, not a warning
+            np.add(rows[0], rows[1], out=into)
+            for row in rows[2:]:
+                np.add(into, row, out=into)
 
     fused_dtypes = frozenset(dtype for dtype in ARITHMETIC_DTYPES if not widens(dtype))
 
@@ -457,6 +506,9 @@ class SharedMemoryBackend(RootedBackend):
     def allgather(self, output, tensor):
         if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.allgather(output, tensor)
+        if _small(tensor) and output.is_contiguous():
+            return self._gather_small(output.detach().numpy().reshape(self.size, -1),
+                                      tensor.detach().view(-1).numpy())
         rows = output.view(self.size, -1)
         self._gather(tensor, [rows[member] for member in range(self.size)])
 
@@ -481,6 +533,14 @@ class SharedMemoryBackend(RootedBackend):
             self._wait()
             if self.rank != root:
                 part.copy_(slot)
+
+    def _gather_small(self, rows, mine) -> None:
+        """Gather the NumPy array ``mine`` from every member into ``rows`` (one per member) through NumPy views."""
+        slots = self._next_arrays(_TORCH_DTYPE[mine.dtype], mine.size)
+        np.copyto(slots[self.rank], mine)
+        self._wait()
+        for row, slot in zip(rows, slots):
+            np.copyto(row, slot)
 
     def _gather(self, tensor, outputs: list | None) -> None:
         """Copy every member's ``tensor`` into ``outputs`` (one per member; None: this member takes none)."""
@@ -538,6 +598,7 @@ class SharedMemoryBackend(RootedBackend):
             peer.close()
         self._peers = {}
         self._views = {}
+        self._arrays = {}
         self._shaped.clear()
         if self.rank == 0 and self._path:
             try:  # still there when setup failed part way

@@ -3,7 +3,8 @@
 * ``keras_progress``: rank 0 runs Keras ``fit`` with its progress bar (verbose=1), 2 epochs of 5
   slowed-down steps, so that the bar is redrawn several times per epoch;
 * ``tqdm``: every rank draws a tqdm bar of 20 steps on stderr, redrawn at each step;
-* ``before_init``: an allreduce before ``hvd.init()`` (a user mistake).
+* ``before_init``: an allreduce before ``hvd.init()`` (a user mistake), once every rank has imported roundel
+  (each rank marks itself ready in the directory ``BEFORE_INIT_MEETING`` names, when set, and waits for the others).
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ elif SCENARIO == "before_init":
     def train_step():
         return hvd.allreduce(torch.ones(2))
 
+    meeting = os.environ.get("BEFORE_INIT_MEETING")
+    if meeting:  # every rank gets this far before any fails: the launcher stops the others at the first failure
+        open(os.path.join(meeting, f"ready.{os.environ['HOROVOD_RANK']}"), "w").close()
+        deadline = time.monotonic() + 60
+        while len(os.listdir(meeting)) < int(os.environ["HOROVOD_SIZE"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
     train_step()
 else:
     sys.exit(f"unknown scenario {SCENARIO!r}")

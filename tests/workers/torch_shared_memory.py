@@ -18,7 +18,8 @@ import torch
 
 import roundel.torch as hvd
 from roundel.common import basics
-from roundel.transport.shared_memory import DIRECT_BYTES, MANY_SMALL_BYTES, SLOT_BYTES
+from roundel.ops import ReduceOp
+from roundel.transport.shared_memory import DIRECT_BYTES, MANY_SMALL_BYTES, SLOT_BYTES, SMALL_BYTES
 from _checks import check, dtype_name, make, make_float, run_scenarios, to_np
 
 hvd.init()
@@ -31,6 +32,7 @@ OPS = {"Sum": (hvd.Sum, np.sum), "Min": (hvd.Min, np.min), "Max": (hvd.Max, np.m
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int16, torch.uint16, torch.int64, torch.uint8,
           torch.bool)  # bool goes to Gloo
 PIECES = 2 * SLOT_BYTES // 4 + 12345  # float32 elements: three pieces, the last one short
+SMALL_DTYPES = (torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64)
 DIRECT = DIRECT_BYTES // 2  # int16 elements of the largest reduction combined whole by every member
 
 
@@ -197,6 +199,64 @@ def scenario_reducescatter():
         check(result, reduced[start:start + counts[RANK]], tag, dtype)
 
 
+def _counted(backend, method: str) -> list:
+    """Count ``backend``'s calls of ``method`` (the dtype of each)."""
+    calls = []
+    unwrapped = getattr(backend, method)
+    setattr(backend, method, lambda *args: (calls.append(args[-1].dtype.name), unwrapped(*args))[1])
+    return calls
+
+
+def _member_order_sum(inputs: list) -> torch.Tensor:
+    total = inputs[0].clone()
+    for other in inputs[1:]:
+        total.add_(other)
+    return total
+
+
+def _small_inputs(tag: str, count: int, dtype: torch.dtype) -> list:
+    return [make_float(r, tag, (count,), dtype) if dtype.is_floating_point else make(r, tag, (count,), dtype, -100, 100)
+            for r in range(SIZE)]
+
+
+def scenario_small():
+    """Small Sum allreduces and allgathers of every dtype NumPy has, on the job's backend: through its NumPy views
+    (``_sum_small``, ``_gather_small``) up to SMALL_BYTES, and bitwise what torch gives adding the members'
+    tensors in member order, as above SMALL_BYTES. Then Sum and Average through roundel, four steps under one name
+    (replayed from the third): bitwise that sum (for Average, then scaled by 1 / SIZE)."""
+    backend = basics.runtime().process_sets[0][1]
+    sums, gathers = _counted(backend, "_sum_small"), _counted(backend, "_gather_small")
+    try:
+        for dtype in SMALL_DTYPES:
+            largest = SMALL_BYTES // dtype.itemsize
+            for count in (1, 1001, largest, largest + 1):
+                tag = f"shm.small.direct.{dtype_name(dtype)}.{count}"
+                inputs = _small_inputs(tag, count, dtype)
+                reduced = inputs[RANK].clone()
+                backend.allreduce(reduced, ReduceOp.Sum)
+                assert torch.equal(reduced, _member_order_sum(inputs)), tag
+                gathered = torch.empty(SIZE * count, dtype=dtype)
+                backend.allgather(gathered, inputs[RANK])
+                assert torch.equal(gathered, torch.cat(inputs)), f"{tag}.gathered"
+        names = [dtype_name(dtype) for dtype in SMALL_DTYPES]
+        assert sums == gathers == [name for name in names for _ in range(3)], (sums, gathers)
+    finally:
+        del backend._sum_small, backend._gather_small
+    for dtype, count, op in itertools.product(SMALL_DTYPES, (1, 1001), (hvd.Sum, hvd.Average)):
+        if op == hvd.Average and not dtype.is_floating_point:
+            continue
+        tag = f"shm.small.{dtype_name(dtype)}.{count}.{'avg' if op == hvd.Average else 'sum'}"
+        for step in range(4):
+            inputs = _small_inputs(f"{tag}.{step}", count, dtype)
+            expected = _member_order_sum(inputs)
+            if op == hvd.Average:
+                expected.mul_(1.0 / SIZE)
+            result = hvd.allreduce(inputs[RANK], name=tag, op=op)
+            assert torch.equal(result, expected), f"{tag} step {step}: {result} != {expected}"
+            gathered = hvd.allgather(inputs[RANK], name=f"{tag}.gathered")
+            assert torch.equal(gathered, torch.cat(inputs)), f"{tag}.gathered step {step}"
+
+
 def scenario_broadcast():
     for root in range(SIZE):
         tag = f"shm.bcast.{root}"
@@ -207,7 +267,7 @@ def scenario_broadcast():
 
 if __name__ == "__main__":
     run_scenarios({"allreduce": scenario_allreduce, "fused": scenario_fused, "many_small": scenario_many_small,
-                   "exact": scenario_exact,
+                   "exact": scenario_exact, "small": scenario_small,
                    "allgather": scenario_allgather, "broadcast": scenario_broadcast,
                    "reducescatter": scenario_reducescatter}, sys.argv, RANK)
     hvd.shutdown()
