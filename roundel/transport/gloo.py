@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from roundel.ops import ReduceOp
-from roundel.transport.backend import COMBINE, TORCH_REDUCE_OPS, RootedBackend, narrow_back, shut_down, widened
+from roundel.transport.backend import (COMBINE, TORCH_REDUCE_OPS, RootedBackend, flat_array, narrow_back, shut_down,
+                                      widened)
 from roundel.transport.peer_links import MOST_LINKED, PeerLinks
 
 log = logging.getLogger("roundel")
@@ -137,7 +138,7 @@ class _CopiesOnLinks:
         """Reduce the flat ``flat`` in place: send it to every peer, then combine every member's copy in rank
         order; or, by recursive doubling, add the partner's partial sum each round (the lower ranks' first, so
         that every member gets the same bits)."""
-        into = flat.detach().numpy()
+        into = flat_array(flat)
         np.copyto(self.mine, into)
         if self.rounds and op in _SUMS:
             mine = self.mine
@@ -233,7 +234,7 @@ class GlooBackend(RootedBackend):
     def _allreduce_on_links(self, links: PeerLinks, tensor, op) -> None:
         """Reduce a small contiguous ``tensor`` in place over ``links``: every member's copy, combined in rank
         order."""
-        flat = tensor.view(-1)
+        flat = tensor if tensor.dim() == 1 else tensor.view(-1)
         if flat.dtype == torch.bfloat16 or flat.is_conj() or flat.is_neg():  # no NumPy view
             rows = self._rows(flat)
             _serial_copy(rows[self.rank], flat)

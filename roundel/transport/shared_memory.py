@@ -58,8 +58,8 @@ import numpy as np
 import torch
 
 from roundel.ops import ReduceOp
-from roundel.transport.backend import (ARITHMETIC_DTYPES, COMBINE, RootedBackend, ShapedViews, narrow_back, scale,
-                                      widened, widens)
+from roundel.transport.backend import (ARITHMETIC_DTYPES, COMBINE, RootedBackend, ShapedViews, flat_array,
+                                      narrow_back, scale, widened, widens)
 from roundel.transport.host_barrier import HostBarrier
 
 log = logging.getLogger("roundel")
@@ -390,7 +390,7 @@ class SharedMemoryBackend(RootedBackend):
         if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.allreduce(tensor, op)
         if op in _SUMS and _small(tensor):
-            return self._sum_small(tensor.detach().view(-1).numpy())
+            return self._sum_small(flat_array(tensor))
         self._reduce_whole(tensor, op, None)
 
     def _sum_small(self, into) -> None:
@@ -507,8 +507,7 @@ class SharedMemoryBackend(RootedBackend):
         if tensor.dtype not in ARITHMETIC_DTYPES:
             return self.inner.allgather(output, tensor)
         if _small(tensor) and output.is_contiguous():
-            return self._gather_small(output.detach().numpy().reshape(self.size, -1),
-                                      tensor.detach().view(-1).numpy())
+            return self._gather_small(flat_array(output).reshape(self.size, -1), flat_array(tensor))
         rows = output.view(self.size, -1)
         self._gather(tensor, [rows[member] for member in range(self.size)])
 
