@@ -4,8 +4,9 @@ Run under roundelrun on one host. Prints ``BACKEND <class of the job's
 communicator>`` and, on ranks other than 0, ``CONTROL local`` when the rank
 reached the coordinator over its local socket; then checks collectives larger
 than one shared-memory slot (so they go in several pieces), of every dtype and
-of groups reduced without a fusion buffer, against NumPy references; ``CHECKS
-PASSED <scenario>`` after each scenario.
+of groups reduced without a fusion buffer, against NumPy references, and
+(``small``) sums and gathers small enough for the backend's NumPy path, bit for
+bit against torch's; ``CHECKS PASSED <scenario>`` after each scenario.
 """
 
 from __future__ import annotations
