@@ -37,6 +37,10 @@ TORCH_REDUCE_OPS: dict[ReduceOp, Any] = {
     ReduceOp.Product: dist.ReduceOp.PRODUCT,
 }
 
+#: The ops whose local reduction is a sum (Average is summed; the executor divides): the ones the transports'
+#: NumPy paths take.
+SUM_OPS = frozenset({ReduceOp.Sum, ReduceOp.Average})
+
 #: The local reduction for each op, applied to an accumulator with each next member's data in turn
 #: (Average is summed; the executor divides).
 COMBINE = {

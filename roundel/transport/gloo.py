@@ -23,9 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from roundel.ops import ReduceOp
-from roundel.transport.backend import (COMBINE, TORCH_REDUCE_OPS, RootedBackend, flat_array, narrow_back, shut_down,
-                                      widened)
+from roundel.transport.backend import (COMBINE, SUM_OPS, TORCH_REDUCE_OPS, RootedBackend, flat_array, narrow_back,
+                                      shut_down, widened)
 from roundel.transport.peer_links import MOST_LINKED, PeerLinks
 
 log = logging.getLogger("roundel")
@@ -66,7 +65,6 @@ _ON_LINKS = frozenset({"allreduce", "broadcast", "allgather"})
 # a microsecond a call where a torch call on a small tensor costs one to three (this path's torch calls took about
 # 30 us of a 4 B allreduce's 140-175 us of CPU on the calling thread). The same element-wise sum, in the same rank
 # order. Min, Max and Product stay with torch (NumPy's minimum and maximum choose between -0.0 and 0.0 otherwise).
-_SUMS = frozenset({ReduceOp.Sum, ReduceOp.Average})
 _KEPT_COPIES = 256  # the views kept for that many dtypes and sizes at most
 
 
@@ -140,7 +138,7 @@ class _CopiesOnLinks:
         that every member gets the same bits)."""
         into = flat_array(flat)
         np.copyto(self.mine, into)
-        if self.rounds and op in _SUMS:
+        if self.rounds and op in SUM_OPS:
             mine = self.mine
             with np.errstate(all="ignore"):
                 for send, receive, theirs, first in self.rounds:
@@ -152,7 +150,7 @@ class _CopiesOnLinks:
             np.copyto(into, mine)
             return
         links.exchange(self.sends, self.receives)
-        if op not in _SUMS:
+        if op not in SUM_OPS:
             _combine_rows(flat, self.rows, COMBINE[op])
             return
         arrays = self.arrays

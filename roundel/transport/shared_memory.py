@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from roundel.ops import ReduceOp
-from roundel.transport.backend import (ARITHMETIC_DTYPES, COMBINE, RootedBackend, ShapedViews, flat_array,
+from roundel.transport.backend import (ARITHMETIC_DTYPES, COMBINE, SUM_OPS, RootedBackend, ShapedViews, flat_array,
                                       narrow_back, scale, widened, widens)
 from roundel.transport.host_barrier import HostBarrier
 
@@ -77,8 +77,6 @@ _ARRAYS_KEPT = 256  # the NumPy views of small collectives kept for that many dt
 # the dtypes whose small collectives go through NumPy (not bfloat16, which has no NumPy dtype, nor the widened ones)
 _NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32,
                            torch.int64})
-_TORCH_DTYPE = {torch.empty(0, dtype=dtype).numpy().dtype: dtype for dtype in _NUMPY_DTYPES}
-_SUMS = frozenset({ReduceOp.Sum, ReduceOp.Average})
 _RANK = struct.Struct("!i")
 _OWN = ("allreduce", "allgather", "broadcast", "barrier", "reduce", "gather", "reducescatter")  # moved here
 
@@ -328,17 +326,20 @@ class SharedMemoryBackend(RootedBackend):
         assert self._barrier is not None  # set up before any collective
         self._barrier.wait()
 
-    def _bank(self, dtype: torch.dtype) -> tuple[list, torch.Tensor]:
-        """The next bank's slots (one per member) and its result area, as whole ``dtype`` views."""
+    def _next_bank(self) -> int:
+        """Which bank the next call uses: they alternate (see the module's docstring)."""
         bank = self._calls % 2
         self._calls += 1
-        return self._banks(dtype)[bank]
+        return bank
+
+    def _bank(self, dtype: torch.dtype) -> tuple[list, torch.Tensor]:
+        """The next bank's slots (one per member) and its result area, as whole ``dtype`` views."""
+        return self._banks(dtype)[self._next_bank()]
 
     def _next_arrays(self, dtype: torch.dtype, count: int) -> list:
         """The next bank's slots (one per member) as NumPy arrays of ``count`` ``dtype`` elements, made once per
         dtype and count."""
-        bank = self._calls % 2
-        self._calls += 1
+        bank = self._next_bank()
         arrays = self._arrays.get((dtype, count))
         if arrays is None:
             if len(self._arrays) >= _ARRAYS_KEPT:
@@ -386,8 +387,8 @@ class SharedMemoryBackend(RootedBackend):
         return self.name if op_label in _OWN else self.inner.carrier(op_label)
 
     def allreduce(self, tensor, op):
-        if op in _SUMS and _small(tensor):  # NumPy only: no torch.no_grad() (3 us a call) needed
-            return self._sum_small(flat_array(tensor))
+        if op in SUM_OPS and _small(tensor):  # NumPy only: no torch.no_grad() (3 us a call) needed
+            return self._sum_small(flat_array(tensor), tensor.dtype)
         self._allreduce_in_torch(tensor, op)
 
     @torch.no_grad()  # a transport moves data; autograd is the adapters' business
@@ -396,11 +397,11 @@ class SharedMemoryBackend(RootedBackend):
             return self.inner.allreduce(tensor, op)
         self._reduce_whole(tensor, op, None)
 
-    def _sum_small(self, into) -> None:
-        """Sum the NumPy array ``into`` over every member, in place: copied into this member's slot, then every
+    def _sum_small(self, into, dtype: torch.dtype) -> None:
+        """Sum the NumPy array ``into`` (of ``dtype``) over every member, in place: copied into this member's slot, then every
         slot added in member order (the same bits as ``_combine``'s, in a few NumPy calls rather than a dozen
         torch calls on tiny tensors)."""
-        rows = self._next_arrays(_TORCH_DTYPE[into.dtype], into.size)
+        rows = self._next_arrays(dtype, into.size)
         np.copyto(rows[self.rank], into)
         self._wait()
         with np.errstate(all="ignore"):  # an overflow to inf is the result, as in torch, not a warning
@@ -507,7 +508,7 @@ class SharedMemoryBackend(RootedBackend):
 
     def allgather(self, output, tensor):
         if _small(tensor) and output.is_contiguous():  # NumPy only, as allreduce's
-            return self._gather_small(flat_array(output).reshape(self.size, -1), flat_array(tensor))
+            return self._gather_small(flat_array(output).reshape(self.size, -1), flat_array(tensor), tensor.dtype)
         self._allgather_in_torch(output, tensor)
 
     @torch.no_grad()  # a transport moves data; autograd is the adapters' business
@@ -539,9 +540,10 @@ class SharedMemoryBackend(RootedBackend):
             if self.rank != root:
                 part.copy_(slot)
 
-    def _gather_small(self, rows, mine) -> None:
-        """Gather the NumPy array ``mine`` from every member into ``rows`` (one per member) through NumPy views."""
-        slots = self._next_arrays(_TORCH_DTYPE[mine.dtype], mine.size)
+    def _gather_small(self, rows, mine, dtype: torch.dtype) -> None:
+        """Gather the NumPy array ``mine`` (of ``dtype``) from every member into ``rows`` (one per member) through
+        NumPy views."""
+        slots = self._next_arrays(dtype, mine.size)
         np.copyto(slots[self.rank], mine)
         self._wait()
         for row, slot in zip(rows, slots):

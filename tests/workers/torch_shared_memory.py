@@ -201,10 +201,10 @@ def scenario_reducescatter():
 
 
 def _counted(backend, method: str) -> list:
-    """Count ``backend``'s calls of ``method`` (the dtype of each)."""
+    """Count ``backend``'s calls of ``method`` (the dtype each names last)."""
     calls = []
     unwrapped = getattr(backend, method)
-    setattr(backend, method, lambda *args: (calls.append(args[-1].dtype.name), unwrapped(*args))[1])
+    setattr(backend, method, lambda *args: (calls.append(dtype_name(args[-1])), unwrapped(*args))[1])
     return calls
 
 
