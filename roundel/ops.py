@@ -33,6 +33,8 @@ def resolve_op(op, average=None, default=ReduceOp.Average) -> ReduceOp:
         return ReduceOp.Average if average else ReduceOp.Sum
     if op is None:
         return default
+    if type(op) is ReduceOp:  # hvd.Sum and the like: skip the enum lookup, on every collective
+        return op
     try:
         return ReduceOp(int(op))
     except (ValueError, TypeError):

@@ -209,8 +209,8 @@ class Engine:
             handle = Handle(request.name, self._waits, (request.process_set_id, request.name, request.kind.label),
                             on_done=done)
             data = None
-            if (small_allreduce.eligible(request, self.settings.coordinator_reduce_bytes)
-                    and not self._replay.runs_small(request)):
+            if (not self._replay.runs_small(request)
+                    and small_allreduce.eligible(request, self.settings.coordinator_reduce_bytes)):
                 data = small_allreduce.snapshot(tensor)
             works.append(Work(request, tensor, output, handle, data, _ready_event(tensor, ready)))
         try:

@@ -63,7 +63,7 @@ import torch
 
 from roundel.common.engine import small_allreduce
 from roundel.common.engine.replay import ScheduleReplay, Slot
-from roundel.common.engine.slot_plans import ReducedPlan, RowsPlan, plan_slot, serial_copy, serial_scale
+from roundel.common.engine.slot_plans import ReducedPlan, RowsPlan, grad_off, plan_slot, serial_copy, serial_scale
 from roundel.common.engine.adasum import adasum_tree
 from roundel.common.control.records import Batch, OpKind, Request, TunedParams
 from roundel.errors import CollectiveDeadlockError, CollectiveMismatchError, RoundelInternalError
@@ -562,7 +562,7 @@ class Executor:
             self._run_batch(slot.batch, works)
             return _HANDED_ON
         cut = plan.cut
-        with torch.no_grad():
+        with grad_off():
             if works is not None:
                 if names is not None:
                     self._timeline.begin(names, OpKind.ALLREDUCE.label, "REPLAY_MEMCPY_IN")
@@ -583,7 +583,7 @@ class Executor:
 
     def _run_rows(self, slot: Slot, plan: RowsPlan, works: list | None, backend, names: list | None) -> object:
         """A broadcast or allgather slot in one allgather of rows, each a rank's agreement and then its data."""
-        with torch.no_grad():
+        with grad_off():
             if works is not None:
                 if names is not None:
                     self._timeline.begin(names, slot.kind.label, "QUEUE")
