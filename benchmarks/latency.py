@@ -15,7 +15,13 @@ roundel is faster), and roundel's own cost: the p50 of a call's time outside
 the calls roundel makes on its transport (its Python, thread hand-offs and,
 where the call is negotiated, the round trip to rank 0), the slowest rank's;
 a transfer roundel starts in Gloo's background (an allreduce of 1 MiB or more
-that Gloo's ring carries) counts as its own. ``ROUNDEL_SHARED_MEMORY=0`` keeps
+that Gloo's ring carries) counts as its own. The last column is the CPU time
+of the calling thread per call, roundel's and raw Gloo's: the median over a
+size's blocks of calls, on the busiest rank. Raw Gloo's calling thread hands
+the work to Gloo's threads and waits; roundel's does the work itself, so the
+column shows where a call's CPU goes more than which side is cheaper; it is
+the figure that moves when roundel's own Python gets cheaper, where latency
+on a busy 2-core machine often does not. ``ROUNDEL_SHARED_MEMORY=0`` keeps
 roundel off shared memory: on Gloo, and on its peer links. Across
 hosts, each host is a network namespace whose link ``tc`` limits to the
 given rate (tests/netns_util.py); one rank per host. ``--pin`` keeps each
@@ -128,18 +134,21 @@ def work(args: argparse.Namespace) -> int:
                 for _ in range(5):
                     step()
             times: dict[str, list[float]] = {label: [] for label in steps}
+            cpu: dict[str, list[float]] = {label: [] for label in steps}  # per block: the calling thread's CPU/call
             own: list[float] = []  # roundel's calls' time outside its transport
             block = 10
             for start in range(0, count, block):
                 order = list(steps) if (start // block) % 2 == 0 else list(steps)[::-1]
                 for label in order:
                     barrier()
+                    cpu_began = time.thread_time()
                     for _ in range(block):
                         began, inside = time.perf_counter(), in_transport[0]
                         steps[label]()
                         times[label].append(time.perf_counter() - began)
                         if label == "roundel":
                             own.append(times[label][-1] - (in_transport[0] - inside))
+                    cpu[label].append((time.thread_time() - cpu_began) / block)
             row = {"op": op, "bytes": nbytes}
             for label, seconds in (*times.items(), ("roundel_own", own)):
                 mine_t = torch.tensor(seconds, dtype=torch.float64)
@@ -147,6 +156,10 @@ def work(args: argparse.Namespace) -> int:
                 ordered = sorted(mine_t.tolist())
                 row[f"{label}_p50"] = statistics.median(ordered)
                 row[f"{label}_p99"] = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+            for label, per_block in cpu.items():
+                busiest = torch.tensor([statistics.median(per_block)], dtype=torch.float64)
+                raw_group.allreduce([busiest], maximum).wait()  # the busiest rank's median block
+                row[f"{label}_cpu"] = busiest.item()
             rows.append(row)
     if rank == 0:
         print(RESULT + json.dumps(rows), flush=True)
@@ -196,12 +209,13 @@ def report(label: str, rows: list[dict]) -> None:
     print(f"\n**{label}** (seconds are the slowest rank's per call; ratio = raw p50 / roundel p50, > 1: "
           "roundel faster)\n")
     print("| collective | size | roundel p50 | roundel p99 | raw Gloo p50 | raw Gloo p99 | ratio p50 | "
-          "roundel's own p50 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "roundel's own p50 | CPU per call, roundel / raw |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['op']} | {_human(row['bytes'])} | {row['roundel_p50'] * 1e3:.3f} ms | "
               f"{row['roundel_p99'] * 1e3:.3f} ms | {row['raw_p50'] * 1e3:.3f} ms | {row['raw_p99'] * 1e3:.3f} ms | "
-              f"{row['raw_p50'] / row['roundel_p50']:.2f} | {row['roundel_own_p50'] * 1e3:.3f} ms |")
+              f"{row['raw_p50'] / row['roundel_p50']:.2f} | {row['roundel_own_p50'] * 1e3:.3f} ms | "
+              f"{row['roundel_cpu'] * 1e6:.0f} / {row['raw_cpu'] * 1e6:.0f} µs |")
 
 
 def plot(path: Path, results: dict[str, list[dict]]) -> Path:

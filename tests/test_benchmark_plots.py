@@ -126,9 +126,11 @@ def test_latency_benchmark_times_each_collective_against_raw_gloo_and_roundels_o
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
             if line.startswith(("| allreduce |", "| broadcast |", "| allgather |"))]
     assert len(rows) == 2 * 3 * 6, describe(result)  # shared memory on and off, 3 collectives, 6 sizes
-    for op, size, p50, _, raw, _, ratio, own in rows:
+    for op, size, p50, _, raw, _, ratio, own, cpu in rows:
         ms = [float(cell.split()[0]) for cell in (p50, raw, own)]
         assert ms[0] > 0 and ms[1] > 0 and 0 <= ms[2] <= ms[0] + 0.001, (op, size, p50, raw, own)
+        mine_us, raw_us = (float(part) for part in cpu.removesuffix(" µs").split(" / "))
+        assert 0 < mine_us <= ms[0] * 1e3 * 3 and 0 <= raw_us, (op, size, p50, cpu)  # a thread's CPU within its time
 
 
 def test_elastic_reset_benchmark_times_a_reset_after_a_kill(tmp_path):

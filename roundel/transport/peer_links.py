@@ -203,9 +203,13 @@ class PeerLinks:
         deadline = None
         while sending or receiving:
             sent = self._move(sending, receive=False)
-            moved = self._move(receiving, receive=True) or sent
-            if moved:
+            received = self._move(receiving, receive=True)
+            if sent or received:
                 deadline = None  # silence is timed from the last byte moved
+            # after bytes came in, more may have; otherwise wait in poll(), which returns at once for a link that
+            # can take more or has bytes, rather than trying every link again first (with a few ranks on each
+            # core, the receive tried again at once is one that finds nothing: a system call and an exception)
+            if received or not (sending or receiving):
                 continue
             if deadline is None:
                 deadline = time.monotonic() + self._timeout_s
