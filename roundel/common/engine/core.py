@@ -222,6 +222,8 @@ class Engine:
             for key in keys:
                 self._name_done(key)
             raise
+        if caller_waits:  # run a slot these complete now: the wait that follows then finds the handles done
+            self._about_to_wait()
         return [work.handle for work in works]
 
     def _name_done(self, key: tuple, error: BaseException | None = None) -> None:
