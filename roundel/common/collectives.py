@@ -61,7 +61,7 @@ class waited:
     """Around starting a collective that the calling thread waits for right after (a blocking call): the
     thread then runs a replayed batch it completes itself, instead of handing it to roundel's executor.
 
-    A class rather than a generator: a blocking call enters it every time, and this costs a third as much."""
+    A class rather than a generator: a blocking call enters it every time, and this costs half as much."""
 
     __slots__ = ()
 
