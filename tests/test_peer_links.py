@@ -290,6 +290,39 @@ def test_which_allreduces_take_the_links_and_turning_them_off():
             backend.close()
 
 
+_GATHERED_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                    torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_gloo_backend_allgathers_every_dtype_on_the_links_through_numpy_where_it_can(size):
+    """Every dtype gathers bit for bit; those NumPy views (not bfloat16, nor a conjugate view) skip the links'
+    torch entry (``PeerLinks.allgather``) for their NumPy one, and a non-contiguous input takes the torch one."""
+    with _gloo_backends(size) as backends:
+        torch_entries: list = []
+        for backend in backends:
+            links = backend._links
+            links.allgather = lambda rows, real=links.allgather: torch_entries.append(rows.dtype) or real(rows)
+
+        def gather(inputs: list) -> list:
+            return _together(size, lambda r: backends[r].allgather(
+                out := torch.empty((size * inputs[r].shape[0],) + inputs[r].shape[1:], dtype=inputs[r].dtype),
+                inputs[r]) or out)
+
+        for dtype in _GATHERED_DTYPES:
+            inputs = [(torch.arange(-5, 6) * (r + 1)).to(dtype) for r in range(size)]
+            for out in gather(inputs):
+                assert torch.equal(out, torch.cat(inputs)), dtype
+        assert torch_entries == [torch.bfloat16] * size, torch_entries
+        torch_entries.clear()
+        conjugates = [torch.complex(torch.arange(3.0), torch.full((3,), float(r))).conj() for r in range(size)]
+        transposed = [torch.arange(6.0).view(2, 3).t() + r for r in range(size)]
+        for inputs in (conjugates, transposed):
+            for out in gather(inputs):
+                assert torch.equal(out, torch.cat([t.resolve_conj() for t in inputs])), inputs[0]
+        assert len(torch_entries) == 2 * size, torch_entries
+
+
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_gloo_backend_broadcasts_and_allgathers_on_the_links(size):
     """From every root, in a dtype Gloo widens (int16) and one it keeps; a tensor too large for 3 members' links

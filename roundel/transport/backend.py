@@ -116,6 +116,18 @@ def narrow_back(original, sent) -> None:
         original.copy_(sent)
 
 
+# dtypes whose CPU tensors NumPy can view (``numpy()``); bfloat16, complex32 and the 8-bit floats it cannot
+_NUMPY_VIEWED = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                           torch.float32, torch.float64, torch.complex64, torch.complex128})
+
+
+def has_flat_array(tensor) -> bool:
+    """Whether ``flat_array(tensor)`` views ``tensor``: contiguous, of a dtype NumPy has, and neither a conjugate
+    nor a negative view."""
+    return (tensor.dtype in _NUMPY_VIEWED and tensor.is_contiguous()
+            and not (tensor.is_conj() or tensor.is_neg()))
+
+
 def flat_array(tensor):
     """A contiguous CPU ``tensor``'s elements as a flat NumPy array sharing its memory, through ``numpy()`` alone
     where it can (a torch view or detach costs microseconds a call; a NumPy reshape, a fraction of one)."""

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from roundel.transport.backend import (COMBINE, SUM_OPS, TORCH_REDUCE_OPS, RootedBackend, flat_array, narrow_back,
-                                      shut_down, widened)
+from roundel.transport.backend import (COMBINE, SUM_OPS, TORCH_REDUCE_OPS, RootedBackend, flat_array, has_flat_array,
+                                      narrow_back, shut_down, widened)
 from roundel.transport.peer_links import MOST_LINKED, PeerLinks
 
 log = logging.getLogger("roundel")
@@ -306,6 +306,10 @@ class GlooBackend(RootedBackend):
         links = self._links_for(sent_in.numel() * sent_in.element_size())
         if links is None:
             self._pg._allgather_base(work, sent_in.contiguous()).wait()
+        elif sent_in.numel() and has_flat_array(work) and has_flat_array(sent_in):  # NumPy: no torch views
+            table = flat_array(work).view(np.uint8).reshape(self.size, -1)
+            np.copyto(table[self.rank], flat_array(sent_in).view(np.uint8))
+            links.allgather_bytes(table)
         elif sent_in.numel():  # nothing to move otherwise
             rows = work.view(self.size, -1)
             _serial_copy(rows[self.rank], sent_in.reshape(-1))

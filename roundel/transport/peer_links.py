@@ -37,6 +37,7 @@ import socket
 import struct
 import time
 
+import numpy as np
 import torch
 
 MOST_LINKED = 64  # larger communicators make no links (each member would hold a connection to every other)
@@ -177,11 +178,15 @@ class PeerLinks:
 
     # ------------------------------------------------------------------ collectives
     def allgather(self, rows: torch.Tensor) -> None:
-        """Fill each row of the contiguous CPU tensor ``rows`` (one per member, in rank order) with that member's:
-        send this member's row on every link, receive each peer's into its row. Among a power of two members from
-        4 up, by recursive doubling instead: each round, the rows gathered so far go to one partner, whose own
-        come back (log2(n) messages a member, not n - 1; the same bytes)."""
-        raw = rows.view(torch.uint8).numpy()
+        """Fill each row of the contiguous CPU tensor ``rows`` (one per member, in rank order) with that member's
+        (see ``allgather_bytes``)."""
+        self.allgather_bytes(rows.view(torch.uint8).numpy())
+
+    def allgather_bytes(self, raw: np.ndarray) -> None:
+        """Fill each row of the contiguous 2-D uint8 array ``raw`` (one per member, in rank order) with that
+        member's: send this member's row on every link, receive each peer's into its row. Among a power of two
+        members from 4 up, by recursive doubling instead: each round, the rows gathered so far go to one partner,
+        whose own come back (log2(n) messages a member, not n - 1; the same bytes)."""
         if self.partners:
             for round_, peer in enumerate(self.partners):
                 width = 1 << round_

@@ -588,7 +588,7 @@ class Executor:
                 if names is not None:
                     self._timeline.begin(names, slot.kind.label, "QUEUE")
                 if plan.sends_data:
-                    serial_copy(plan.inputs, [w.tensor for w in works])
+                    serial_copy(plan.inputs, [w.tensor for w in works], plan.cut)
             plan.fill_agreement(works is None, self._slot_wait_ms)
             if names is not None:
                 self._timeline.activity(names, transport_activity(backend.carrier("allgather"), "allgather"))
