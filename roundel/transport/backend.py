@@ -117,8 +117,9 @@ def narrow_back(original, sent) -> None:
 
 
 # dtypes whose CPU tensors NumPy can view (``numpy()``); bfloat16, complex32 and the 8-bit floats it cannot
-_NUMPY_VIEWED = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-                           torch.float32, torch.float64, torch.complex64, torch.complex128})
+_NUMPY_VIEWED = frozenset({torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16,
+                           torch.int32, torch.int64, torch.float16, torch.float32, torch.float64, torch.complex64,
+                           torch.complex128})
 
 
 def has_flat_array(tensor) -> bool:

@@ -233,7 +233,7 @@ class GlooBackend(RootedBackend):
         """Reduce a small contiguous ``tensor`` in place over ``links``: every member's copy, combined in rank
         order."""
         flat = tensor if tensor.dim() == 1 else tensor.view(-1)
-        if flat.dtype == torch.bfloat16 or flat.is_conj() or flat.is_neg():  # no NumPy view
+        if not has_flat_array(flat):  # bfloat16, a conjugate or negative view: no NumPy view
             rows = self._rows(flat)
             _serial_copy(rows[self.rank], flat)
             links.allgather(rows)

@@ -59,7 +59,7 @@ import torch
 
 from roundel.ops import ReduceOp
 from roundel.transport.backend import (ARITHMETIC_DTYPES, COMBINE, SUM_OPS, RootedBackend, ShapedViews, flat_array,
-                                      narrow_back, scale, widened, widens)
+                                      has_flat_array, narrow_back, scale, widened, widens)
 from roundel.transport.host_barrier import HostBarrier
 
 log = logging.getLogger("roundel")
@@ -99,7 +99,7 @@ def _small(tensor: torch.Tensor) -> bool:
     Either way it takes one bank and one wait, with the same data at the start of every member's slot, so members
     may differ in the way they take."""
     return (tensor.dtype in _NUMPY_DTYPES and 0 < tensor.numel() * tensor.element_size() <= SMALL_BYTES
-            and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()))
+            and has_flat_array(tensor))
 
 
 def _combine(out, rows: list, op) -> None:
@@ -398,9 +398,9 @@ class SharedMemoryBackend(RootedBackend):
         self._reduce_whole(tensor, op, None)
 
     def _sum_small(self, into, dtype: torch.dtype) -> None:
-        """Sum the NumPy array ``into`` (of ``dtype``) over every member, in place: copied into this member's slot, then every
-        slot added in member order (the same bits as ``_combine``'s, in a few NumPy calls rather than a dozen
-        torch calls on tiny tensors)."""
+        """Sum the NumPy array ``into`` (of ``dtype``) over every member, in place: copied into this member's slot,
+        then every slot added in member order (the same bits as ``_combine``'s, in a few NumPy calls rather than a
+        dozen torch calls on tiny tensors)."""
         rows = self._next_arrays(dtype, into.size)
         np.copyto(rows[self.rank], into)
         self._wait()
