@@ -31,7 +31,7 @@ def test_steady_schedule_is_replayed(np, shared_memory):
 
 
 def test_leaving_the_schedule_gives_the_usual_results_and_errors():
-    scenarios = ("shape_changes_back", "mismatch", "other_order", "fewer_names", "polled", "join")
+    scenarios = ("shape_changes_back", "mismatch", "other_order", "fewer_names", "polled", "join", "alone")
     result = run_job(3, WORKER, ",".join(scenarios), env={"ROUNDEL_SHARED_MEMORY": "0"}, timeout=150)
     assert_checks_passed(result, 3, *scenarios)
     for rank in range(3):
@@ -53,9 +53,10 @@ def test_a_rank_late_by_more_than_the_transport_timeout_times_nothing_out():
     assert _measured(result, 0) >= 4.0, "rank 0 did not wait for rank 1\n" + describe(result)
 
 
-def test_a_rank_that_dies_in_the_steady_state_fails_the_others_promptly():
+@pytest.mark.parametrize("scenario", ["rank_dies", "alone_rank_dies"])
+def test_a_rank_that_dies_in_the_steady_state_fails_the_others_promptly(scenario):
     env = {"ROUNDEL_SHARED_MEMORY": "0", "ROUNDEL_HEARTBEAT_TIMEOUT_SECONDS": "3"}
-    result = run_job(2, WORKER, "rank_dies", env=env)
+    result = run_job(2, WORKER, scenario, env=env)
     assert result.returncode != 0, describe(result)
     errors = [line for line in rank_lines(result.stdout, 0, "stdout") if line.startswith("ERROR ")]
     assert errors and "rank 1" in errors[0], describe(result)

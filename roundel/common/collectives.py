@@ -26,9 +26,10 @@ from roundel.common.process_sets import global_process_set
 from roundel.common.control.records import OpKind, Request
 from roundel.ops import ReduceOp
 
-__all__ = ["Pending", "blocking", "waited", "allgather_async", "allreduce_async", "alltoall_async", "barrier",
-           "broadcast_async", "grouped_allgather_async", "grouped_allreduce_async", "grouped_reducescatter_async",
-           "join", "poll", "note_gradient_buckets", "reducescatter_async", "set_id", "synchronize", "tuned_settings"]
+__all__ = ["Pending", "blocking", "waited", "allgather_async", "allreduce_async", "allreduce_blocking",
+           "alltoall_async", "barrier", "broadcast_async", "grouped_allgather_async", "grouped_allreduce_async",
+           "grouped_reducescatter_async", "join", "poll", "note_gradient_buckets", "reducescatter_async", "set_id",
+           "synchronize", "tuned_settings"]
 
 
 class Pending:
@@ -247,6 +248,18 @@ def allreduce_async(buffer, name=None, op=ReduceOp.Average, prescale_factor=1.0,
     """Start reducing ``buffer`` across the set, into a new buffer or (``in_place``) into itself."""
     part, finish = _allreduce_part(buffer, in_place, name, op, prescale_factor, postscale_factor, process_set)
     return _register(Pending(_start("allreduce", [part]), finish))
+
+
+def allreduce_blocking(buffer, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set, in_place: bool = False):
+    """``allreduce_async`` and its wait, as one blocking call. When the collective alone is the replayed slot this
+    rank stands at (the same blocking call in a steady loop), it runs at once on the calling thread, without a
+    handle to register and wait for (see ``Engine.run_alone``)."""
+    part, finish = _allreduce_part(buffer, in_place, name, op, prescale_factor, postscale_factor, process_set)
+    handle = basics.runtime("allreduce").engine.run_alone(*part)
+    if handle is None:
+        return blocking(lambda: _register(Pending(_start("allreduce", [part]), finish)))
+    return finish([handle.wait()])
 
 
 def grouped_allreduce_async(buffers, name=None, op=ReduceOp.Average, prescale_factor=1.0,

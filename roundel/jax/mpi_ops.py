@@ -121,8 +121,7 @@ def _allreduce_host(name, op, pre, post, process_set):
     def host(arrays):
         buffers = [host_calls.to_buffer(a) for a in arrays]
         if len(buffers) == 1:
-            results = [collectives.blocking(lambda: collectives.allreduce_async(buffers[0], name, op, pre, post,
-                                                                                process_set))]
+            results = [collectives.allreduce_blocking(buffers[0], name, op, pre, post, process_set)]
         else:
             results = collectives.blocking(lambda: collectives.grouped_allreduce_async(buffers, name, op, pre, post,
                                                                                        process_set))

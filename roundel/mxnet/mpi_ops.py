@@ -95,8 +95,8 @@ def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, 
               process_set=global_process_set, op=None) -> mx.nd.NDArray:
     """Reduce ``tensor`` across the set (Average by default) into a new NDArray; ``tensor`` is unchanged."""
     source = _to_buffer(tensor, "allreduce")
-    return _new_ndarray(collectives.blocking(lambda: collectives.allreduce_async(
-        source, name, _reduce_op(op, average), prescale_factor, postscale_factor, process_set, in_place=True)), tensor)
+    return _new_ndarray(collectives.allreduce_blocking(source, name, _reduce_op(op, average), prescale_factor,
+                                                       postscale_factor, process_set, in_place=True), tensor)
 
 
 def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,

@@ -70,17 +70,15 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     if _in_graph([compressed]):
         reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     else:
-        reduced = collectives.blocking(lambda: allreduce_async(compressed, None, name, op, prescale_factor,
-                                                               postscale_factor, process_set))
+        reduced = collectives.allreduce_blocking(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, ctx)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
     """Reduce ``tensor`` in place across the set and return it."""
-    with collectives.waited():
-        handle = allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
-    return synchronize(handle)
+    return collectives.allreduce_blocking(tensor, name, resolve_op(op, average), prescale_factor, postscale_factor,
+                                          process_set, in_place=True)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,

@@ -305,6 +305,85 @@ def scenario_caller_runs() -> None:
         f"rank {RANK}: {ran} slots ran, {on_caller} of {len(threads)} transport calls on the calling thread"
 
 
+def _alone_runs() -> list:
+    """Record, per blocking call that the engine offered to run at once, whether the executor did (True) or said
+    it was not the pending slot alone (False)."""
+    executor = basics.runtime().engine.executor
+    outcomes: list = []
+
+    def recorded(work, _call=executor.run_alone):
+        outcomes.append(_call(work))
+        return outcomes[-1]
+
+    executor.run_alone = recorded
+    return outcomes
+
+
+def _alone_loop(first: int, steps: int) -> None:
+    """Blocking allreduces of one tensor each, as a loop that averages a metric does: in place, then not."""
+    for step in range(first, first + steps):
+        out = hvd.allreduce_(_mine(step, (40, 30)), name="alone", op=hvd.Sum)
+        assert torch.equal(out, _expected(step, "alone", (40, 30))), (step, out)
+        metric = hvd.allreduce(torch.full((3,), float(RANK + step)), name="alone.metric")
+        assert torch.equal(metric, torch.full((3,), step + (SIZE - 1) / 2)), (step, metric)
+
+
+def scenario_alone() -> None:
+    """A blocking allreduce that alone is the replayed slot runs straight from the call (no queue, no registered
+    handle); the results are exact; one rank's other shape is a mismatch on every rank, and the ranks blocking in
+    opposite orders a deadlock every rank is told of, as without replay; the loop goes on after each."""
+    outcomes = _alone_runs()
+    _alone_loop(0, 12)
+    assert sum(outcomes) >= 16, f"rank {RANK}: {sum(outcomes)} of 24 blocking calls ran at once"
+    shape = (3, 6) if RANK == 1 else (40, 30)
+    offered = len(outcomes)
+    start = time.monotonic()
+    try:
+        hvd.allreduce_(torch.ones(shape), name="alone", op=hvd.Sum)
+    except CollectiveMismatchError as exc:
+        assert "alone" in str(exc), exc
+    else:
+        raise AssertionError(f"rank {RANK}: no mismatch error")
+    # rank 1's call was not the slot; the others ran the slot at once, learned there that rank 1 gave it up, and
+    # sent theirs to rank 0
+    assert outcomes[offered:] == [RANK != 1], (RANK, outcomes[offered:])
+    hvd.allreduce(torch.zeros(3), name="alone.metric")  # where the loop was
+    _alone_loop(12, 8)
+    first, second = ("alone", "alone.metric") if RANK == 0 else ("alone.metric", "alone")
+    offered = len(outcomes)
+    try:
+        hvd.allreduce(torch.ones(40, 30), name=first, op=hvd.Sum)
+        hvd.allreduce(torch.ones(40, 30), name=second, op=hvd.Sum)
+    except CollectiveDeadlockError as exc:
+        assert first in str(exc), exc
+    else:
+        raise AssertionError(f"rank {RANK}: no deadlock error")
+    assert outcomes[offered:offered + 1] == [RANK == 0], (RANK, outcomes[offered:])  # rank 0 stood in the slot
+    print(f"MEASURED {time.monotonic() - start:.3f}", flush=True)
+    before = sum(outcomes)
+    _alone_loop(20, 12)
+    assert sum(outcomes) - before >= 16, f"rank {RANK}: {sum(outcomes) - before} of 24 calls ran at once after"
+
+
+def scenario_alone_rank_dies() -> None:
+    """Rank 1 dies while the others loop on blocking replayed allreduces that run straight from the call: theirs
+    fails, promptly."""
+    outcomes = _alone_runs()
+    _alone_loop(0, 12)
+    assert sum(outcomes) >= 16, f"rank {RANK}: {sum(outcomes)} of 24 blocking calls ran at once"
+    if RANK == 1:
+        time.sleep(0.3)
+        os._exit(17)
+    start = time.monotonic()
+    try:
+        _alone_loop(12, 1000)
+    except hvd.HorovodInternalError as exc:
+        print(f"ERROR {exc}", flush=True)
+        print(f"MEASURED {time.monotonic() - start:.3f}", flush=True)
+        sys.exit(3)
+    raise AssertionError("the job went on without rank 1")
+
+
 def scenario_off() -> None:
     """With ROUNDEL_STEADY_REPLAY=0 nothing is replayed."""
     train(12)
@@ -321,6 +400,8 @@ SCENARIOS = {
     "join": scenario_join,
     "late_rank": scenario_late_rank,
     "rank_dies": scenario_rank_dies,
+    "alone": scenario_alone,
+    "alone_rank_dies": scenario_alone_rank_dies,
     "last_metric": scenario_last_metric,
     "off": scenario_off,
     "other_kinds": scenario_other_kinds,

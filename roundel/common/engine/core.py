@@ -202,12 +202,7 @@ class Engine:
         works = []
         ready: dict = {}  # device -> the event after what this thread's stream there has queued so far
         for (request, tensor, output), key in zip(parts, keys):
-            if self._counted:
-                done = functools.partial(self._counted_done, key, request, time.monotonic())
-            else:
-                done = functools.partial(self._name_done, key)
-            handle = Handle(request.name, self._waits, (request.process_set_id, request.name, request.kind.label),
-                            on_done=done)
+            handle = self._handle(request, key)
             data = None
             if (not self._replay.runs_small(request)
                     and small_allreduce.eligible(request, self.settings.coordinator_reduce_bytes)):
@@ -225,6 +220,40 @@ class Engine:
         if caller_waits:  # run a slot these complete now: the wait that follows then finds the handles done
             self._about_to_wait()
         return [work.handle for work in works]
+
+    def run_alone(self, request: Request, tensor, output) -> Handle | None:
+        """Run one collective that the calling thread waits for at once, on that thread, when it alone is the
+        replayed slot pending (a blocking call in a steady loop), without ``submit_group``'s queuing: returns its
+        handle (done, unless some rank gave the slot up and it went to the coordinator), or None when it is not that
+        slot (then submit it). Raises when the job's communication has failed."""
+        if not self._replay.armed:
+            return None
+        key = (request.process_set_id, request.name)
+        with self._lock:
+            if key in self._names_in_flight:  # submit_group says what is wrong
+                return None
+            self._names_in_flight.add(key)
+        handle = self._handle(request, key)
+        try:
+            self._check_open()
+            ran = self.executor.run_alone(Work(request, tensor, output, handle))
+        except BaseException:
+            self._name_done(key)
+            raise
+        if not ran:
+            self._name_done(key)
+            return None
+        return handle
+
+    def _handle(self, request: Request, key: tuple) -> Handle:
+        """A new collective's handle: it takes the name out of flight when it completes (and, on rank 0 with
+        metrics on, counts the collective)."""
+        if self._counted:
+            done = functools.partial(self._counted_done, key, request, time.monotonic())
+        else:
+            done = functools.partial(self._name_done, key)
+        return Handle(request.name, self._waits, (request.process_set_id, request.name, request.kind.label),
+                      on_done=done)
 
     def _name_done(self, key: tuple, error: BaseException | None = None) -> None:
         with self._lock:

@@ -509,9 +509,28 @@ class Executor:
         """Run the pending slot: with this rank's tensors when it brings them all, else to give it up
         (``force_give_up``: a batch from the coordinator came first). Every rank learns alike whether it ran."""
         taken = self._replay.begin(force_give_up)
-        if taken is None:
-            return
-        slot, works = taken
+        if taken is not None:
+            self._run_taken(*taken)
+
+    def run_alone(self, work: Work) -> bool:
+        """Run the pending slot on the calling thread when ``work`` (a collective that thread waits for, not held
+        by the schedule) is all of it and the executor's thread is between items: ``work``'s handle then completes
+        here, or, if some rank gives the slot up, once the coordinator has run it. False, with nothing done, when
+        it is not so."""
+        if not self._turn.acquire(blocking=False):
+            return False
+        try:
+            slot = None if self._stopped else self._replay.begin_alone(work.request)
+            if slot is None:
+                return False
+            self._run_taken(slot, [work])
+            return True
+        finally:
+            self._turn.release()
+
+    def _run_taken(self, slot: Slot, works: list | None) -> None:
+        """Run ``slot``, taken to run, with this rank's ``works`` (None: to give it up); then move the schedule on,
+        alike on every rank."""
         with self._count_lock:
             self._outstanding += 1
             if works is not None:

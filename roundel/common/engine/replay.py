@@ -290,6 +290,16 @@ class ScheduleReplay:
                 return slot, None
             return slot, [self._held.pop(name) for name in slot.names]
 
+    def begin_alone(self, request: Request) -> Slot | None:
+        """Take the pending slot to run when ``request`` (of a collective whose thread waits for it, not held) is
+        all of it, as last time, and the slot is not given up; else None, and nothing changes."""
+        with self._lock:
+            slot = self._slot
+            if slot is None or self._running == slot.serial or self._give_up or slot.requests != (request,):
+                return None
+            self._running = slot.serial
+            return slot
+
     def ready_now(self) -> int | None:
         """The serial of the pending slot if it is ready to run, else None (a hint, read without the lock)."""
         slot = self._slot
