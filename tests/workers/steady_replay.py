@@ -92,17 +92,23 @@ def scenario_steady() -> None:
             r + 1 for r in range(SIZE)))))
 
 
+def _mismatched(reduce, name: str, usual_shape) -> None:
+    """Rank 1 sums ``name`` (with ``reduce``) in another shape than the others' ``usual_shape``: every rank gets the
+    mismatch error."""
+    shape = (3, 6) if RANK == 1 else usual_shape
+    try:
+        reduce(torch.ones(shape), name=name, op=hvd.Sum)
+    except CollectiveMismatchError as exc:
+        assert name in str(exc), exc
+    else:
+        raise AssertionError(f"rank {RANK}: no mismatch error")
+
+
 def scenario_mismatch() -> None:
     """One rank changes a replayed name's shape: every rank gets the mismatch error, and training goes on."""
     step = steady()
-    shape = (3, 6) if RANK == 1 else SHAPES["step.a"]
     start = time.monotonic()
-    try:
-        hvd.allreduce(torch.ones(shape), name="step.a", op=hvd.Sum)
-    except CollectiveMismatchError as exc:
-        assert "step.a" in str(exc), exc
-    else:
-        raise AssertionError(f"rank {RANK}: no mismatch error")
+    _mismatched(hvd.allreduce, "step.a", SHAPES["step.a"])
     print(f"MEASURED {time.monotonic() - start:.3f}", flush=True)
     train(6, step)
 
@@ -335,15 +341,9 @@ def scenario_alone() -> None:
     outcomes = _alone_runs()
     _alone_loop(0, 12)
     assert sum(outcomes) >= 16, f"rank {RANK}: {sum(outcomes)} of 24 blocking calls ran at once"
-    shape = (3, 6) if RANK == 1 else (40, 30)
     offered = len(outcomes)
     start = time.monotonic()
-    try:
-        hvd.allreduce_(torch.ones(shape), name="alone", op=hvd.Sum)
-    except CollectiveMismatchError as exc:
-        assert "alone" in str(exc), exc
-    else:
-        raise AssertionError(f"rank {RANK}: no mismatch error")
+    _mismatched(hvd.allreduce_, "alone", (40, 30))
     # rank 1's call was not the slot; the others ran the slot at once, learned there that rank 1 gave it up, and
     # sent theirs to rank 0
     assert outcomes[offered:] == [RANK != 1], (RANK, outcomes[offered:])
