@@ -226,7 +226,7 @@ class Engine:
         replayed slot pending (a blocking call in a steady loop), without ``submit_group``'s queuing: returns its
         handle (done, unless some rank gave the slot up and it went to the coordinator), or None when it is not that
         slot (then submit it). Raises when the job's communication has failed."""
-        if not self._replay.armed:
+        if self._replay.pending_names != (request.name,):  # a hint: no work made for a call that is not the slot
             return None
         key = (request.process_set_id, request.name)
         with self._lock:
